@@ -1,0 +1,48 @@
+# kvquota — run `make help` for the targets.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help venv run test test-unit test-integration lint format proto bench clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) is required"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP) ## Create .venv and install the project with its dev tools
+
+run: $(STAMP) ## Serve gRPC on 127.0.0.1:50051 (embedded PostgreSQL unless KVQUOTA_DATABASE_URL is set) with demo data
+	$(BIN)/kvquota serve --migrate --demo
+
+test: $(STAMP) ## Unit and integration tests against a real PostgreSQL
+	$(BIN)/python -m pytest -q
+
+test-unit: $(STAMP) ## Unit tests only (no database)
+	$(BIN)/python -m pytest -q tests/unit
+
+lint: $(STAMP) ## ruff (lint and format check) and mypy --strict
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(STAMP) ## Apply ruff's fixes and formatting
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+proto: $(STAMP) ## Regenerate kvquota/v1 from proto/kvquota/v1
+	$(BIN)/python scripts/protogen.py
+
+bench: $(STAMP) ## First reading of Admit latency and throughput against a running test database
+	$(BIN)/python -m quota_service.bench
+
+clean: ## Remove the virtual environment and the embedded database
+	rm -rf $(VENV) .kvquota

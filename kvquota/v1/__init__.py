@@ -1,0 +1,1 @@
+"""Generated from proto/kvquota; run `make proto` to regenerate."""

@@ -1,0 +1,1 @@
+"""kvquota: a multi-tenant KV-cache quota service for fleets of vLLM engines."""

@@ -1,0 +1,1 @@
+"""gRPC servicers, the error model on the wire, health and reflection."""

@@ -1,0 +1,121 @@
+"""The error model on the wire: one interceptor turns domain errors into `google.rpc.Status`
+with ErrorInfo and the details that fit (BadRequest, QuotaFailure, RetryInfo), so servicers hold
+no try/except ladders. Anything unexpected becomes INTERNAL without leaking its text."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+
+from quota_service.core.errors import Code, KvQuotaError
+from quota_service.store.database import unavailable_error
+
+log = logging.getLogger(__name__)
+
+DOMAIN = "kvquota"
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def _pack(message: Any) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def rich_status(error: KvQuotaError) -> tuple[grpc.StatusCode, status_pb2.Status]:
+    code = grpc.StatusCode[error.code.value]
+    details = [
+        _pack(
+            error_details_pb2.ErrorInfo(
+                reason=error.reason, domain=DOMAIN, metadata=dict(error.metadata)
+            )
+        )
+    ]
+    if error.field_violations:
+        details.append(
+            _pack(
+                error_details_pb2.BadRequest(
+                    field_violations=[
+                        error_details_pb2.BadRequest.FieldViolation(
+                            field=v.field, description=v.description
+                        )
+                        for v in error.field_violations
+                    ]
+                )
+            )
+        )
+    if error.quota_violations:
+        details.append(
+            _pack(
+                error_details_pb2.QuotaFailure(
+                    violations=[
+                        error_details_pb2.QuotaFailure.Violation(
+                            subject=v.subject, description=v.description
+                        )
+                        for v in error.quota_violations
+                    ]
+                )
+            )
+        )
+    if error.retry_delay_seconds is not None:
+        info = error_details_pb2.RetryInfo()
+        info.retry_delay.FromNanoseconds(round(error.retry_delay_seconds * 1e9))
+        details.append(_pack(info))
+    status = status_pb2.Status(code=code.value[0], message=error.message, details=details)
+    return code, status
+
+
+def _as_error(exc: Exception, method: str) -> KvQuotaError:
+    if isinstance(exc, KvQuotaError):
+        return exc
+    unavailable = unavailable_error(exc)
+    if unavailable is not None:
+        return unavailable
+    log.exception("unexpected error in %s", method)
+    return KvQuotaError(Code.INTERNAL, "INTERNAL", "internal error")
+
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Behavior = Callable[[Request, grpc.aio.ServicerContext[Request, Response]], Awaitable[Response]]
+
+
+def _guard(behavior: Behavior[Request, Response], method: str) -> Behavior[Request, Response]:
+    async def guarded(
+        request: Request, context: grpc.aio.ServicerContext[Request, Response]
+    ) -> Response:
+        try:
+            return await behavior(request, context)
+        except Exception as exc:
+            code, status = rich_status(_as_error(exc, method))
+            await context.abort(
+                code,
+                status.message,
+                trailing_metadata=((STATUS_DETAILS_KEY, status.SerializeToString()),),
+            )
+            raise AssertionError("abort raises") from exc
+
+    return guarded
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Request, Response] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Request, Response] | None:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            _guard(handler.unary_unary, handler_call_details.method),  # type: ignore[arg-type]
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

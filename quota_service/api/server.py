@@ -1,0 +1,82 @@
+"""The gRPC server: services, health (NOT_SERVING until the ledger is reachable and migrated, and
+again while shutting down), reflection for grpcurl, and SIGTERM draining in-flight RPCs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
+from quota_service.api.admin import AdminServicer
+from quota_service.api.admission import AdmissionServicer
+from quota_service.api.errors import ErrorInterceptor
+from quota_service.config import Settings
+from quota_service.jobs import lease_reaper
+from quota_service.store import migrate
+from quota_service.store.catalog import Catalog
+from quota_service.store.database import connect
+from quota_service.store.ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (
+    admission_pb2.DESCRIPTOR.services_by_name["AdmissionService"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+)
+# Prompt token ids of a 128k-token context fit comfortably; anything larger is refused by gRPC.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+async def serve(settings: Settings, database_url: str, ready: asyncio.Event | None = None) -> None:
+    engine = connect(database_url, settings.db_pool_size)
+    ledger = Ledger(engine, settings.admission_limits)
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    admission_pb2_grpc.add_AdmissionServiceServicer_to_server(AdmissionServicer(ledger), server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(Catalog(engine)), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    port = server.add_insecure_port(settings.grpc_listen)
+    await server.start()
+    host = settings.grpc_listen.rsplit(":", 1)[0]
+    # Tests and scripts read this line to find a port chosen by the OS (":0").
+    print(f"kvquota serving gRPC on {host}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    if await asyncio.to_thread(migrate.pending, database_url):
+        raise SystemExit("the database is not migrated: run `kvquota migrate` (or serve --migrate)")
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reaper = asyncio.create_task(
+        lease_reaper.run(ledger, settings.reaper_interval_seconds, settings.reaper_batch_size, stop)
+    )
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+
+    log.info(
+        "shutting down: draining in-flight RPCs for up to %ss", settings.shutdown_grace_seconds
+    )
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(settings.shutdown_grace_seconds)
+    await reaper
+    await engine.dispose()

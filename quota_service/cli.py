@@ -1,0 +1,149 @@
+"""The `kvquota` command: serve, migrate, and operators' views over gRPC (tables, or --json)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from kvquota.v1 import admin_pb2, admin_pb2_grpc, resources_pb2
+from quota_service.config import Settings, SettingsError, load_settings
+
+log = logging.getLogger("kvquota")
+
+
+def _database_url(settings: Settings) -> str:
+    if settings.database_url:
+        return settings.database_url
+    from quota_service.store import embedded
+
+    return embedded.start(settings.data_dir)
+
+
+def _serve(settings: Settings, args: argparse.Namespace) -> int:
+    from quota_service import demo
+    from quota_service.api import server
+    from quota_service.store import migrate
+
+    url = _database_url(settings)
+    if args.migrate:
+        migrate.upgrade(url)
+    if args.demo:
+        asyncio.run(demo.seed(url))
+    asyncio.run(server.serve(settings, url))
+    return 0
+
+
+def _migrate(settings: Settings, args: argparse.Namespace) -> int:
+    from quota_service.store import migrate
+
+    migrate.upgrade(_database_url(settings))
+    print("database is at the newest migration")
+    return 0
+
+
+def _enum_name(message: Message, field: str) -> str:
+    """`TENANT_STATE_ACTIVE` → `ACTIVE`: the value's name without its enum's prefix."""
+    descriptor = message.DESCRIPTOR.fields_by_name[field].enum_type
+    assert descriptor is not None
+    name = descriptor.values_by_number[getattr(message, field)].name
+    return name.split("_STATE_", 1)[-1]
+
+
+def _tenant_row(t: resources_pb2.Tenant) -> dict[str, object]:
+    return {
+        "name": t.name,
+        "state": _enum_name(t, "state"),
+        "blocks": f"{t.usage.blocks_in_use}/{t.quota.max_blocks}",
+        "tokens in flight": f"{t.usage.tokens_in_flight}/{t.quota.max_tokens_in_flight}",
+        "live": t.usage.live_reservations,
+        "weight": t.weight,
+    }
+
+
+def _instance_row(i: resources_pb2.Instance) -> dict[str, object]:
+    return {
+        "name": i.name,
+        "state": _enum_name(i, "state"),
+        "model": i.model,
+        "blocks used": f"{i.blocks_in_use}/{i.capacity_blocks}",
+        "free": i.free_blocks,
+        "block size": i.block_size,
+        "context": i.max_model_len,
+        "live": i.live_reservations,
+    }
+
+
+def _list(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.server) as channel:
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
+        items: list[Message] = []
+        token = ""
+        while True:
+            if args.resource == "tenants":
+                tenants = stub.ListTenants(admin_pb2.ListTenantsRequest(page_token=token))
+                items.extend(tenants.tenants)
+                token = tenants.next_page_token
+            else:
+                instances = stub.ListInstances(admin_pb2.ListInstancesRequest(page_token=token))
+                items.extend(instances.instances)
+                token = instances.next_page_token
+            if not token:
+                break
+    if args.json:
+        print(json.dumps([MessageToDict(m) for m in items], indent=2))
+        return 0
+    to_row = _tenant_row if args.resource == "tenants" else _instance_row
+    rows = [to_row(m) for m in items]  # type: ignore[arg-type]
+    columns = list(rows[0]) if rows else ["name"]
+    widths = {c: max([len(c), *(len(str(r[c])) for r in rows)]) for c in columns}
+    print("  ".join(c.upper().ljust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(str(row[c]).ljust(widths[c]) for c in columns))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvquota", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve gRPC (embedded PostgreSQL when no URL set)")
+    serve.add_argument("--listen", help="host:port, overrides KVQUOTA_GRPC_LISTEN")
+    serve.add_argument("--migrate", action="store_true", help="apply migrations first")
+    serve.add_argument("--demo", action="store_true", help="seed a demo instance and tenants")
+    commands.add_parser("migrate", help="apply database migrations")
+    for resource in ("tenants", "instances"):
+        lister = commands.add_parser(resource, help=f"list {resource}")
+        lister.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
+        lister.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        lister.set_defaults(resource=resource)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    try:
+        settings = load_settings()
+        if getattr(args, "listen", None):
+            settings = replace(settings, grpc_listen=args.listen)
+    except SettingsError as exc:
+        print(f"kvquota: bad settings: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        return _serve(settings, args)
+    if args.command == "migrate":
+        return _migrate(settings, args)
+    try:
+        return _list(args)
+    except grpc.RpcError as exc:
+        print(f"kvquota: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

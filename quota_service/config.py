@@ -1,0 +1,115 @@
+"""Settings: defaults, then an optional TOML file, then KVQUOTA_* environment variables.
+
+`KVQUOTA_CONFIG` names the TOML file; its keys are the field names below (e.g. `grpc_listen`).
+Every value is checked at start-up so a typo fails loudly instead of running with a default.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from quota_service.core.admission import AdmissionLimits
+
+ENV_PREFIX = "KVQUOTA_"
+
+
+class SettingsError(ValueError):
+    """A setting is missing, unknown or out of range; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    # Unset: an embedded PostgreSQL is started under data_dir (development only).
+    database_url: str = ""
+    data_dir: Path = Path(".kvquota")
+    grpc_listen: str = "127.0.0.1:50051"
+    db_pool_size: int = 10
+    default_lease_ttl_seconds: float = 60.0
+    min_lease_ttl_seconds: float = 1.0
+    max_lease_ttl_seconds: float = 3600.0
+    max_n: int = 16
+    min_retry_delay_seconds: float = 0.1
+    max_retry_delay_seconds: float = 300.0
+    reaper_interval_seconds: float = 1.0
+    reaper_batch_size: int = 500
+    shutdown_grace_seconds: float = 10.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        positive = (
+            "db_pool_size",
+            "default_lease_ttl_seconds",
+            "min_lease_ttl_seconds",
+            "max_n",
+            "min_retry_delay_seconds",
+            "reaper_interval_seconds",
+            "reaper_batch_size",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive")
+        if not (
+            self.min_lease_ttl_seconds
+            <= self.default_lease_ttl_seconds
+            <= self.max_lease_ttl_seconds
+        ):
+            raise SettingsError(
+                "lease TTLs must satisfy min_lease_ttl_seconds <= default_lease_ttl_seconds "
+                "<= max_lease_ttl_seconds"
+            )
+        if self.min_retry_delay_seconds > self.max_retry_delay_seconds:
+            raise SettingsError("min_retry_delay_seconds must not exceed max_retry_delay_seconds")
+        if self.shutdown_grace_seconds < 0:
+            raise SettingsError(f"{ENV_PREFIX}SHUTDOWN_GRACE_SECONDS must not be negative")
+
+    @property
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(
+            max_n=self.max_n,
+            default_lease_ttl_seconds=self.default_lease_ttl_seconds,
+            min_lease_ttl_seconds=self.min_lease_ttl_seconds,
+            max_lease_ttl_seconds=self.max_lease_ttl_seconds,
+            min_retry_delay_seconds=self.min_retry_delay_seconds,
+            max_retry_delay_seconds=self.max_retry_delay_seconds,
+        )
+
+
+def _coerce(name: str, raw: object, kind: type) -> object:
+    try:
+        if kind is Path:
+            return Path(str(raw))
+        if kind in (int, float) and isinstance(raw, bool):
+            raise ValueError("a boolean is not a number")
+        return kind(raw)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"{name}: cannot read {raw!r} as {kind.__name__} ({exc})") from None
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    env = os.environ if environ is None else environ
+    kinds = {
+        f.name: {"str": str, "int": int, "float": float, "Path": Path}[str(f.type)]
+        for f in fields(Settings)
+    }
+    values: dict[str, object] = {}
+    config_file = env.get(f"{ENV_PREFIX}CONFIG")
+    if config_file:
+        try:
+            document = tomllib.loads(Path(config_file).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"{ENV_PREFIX}CONFIG={config_file}: {exc}") from None
+        for key, raw in document.items():
+            if key not in kinds:
+                raise SettingsError(f"{config_file}: unknown setting {key!r}")
+            values[key] = _coerce(key, raw, kinds[key])
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX) or key == f"{ENV_PREFIX}CONFIG":
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name in kinds:
+            values[name] = _coerce(key, raw, kinds[name])
+    return replace(Settings(), **values)  # type: ignore[arg-type]

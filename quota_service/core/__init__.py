@@ -1,0 +1,1 @@
+"""Pure decisions over plain values: no I/O, no imports from the other layers."""

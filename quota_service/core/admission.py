@@ -1,0 +1,264 @@
+"""Admission decisions: validation, the permanent refusals, and check-and-reserve against the
+instance's pool and the tenant's quota. Pure: the store locks the rows, calls `decide`, and writes
+the plan in the same transaction, so the decision is atomic whichever replica makes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal
+
+from quota_service.core import geometry
+from quota_service.core.errors import (
+    Code,
+    FieldViolation,
+    KvQuotaError,
+    QuotaViolation,
+    invalid_request,
+)
+from quota_service.core.model import (
+    AdmitParams,
+    Holding,
+    InstancePool,
+    InstanceState,
+    Reservation,
+    TenantAccount,
+    TenantState,
+)
+from quota_service.core.names import check_request_id, check_resource_id
+
+MAX_PRIORITY = 9
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    """Bounds that do not depend on any instance or tenant (server settings)."""
+
+    max_n: int
+    default_lease_ttl_seconds: float
+    min_lease_ttl_seconds: float
+    max_lease_ttl_seconds: float
+    min_retry_delay_seconds: float
+    max_retry_delay_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    params: AdmitParams
+    prompt_token_ids: tuple[int, ...]
+    wait_timeout_seconds: float
+    lease_ttl_seconds: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionPlan:
+    """What to write: the blocks and tokens to add to the pool and the tenant, and the lease."""
+
+    blocks: int
+    tokens: int
+    lease_ttl_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Shortfall:
+    """Not enough room now, though there will be: the caller gets a retry delay."""
+
+    scope: Literal["tenant", "instance"]
+    blocks_needed: int
+    tokens_needed: int
+    blocks_available: int
+    tokens_available: int
+
+
+def validate(request: AdmitRequest, limits: AdmissionLimits) -> None:
+    """Refuse malformed requests before any database work (INVALID_REQUEST)."""
+    p = request.params
+    violations = [
+        v
+        for v in (
+            check_resource_id(p.tenant, "tenant"),
+            check_resource_id(p.instance, "instance"),
+            check_request_id(p.request_id, "request_id"),
+        )
+        if v is not None
+    ]
+    if p.prompt_tokens < 1:
+        violations.append(FieldViolation("prompt_tokens", "must be at least 1"))
+    if p.max_output_tokens < 1:
+        violations.append(FieldViolation("max_output_tokens", "must be at least 1"))
+    if not 1 <= p.n <= limits.max_n:
+        violations.append(FieldViolation("n", f"must be between 1 and {limits.max_n}"))
+    if not 0 <= p.priority <= MAX_PRIORITY:
+        violations.append(FieldViolation("priority", f"must be between 0 and {MAX_PRIORITY}"))
+    if request.prompt_token_ids:
+        if len(request.prompt_token_ids) != p.prompt_tokens:
+            violations.append(FieldViolation("prompt_token_ids", "length must equal prompt_tokens"))
+        if any(t < 0 for t in request.prompt_token_ids):
+            violations.append(FieldViolation("prompt_token_ids", "token ids are never negative"))
+    if request.wait_timeout_seconds < 0:
+        violations.append(FieldViolation("wait_timeout", "must not be negative"))
+    ttl_violation = check_lease_ttl(request.lease_ttl_seconds, limits)
+    if ttl_violation:
+        violations.append(ttl_violation)
+    if violations:
+        raise invalid_request(violations)
+
+
+def check_lease_ttl(ttl_seconds: float | None, limits: AdmissionLimits) -> FieldViolation | None:
+    """None (use the default) or a TTL within the server's bounds."""
+    if ttl_seconds is None or (
+        limits.min_lease_ttl_seconds <= ttl_seconds <= limits.max_lease_ttl_seconds
+    ):
+        return None
+    return FieldViolation(
+        "lease_ttl",
+        f"must be between {limits.min_lease_ttl_seconds:g}s and {limits.max_lease_ttl_seconds:g}s",
+    )
+
+
+def check_replay(params: AdmitParams, existing: Reservation) -> Reservation:
+    """A repeated Admit gets the same reservation; a different one under the same id is refused."""
+    if existing.params != params:
+        raise KvQuotaError(
+            Code.ALREADY_EXISTS,
+            "REQUEST_ID_REUSED",
+            f"request_id {params.request_id!r} was already used with different parameters",
+            metadata={"requestId": params.request_id},
+        )
+    return existing
+
+
+def decide(
+    request: AdmitRequest,
+    pool: InstancePool,
+    account: TenantAccount,
+    limits: AdmissionLimits,
+) -> AdmissionPlan | Shortfall:
+    """Check-and-reserve: raise for refusals that waiting cannot fix, return a Shortfall for those
+    it can, or the plan to write."""
+    p = request.params
+    if account.state is TenantState.SUSPENDED:
+        raise KvQuotaError(
+            Code.FAILED_PRECONDITION,
+            "TENANT_SUSPENDED",
+            f"tenant {p.tenant} is suspended",
+            metadata={"tenant": p.tenant},
+        )
+    if pool.state is InstanceState.DRAINING:
+        raise KvQuotaError(
+            Code.FAILED_PRECONDITION,
+            "INSTANCE_DRAINING",
+            f"instance {p.instance} is draining and admits nothing new",
+            metadata={"instance": p.instance},
+        )
+    asked = p.prompt_tokens + p.max_output_tokens
+    if asked > pool.max_model_len:
+        raise KvQuotaError(
+            Code.INVALID_ARGUMENT,
+            "CONTEXT_LENGTH_EXCEEDED",
+            f"prompt + max_output = {asked} tokens exceeds the context cap of {pool.max_model_len}",
+            metadata={"maxModelLen": str(pool.max_model_len), "requestedTokens": str(asked)},
+        )
+    blocks = geometry.blocks_for_request(p.prompt_tokens, p.max_output_tokens, p.n, pool.block_size)
+    tokens = geometry.tokens_in_flight(p.prompt_tokens, p.max_output_tokens, p.n)
+    quota = account.quota
+    limit, limit_name = min(
+        (pool.capacity_blocks, "instanceCapacityBlocks"), (quota.max_blocks, "tenantMaxBlocks")
+    )
+    if blocks > limit or tokens > quota.max_tokens_in_flight:
+        raise KvQuotaError(
+            Code.FAILED_PRECONDITION,
+            "REQUEST_EXCEEDS_CAPACITY",
+            f"needs {blocks} blocks and {tokens} tokens in flight; the instance and the tenant's "
+            "quota can never give that much at once",
+            metadata={
+                "requestedBlocks": str(blocks),
+                "requestedTokens": str(tokens),
+                limit_name: str(limit),
+                "tenantMaxTokensInFlight": str(quota.max_tokens_in_flight),
+            },
+        )
+    free_blocks_tenant = quota.max_blocks - account.blocks_in_use
+    free_tokens_tenant = quota.max_tokens_in_flight - account.tokens_in_flight
+    if blocks > free_blocks_tenant or tokens > free_tokens_tenant:
+        return Shortfall("tenant", blocks, tokens, free_blocks_tenant, free_tokens_tenant)
+    if blocks > pool.free_blocks:
+        return Shortfall("instance", blocks, tokens, pool.free_blocks, 0)
+    ttl = request.lease_ttl_seconds or limits.default_lease_ttl_seconds
+    return AdmissionPlan(blocks, tokens, ttl)
+
+
+def expected_end(
+    admitted_at: datetime, lease_expires_at: datetime, mean_hold_seconds: float | None
+) -> datetime:
+    """A live reservation ends at its lease expiry at the latest, typically after the observed
+    mean holding time."""
+    if mean_hold_seconds is None:
+        return lease_expires_at
+    return min(lease_expires_at, admitted_at + timedelta(seconds=mean_hold_seconds))
+
+
+def retry_delay(
+    shortfall: Shortfall, holdings: list[Holding], now: datetime, limits: AdmissionLimits
+) -> float:
+    """Seconds until enough of the current holdings should have ended to cover the shortfall.
+
+    Walk the holdings in order of expected end, adding up what each gives back, until both blocks
+    and tokens cover what is missing. Holdings already past their expected end count as "now".
+    When even all of them would not cover it, the last expected end is the best estimate.
+    """
+    blocks_missing = shortfall.blocks_needed - shortfall.blocks_available
+    tokens_missing = shortfall.tokens_needed - shortfall.tokens_available
+    delay = limits.max_retry_delay_seconds
+    for holding in sorted(holdings, key=lambda h: h.expected_end):
+        blocks_missing -= holding.blocks
+        tokens_missing -= holding.tokens
+        delay = (holding.expected_end - now).total_seconds()
+        if blocks_missing <= 0 and tokens_missing <= 0:
+            break
+    return min(max(delay, limits.min_retry_delay_seconds), limits.max_retry_delay_seconds)
+
+
+def shortfall_error(
+    shortfall: Shortfall, delay_seconds: float, tenant: str, instance: str
+) -> KvQuotaError:
+    """The refusal for a Shortfall: TENANT_QUOTA_EXCEEDED (429) or INSTANCE_OVERLOADED (503)."""
+    if shortfall.scope == "tenant":
+        violations = []
+        if shortfall.blocks_needed > shortfall.blocks_available:
+            violations.append(
+                QuotaViolation(
+                    f"tenants/{tenant}",
+                    f"blocks: needs {shortfall.blocks_needed}, "
+                    f"{max(shortfall.blocks_available, 0)} left in quota",
+                )
+            )
+        if shortfall.tokens_needed > shortfall.tokens_available:
+            violations.append(
+                QuotaViolation(
+                    f"tenants/{tenant}",
+                    f"tokens in flight: needs {shortfall.tokens_needed}, "
+                    f"{max(shortfall.tokens_available, 0)} left in quota",
+                )
+            )
+        return KvQuotaError(
+            Code.RESOURCE_EXHAUSTED,
+            "TENANT_QUOTA_EXCEEDED",
+            f"tenant {tenant} is over its quota now",
+            metadata={"tenant": tenant, "requestedBlocks": str(shortfall.blocks_needed)},
+            quota_violations=tuple(violations),
+            retry_delay_seconds=delay_seconds,
+        )
+    return KvQuotaError(
+        Code.UNAVAILABLE,
+        "INSTANCE_OVERLOADED",
+        f"instance {instance} has {shortfall.blocks_available} free blocks, "
+        f"the request needs {shortfall.blocks_needed}",
+        metadata={
+            "instance": instance,
+            "freeBlocks": str(shortfall.blocks_available),
+            "requestedBlocks": str(shortfall.blocks_needed),
+        },
+        retry_delay_seconds=delay_seconds,
+    )

@@ -1,0 +1,82 @@
+"""Resource names (AIP-122): `tenants/{tenant}`, `instances/{instance}`,
+`tenants/{tenant}/reservations/{request_id}`."""
+
+from __future__ import annotations
+
+import re
+
+from quota_service.core.errors import FieldViolation, invalid_request
+
+# Ids become URL path segments and metric labels: lowercase, short, no separators.
+RESOURCE_ID = re.compile(r"[a-z][a-z0-9-]{0,62}")
+# Gateways use UUIDs or OpenAI-style ids ("chatcmpl-…"); "/" would break the reservation name.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._~:-]{1,128}")
+
+
+def _id_or_violation(value: str, pattern: re.Pattern[str], field: str) -> FieldViolation | None:
+    if pattern.fullmatch(value):
+        return None
+    return FieldViolation(field, f"{value!r} does not match {pattern.pattern}")
+
+
+def check_resource_id(value: str, field: str) -> FieldViolation | None:
+    return _id_or_violation(value, RESOURCE_ID, field)
+
+
+def check_request_id(value: str, field: str) -> FieldViolation | None:
+    return _id_or_violation(value, REQUEST_ID, field)
+
+
+def parse_child(name: str, collection: str, field: str) -> tuple[str | None, FieldViolation | None]:
+    """Split `{collection}/{id}` into its id, or say what is wrong with it."""
+    prefix = f"{collection}/"
+    if not name.startswith(prefix):
+        return None, FieldViolation(field, f"must look like {collection}/{{id}}, got {name!r}")
+    value = name[len(prefix) :]
+    violation = check_resource_id(value, field)
+    return (None, violation) if violation else (value, None)
+
+
+def tenant_id(name: str, field: str = "name") -> str:
+    value, violation = parse_child(name, "tenants", field)
+    if violation:
+        raise invalid_request([violation])
+    assert value is not None
+    return value
+
+
+def instance_id(name: str, field: str = "name") -> str:
+    value, violation = parse_child(name, "instances", field)
+    if violation:
+        raise invalid_request([violation])
+    assert value is not None
+    return value
+
+
+def reservation_key(name: str, field: str = "name") -> tuple[str, str]:
+    """`tenants/{tenant}/reservations/{request_id}` → (tenant, request_id)."""
+    parts = name.split("/")
+    if len(parts) != 4 or parts[0] != "tenants" or parts[2] != "reservations":
+        raise invalid_request(
+            [FieldViolation(field, f"must look like tenants/{{t}}/reservations/{{id}}: {name!r}")]
+        )
+    violations = [
+        v
+        for v in (check_resource_id(parts[1], field), check_request_id(parts[3], field))
+        if v is not None
+    ]
+    if violations:
+        raise invalid_request(violations)
+    return parts[1], parts[3]
+
+
+def tenant_name(tenant: str) -> str:
+    return f"tenants/{tenant}"
+
+
+def instance_name(instance: str) -> str:
+    return f"instances/{instance}"
+
+
+def reservation_name(tenant: str, request_id: str) -> str:
+    return f"tenants/{tenant}/reservations/{request_id}"

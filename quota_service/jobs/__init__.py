@@ -1,0 +1,1 @@
+"""Background loops, each safe to run in every replica."""

@@ -1,0 +1,223 @@
+"""Tenants and instances: the operators' side of the ledger."""
+
+from __future__ import annotations
+
+import secrets
+
+from sqlalchemy import RowMapping, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from quota_service.core.errors import already_exists, not_found
+from quota_service.core.geometry import KvGeometry, parse_dtype
+from quota_service.core.model import (
+    Instance,
+    InstanceSpec,
+    InstanceState,
+    Tenant,
+    TenantQuota,
+    TenantState,
+)
+from quota_service.core.names import instance_name, tenant_name
+from quota_service.core.pagination import Page
+from quota_service.store.database import in_transaction
+from quota_service.store.schema import InstanceRow, ReservationRow, TenantRow
+
+# vLLM accepts salts of at most 128 characters without "@", "/", "\\" or NUL: url-safe base64
+# of 32 random bytes fits and is unguessable.
+SALT_BYTES = 32
+
+_live = ReservationRow.state == "ADMITTED"
+_tenant_live = (
+    select(func.count())
+    .where(ReservationRow.tenant == TenantRow.tenant, _live)
+    .scalar_subquery()
+    .label("live_reservations")
+)
+_instance_live = (
+    select(func.count())
+    .where(ReservationRow.instance == InstanceRow.instance, _live)
+    .scalar_subquery()
+    .label("live_reservations")
+)
+_TENANT_VIEW = select(TenantRow.__table__, _tenant_live)
+_INSTANCE_VIEW = select(InstanceRow.__table__, _instance_live)
+
+
+def tenant_from_row(row: RowMapping) -> Tenant:
+    return Tenant(
+        tenant=row["tenant"],
+        display_name=row["display_name"],
+        state=TenantState(row["state"]),
+        weight=row["weight"],
+        quota=TenantQuota(**{name: row[name] for name in TenantQuota.__dataclass_fields__}),
+        blocks_in_use=row["blocks_in_use"],
+        tokens_in_flight=row["tokens_in_flight"],
+        live_reservations=row["live_reservations"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+def instance_from_row(row: RowMapping) -> Instance:
+    kv_geometry = None
+    if row["kv_dtype"] is not None:
+        kv_geometry = KvGeometry(
+            row["num_layers"],
+            row["num_kv_heads"],
+            row["head_dim"],
+            parse_dtype(row["kv_dtype"]),
+            row["mla"],
+        )
+    spec = InstanceSpec(
+        row["instance"],
+        row["model"],
+        kv_geometry,
+        row["block_size"],
+        row["capacity_blocks"],
+        row["max_model_len"],
+    )
+    return Instance(
+        spec=spec,
+        state=InstanceState(row["state"]),
+        blocks_in_use=row["blocks_in_use"],
+        live_reservations=row["live_reservations"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+class Catalog:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    # Tenants
+
+    async def create_tenant(
+        self, tenant: str, display_name: str, weight: int, quota: TenantQuota
+    ) -> Tenant:
+        async def work(conn: AsyncConnection) -> Tenant:
+            statement = (
+                pg_insert(TenantRow)
+                .values(
+                    tenant=tenant,
+                    display_name=display_name,
+                    weight=weight,
+                    cache_salt=secrets.token_urlsafe(SALT_BYTES),
+                    **_quota_columns(quota),
+                )
+                .on_conflict_do_nothing()
+                .returning(TenantRow.tenant)
+            )
+            if (await conn.execute(statement)).first() is None:
+                raise already_exists("tenant", tenant_name(tenant))
+            return await self._tenant(conn, tenant)
+
+        return await in_transaction(self._engine, work)
+
+    async def get_tenant(self, tenant: str) -> Tenant:
+        async with self._engine.connect() as conn:
+            return await self._tenant(conn, tenant)
+
+    async def list_tenants(self, page: Page) -> list[Tenant]:
+        query = _TENANT_VIEW.order_by(TenantRow.tenant).limit(page.size)
+        if page.after is not None:
+            query = query.where(TenantRow.tenant > page.after)
+        async with self._engine.connect() as conn:
+            return [tenant_from_row(r) for r in (await conn.execute(query)).mappings()]
+
+    async def update_tenant(self, tenant: str, changes: dict[str, object]) -> Tenant:
+        """Set the given columns (display_name, weight, max_* quota fields). A quota may go below
+        what the tenant holds now: live work runs on, new admissions wait until it fits."""
+
+        async def work(conn: AsyncConnection) -> Tenant:
+            await self._set(conn, tenant, dict(changes))
+            return await self._tenant(conn, tenant)
+
+        return await in_transaction(self._engine, work)
+
+    async def set_tenant_state(self, tenant: str, state: TenantState) -> Tenant:
+        return await self.update_tenant(tenant, {"state": state.value})
+
+    async def _set(self, conn: AsyncConnection, tenant: str, values: dict[str, object]) -> None:
+        statement = (
+            update(TenantRow)
+            .where(TenantRow.tenant == tenant)
+            .values(**values, updated_at=func.now())
+            .returning(TenantRow.tenant)
+        )
+        if (await conn.execute(statement)).first() is None:
+            raise not_found("tenant", tenant_name(tenant))
+
+    async def _tenant(self, conn: AsyncConnection, tenant: str) -> Tenant:
+        query = _TENANT_VIEW.where(TenantRow.tenant == tenant)
+        row = (await conn.execute(query)).mappings().first()
+        if row is None:
+            raise not_found("tenant", tenant_name(tenant))
+        return tenant_from_row(row)
+
+    # Instances
+
+    async def register_instance(self, spec: InstanceSpec) -> Instance:
+        geometry = spec.geometry
+
+        async def work(conn: AsyncConnection) -> Instance:
+            statement = (
+                pg_insert(InstanceRow)
+                .values(
+                    instance=spec.instance,
+                    model=spec.model,
+                    num_layers=geometry.num_layers if geometry else None,
+                    num_kv_heads=geometry.num_kv_heads if geometry else None,
+                    head_dim=geometry.head_dim if geometry else None,
+                    kv_dtype=geometry.dtype.value if geometry else None,
+                    mla=geometry.mla if geometry else False,
+                    bytes_per_block=spec.bytes_per_block,
+                    block_size=spec.block_size,
+                    capacity_blocks=spec.capacity_blocks,
+                    max_model_len=spec.max_model_len,
+                )
+                .on_conflict_do_nothing()
+                .returning(InstanceRow.instance)
+            )
+            if (await conn.execute(statement)).first() is None:
+                raise already_exists("instance", instance_name(spec.instance))
+            return await self._instance(conn, spec.instance)
+
+        return await in_transaction(self._engine, work)
+
+    async def get_instance(self, instance: str) -> Instance:
+        async with self._engine.connect() as conn:
+            return await self._instance(conn, instance)
+
+    async def list_instances(self, page: Page) -> list[Instance]:
+        query = _INSTANCE_VIEW.order_by(InstanceRow.instance).limit(page.size)
+        if page.after is not None:
+            query = query.where(InstanceRow.instance > page.after)
+        async with self._engine.connect() as conn:
+            return [instance_from_row(r) for r in (await conn.execute(query)).mappings()]
+
+    async def drain_instance(self, instance: str) -> Instance:
+        async def work(conn: AsyncConnection) -> Instance:
+            statement = (
+                update(InstanceRow)
+                .where(InstanceRow.instance == instance)
+                .values(state=InstanceState.DRAINING.value, updated_at=func.now())
+                .returning(InstanceRow.instance)
+            )
+            if (await conn.execute(statement)).first() is None:
+                raise not_found("instance", instance_name(instance))
+            return await self._instance(conn, instance)
+
+        return await in_transaction(self._engine, work)
+
+    async def _instance(self, conn: AsyncConnection, instance: str) -> Instance:
+        query = _INSTANCE_VIEW.where(InstanceRow.instance == instance)
+        row = (await conn.execute(query)).mappings().first()
+        if row is None:
+            raise not_found("instance", instance_name(instance))
+        return instance_from_row(row)
+
+
+def _quota_columns(quota: TenantQuota) -> dict[str, int]:
+    return {name: getattr(quota, name) for name in TenantQuota.__dataclass_fields__}

@@ -1,0 +1,70 @@
+"""Connections to the ledger's PostgreSQL and the transaction boundary every write goes through."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from psycopg import errors as pg_errors
+from sqlalchemy import make_url
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from quota_service.core.errors import Code, KvQuotaError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Lock waits between replicas can still form cycles (e.g. two reapers ending reservations of the
+# same tenants); PostgreSQL breaks them by failing one transaction, which is then simply retried.
+_RETRYABLE = (pg_errors.DeadlockDetected, pg_errors.SerializationFailure)
+MAX_ATTEMPTS = 5
+
+
+def sqlalchemy_url(url: str) -> str:
+    """Accept plain `postgresql://` URLs (psql's form) and pick the psycopg 3 driver."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
+
+
+def connect(url: str, pool_size: int = 10) -> AsyncEngine:
+    return create_async_engine(
+        sqlalchemy_url(url),
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        # The hot path runs the same few statements: let psycopg prepare them server-side.
+        connect_args={"prepare_threshold": 1},
+    )
+
+
+async def in_transaction(engine: AsyncEngine, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+    """Run `work` in one transaction: commit on return, roll back on any exception, and retry
+    the whole unit when PostgreSQL chose it as a deadlock or serialization victim."""
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        try:
+            async with engine.begin() as conn:
+                return await work(conn)
+        except DBAPIError as exc:
+            if not isinstance(exc.orig, _RETRYABLE) or attempt == MAX_ATTEMPTS:
+                raise
+            log.info("retrying transaction after %s (attempt %d)", type(exc.orig).__name__, attempt)
+    raise AssertionError("unreachable")
+
+
+def unavailable_error(exc: BaseException) -> KvQuotaError | None:
+    """The refusal to give when the database cannot be reached: UNAVAILABLE, so callers retry."""
+    if isinstance(exc, (OperationalError, InterfaceError, OSError)) or (
+        isinstance(exc, DBAPIError) and exc.connection_invalidated
+    ):
+        return KvQuotaError(
+            Code.UNAVAILABLE,
+            "DATABASE_UNAVAILABLE",
+            "the ledger database cannot be reached; retry shortly",
+            retry_delay_seconds=1.0,
+        )
+    return None
