@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from quota_service.api.admin import AdminServicer
@@ -32,7 +34,28 @@ SERVICE_NAMES = (
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
-async def serve(settings: Settings, database_url: str, ready: asyncio.Event | None = None) -> None:
+@dataclass
+class RunningServer:
+    """A started server: its bound port, and how to stop it gracefully."""
+
+    port: int
+    _server: grpc.aio.Server
+    _health: health.aio.HealthServicer
+    _engine: AsyncEngine
+    _stop: asyncio.Event
+    _reaper: asyncio.Task[None]
+
+    async def stop(self, grace_seconds: float) -> None:
+        log.info("shutting down: draining in-flight RPCs for up to %ss", grace_seconds)
+        await self._health.enter_graceful_shutdown()
+        self._stop.set()
+        await self._server.stop(grace_seconds)
+        await self._reaper
+        await self._engine.dispose()
+
+
+async def start(settings: Settings, database_url: str) -> RunningServer:
+    """Bind and start serving; health turns SERVING once the ledger is reachable and migrated."""
     engine = connect(database_url, settings.db_pool_size)
     ledger = Ledger(engine, settings.admission_limits)
     server = grpc.aio.server(
@@ -53,30 +76,28 @@ async def serve(settings: Settings, database_url: str, ready: asyncio.Event | No
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     port = server.add_insecure_port(settings.grpc_listen)
     await server.start()
+    if await asyncio.to_thread(migrate.pending, database_url):
+        await server.stop(0)
+        await engine.dispose()
+        raise SystemExit("the database is not migrated: run `kvquota migrate` (or serve --migrate)")
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    reaper = asyncio.create_task(
+        lease_reaper.run(ledger, settings.reaper_interval_seconds, settings.reaper_batch_size, stop)
+    )
+    return RunningServer(port, server, health_servicer, engine, stop, reaper)
+
+
+async def serve(settings: Settings, database_url: str) -> None:
+    """Serve until SIGTERM or SIGINT, then drain in-flight RPCs within the grace period."""
+    running = await start(settings, database_url)
     host = settings.grpc_listen.rsplit(":", 1)[0]
     # Tests and scripts read this line to find a port chosen by the OS (":0").
-    print(f"kvquota serving gRPC on {host}:{port}", flush=True)
-
+    print(f"kvquota serving gRPC on {host}:{running.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-
-    if await asyncio.to_thread(migrate.pending, database_url):
-        raise SystemExit("the database is not migrated: run `kvquota migrate` (or serve --migrate)")
-    for name in ("", *SERVICE_NAMES):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reaper = asyncio.create_task(
-        lease_reaper.run(ledger, settings.reaper_interval_seconds, settings.reaper_batch_size, stop)
-    )
-    if ready is not None:
-        ready.set()
     await stop.wait()
-
-    log.info(
-        "shutting down: draining in-flight RPCs for up to %ss", settings.shutdown_grace_seconds
-    )
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(settings.shutdown_grace_seconds)
-    await reaper
-    await engine.dispose()
+    await running.stop(settings.shutdown_grace_seconds)

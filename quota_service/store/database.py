@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -21,6 +23,7 @@ T = TypeVar("T")
 # same tenants); PostgreSQL breaks them by failing one transaction, which is then simply retried.
 _RETRYABLE = (pg_errors.DeadlockDetected, pg_errors.SerializationFailure)
 MAX_ATTEMPTS = 5
+RETRY_BACKOFF_SECONDS = 0.005
 
 
 def sqlalchemy_url(url: str) -> str:
@@ -53,6 +56,8 @@ async def in_transaction(engine: AsyncEngine, work: Callable[[AsyncConnection], 
             if not isinstance(exc.orig, _RETRYABLE) or attempt == MAX_ATTEMPTS:
                 raise
             log.info("retrying transaction after %s (attempt %d)", type(exc.orig).__name__, attempt)
+            # Jitter so the transactions that collided do not collide again in step.
+            await asyncio.sleep(random.uniform(0, RETRY_BACKOFF_SECONDS * attempt))
     raise AssertionError("unreachable")
 
 

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
-import pgserver
 import psycopg
 
 log = logging.getLogger(__name__)
@@ -17,6 +17,12 @@ DATABASE = "kvquota"
 def start(data_dir: Path) -> str:
     """Start (or reuse) the server under data_dir/pgdata; it stops when this process exits.
     Returns the URL of its `kvquota` database."""
+    with warnings.catch_warnings():
+        # pgserver warns at import when XDG_RUNTIME_DIR is unset (CI, containers); its fallback
+        # under /tmp is what we want anyway.
+        warnings.simplefilter("ignore")
+        import pgserver
+
     pgdata = (data_dir / "pgdata").resolve()
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     server = pgserver.get_server(pgdata, cleanup_mode="stop")

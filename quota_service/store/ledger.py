@@ -3,7 +3,9 @@ statements, whatever the request; counters change in the same statement as the r
 so the ledger never shows one without the other.
 
 Lock order, everywhere: reservation rows, then instance rows, then tenant rows (Admit locks the
-instance and the tenant, then inserts a new reservation row nobody else can hold yet).
+instance and the tenant, then inserts a new reservation row nobody else can hold yet). PostgreSQL
+runs a statement's data-modifying CTEs in no fixed order, so each tenant update reads the rows the
+instance update returned: that dependency is what orders the two locks.
 """
 
 from __future__ import annotations
@@ -95,7 +97,9 @@ _END_RESERVATION = text(
                               + {HOLD_EWMA_ALPHA} * h.hold, h.hold)
                 ELSE i.mean_hold_seconds END
         FROM held h WHERE i.instance = h.instance
+        RETURNING i.instance
     ), account AS (
+        -- Reading pool's rows makes this update run after it: instance, then tenant.
         UPDATE tenants t
         SET blocks_in_use = t.blocks_in_use - h.reserved_blocks,
             tokens_in_flight = t.tokens_in_flight - h.reserved_tokens,
@@ -103,7 +107,7 @@ _END_RESERVATION = text(
                 THEN coalesce({1 - HOLD_EWMA_ALPHA} * t.mean_hold_seconds
                               + {HOLD_EWMA_ALPHA} * h.hold, h.hold)
                 ELSE t.mean_hold_seconds END
-        FROM held h WHERE t.tenant = h.tenant
+        FROM held h JOIN pool ON pool.instance = h.instance WHERE t.tenant = h.tenant
     )
     SELECT * FROM ended
     """
@@ -128,6 +132,7 @@ _REAP_EXPIRED = text(
     ), pool AS (
         UPDATE instances i SET blocks_in_use = i.blocks_in_use - p.blocks
         FROM per_instance p WHERE i.instance = p.instance
+        RETURNING i.instance
     ), per_tenant AS (
         SELECT tenant, sum(reserved_blocks) AS blocks, sum(reserved_tokens) AS tokens
         FROM ended GROUP BY tenant
@@ -135,7 +140,7 @@ _REAP_EXPIRED = text(
         UPDATE tenants t
         SET blocks_in_use = t.blocks_in_use - p.blocks,
             tokens_in_flight = t.tokens_in_flight - p.tokens
-        FROM per_tenant p WHERE t.tenant = p.tenant
+        FROM per_tenant p WHERE t.tenant = p.tenant AND (SELECT count(*) FROM pool) >= 0
     )
     SELECT count(*) FROM ended
     """

@@ -1,0 +1,78 @@
+"""A real PostgreSQL for every test that needs one: KVQUOTA_TEST_DATABASE_URL, else the server on
+127.0.0.1:5432 when one answers, else an embedded one. Migrations run once into a template
+database; each test gets its own uniquely named copy, dropped afterwards, so parallel and repeated
+runs never collide."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.store import embedded, migrate
+from quota_service.store.database import connect
+
+LOCAL_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def _reachable(url: str) -> bool:
+    try:
+        with psycopg.connect(url, connect_timeout=2):
+            return True
+    except psycopg.OperationalError:
+        return False
+
+
+def _with_database(url: str, database: str) -> str:
+    return make_url(url).set(database=database).render_as_string(hide_password=False)
+
+
+def _admin(url: str, sql: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql)
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    configured = os.environ.get("KVQUOTA_TEST_DATABASE_URL")
+    if configured:
+        return configured
+    if _reachable(LOCAL_SERVER):
+        return LOCAL_SERVER
+    return embedded.start(Path(tmp_path_factory.mktemp("embedded-pg")))
+
+
+@pytest.fixture(scope="session")
+def template_database(server_url: str) -> Iterator[str]:
+    name = f"kvq_template_{uuid.uuid4().hex[:12]}"
+    _admin(server_url, f'CREATE DATABASE "{name}"')
+    migrate.upgrade(_with_database(server_url, name))
+    yield name
+    _admin(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(server_url: str, template_database: str) -> Iterator[str]:
+    name = f"kvq_test_{uuid.uuid4().hex[:12]}"
+    _admin(server_url, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    yield _with_database(server_url, name)
+    _admin(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    db = connect(database_url, pool_size=20)
+    yield db
+    await db.dispose()
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return Settings(grpc_listen="127.0.0.1:0", reaper_interval_seconds=0.2)

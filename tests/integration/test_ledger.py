@@ -1,0 +1,228 @@
+"""The ledger against a real PostgreSQL: the reference scenario, idempotency, leases, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.model import EndReason, ReservationState, TenantQuota
+from quota_service.jobs.lease_reaper import reap_once
+from quota_service.store.catalog import Catalog
+from quota_service.store.ledger import Ledger
+from tests.integration.ledger_fixtures import (
+    add_instance,
+    add_tenant,
+    read_books,
+    request,
+    snapshot,
+)
+
+
+@pytest.fixture
+async def ledger(engine: AsyncEngine, settings: Settings) -> Ledger:
+    await add_instance(engine)
+    await add_tenant(engine, "acme")
+    return Ledger(engine, settings.admission_limits)
+
+
+async def free_blocks(engine: AsyncEngine) -> int:
+    instance = await Catalog(engine).get_instance("gpu-0")
+    return instance.free_blocks
+
+
+async def test_reference_scenario(ledger: Ledger, engine: AsyncEngine) -> None:
+    a, _ = await ledger.admit(request("a", 4096, 2048))
+    assert a.reserved_blocks == 384
+    assert await free_blocks(engine) == 128
+
+    with pytest.raises(KvQuotaError) as refused:
+        await ledger.admit(request("b", 2048, 1024))
+    assert refused.value.reason == "INSTANCE_OVERLOADED"
+    assert refused.value.metadata["requestedBlocks"] == "192"
+
+    with pytest.raises(KvQuotaError) as too_long:
+        await ledger.admit(request("c", 8000, 512))
+    assert too_long.value.reason == "CONTEXT_LENGTH_EXCEEDED"
+
+    await ledger.end("acme", "a", EndReason.RELEASED, 2000)
+    assert await free_blocks(engine) == 512
+
+    b, _ = await ledger.admit(request("b", 2048, 1024))
+    assert b.reserved_blocks == 192
+    assert await free_blocks(engine) == 320
+
+    again, _ = await ledger.admit(request("b", 2048, 1024))
+    assert again == b
+    assert await free_blocks(engine) == 320
+
+    first = await ledger.end("acme", "b", EndReason.RELEASED, 10)
+    second = await ledger.end("acme", "b", EndReason.RELEASED, 99)
+    assert second == first
+    assert second.output_tokens == 10
+    assert await free_blocks(engine) == 512
+    (await read_books(engine)).assert_consistent()
+
+
+async def test_ended_reservation_keeps_its_record(ledger: Ledger) -> None:
+    await ledger.admit(request("r", 100, 50, n=2))
+    ended = await ledger.end("acme", "r", EndReason.RELEASED, 42)
+    got = await ledger.get("acme", "r")
+    assert got == ended
+    assert got.state is ReservationState.ENDED
+    assert got.end_reason is EndReason.RELEASED
+    assert (got.prompt_tokens, got.max_output_tokens, got.n, got.output_tokens) == (100, 50, 2, 42)
+    assert got.reserved_tokens == 300
+    assert got.ended_at is not None and got.ended_at >= got.admitted_at
+
+
+async def test_same_request_id_with_other_parameters_is_refused(
+    ledger: Ledger, engine: AsyncEngine
+) -> None:
+    await ledger.admit(request("dup", 100, 50))
+    before = await snapshot(engine)
+    with pytest.raises(KvQuotaError) as reused:
+        await ledger.admit(request("dup", 100, 51))
+    assert reused.value.reason == "REQUEST_ID_REUSED"
+    assert await snapshot(engine) == before
+
+
+async def test_cancel_is_idempotent_and_wins_over_a_later_release(ledger: Ledger) -> None:
+    await ledger.admit(request("c", 100, 50))
+    cancelled = await ledger.end("acme", "c", EndReason.CANCELLED)
+    assert cancelled.end_reason is EndReason.CANCELLED
+    assert await ledger.end("acme", "c", EndReason.CANCELLED) == cancelled
+    assert await ledger.end("acme", "c", EndReason.RELEASED, 5) == cancelled
+
+
+async def test_refusals_change_nothing(ledger: Ledger, engine: AsyncEngine) -> None:
+    await Catalog(engine).create_tenant("small", "Small", 1, TenantQuota(20, 1000, 1, 1, 1))
+    await ledger.admit(request("held", 4096, 2048))
+    await ledger.admit(request("small-held", 160, 16, tenant="small"))  # 11 of its 20 blocks
+    before = await snapshot(engine)
+    refusals = {
+        "INVALID_REQUEST": request("bad", 0, 10),
+        "CONTEXT_LENGTH_EXCEEDED": request("long", 8000, 512),
+        "REQUEST_EXCEEDS_CAPACITY": request("huge", 8000, 100, n=16),
+        "INSTANCE_OVERLOADED": request("busy", 2048, 1024),
+        "TENANT_QUOTA_EXCEEDED": request("quota", 160, 16, tenant="small"),
+        "TENANT_NOT_FOUND": request("ghost", 10, 10, tenant="nobody"),
+        "INSTANCE_NOT_FOUND": request("nowhere", 10, 10, instance="gpu-9"),
+    }
+    for reason, refused in refusals.items():
+        with pytest.raises(KvQuotaError) as error:
+            await ledger.admit(refused)
+        assert error.value.reason == reason
+    assert await snapshot(engine) == before
+
+
+async def test_tenant_quota_on_tokens_in_flight(ledger: Ledger, engine: AsyncEngine) -> None:
+    await Catalog(engine).create_tenant("tok", "Tok", 1, TenantQuota(1000, 1000, 1, 1, 1))
+    await ledger.admit(request("one", 400, 200, tenant="tok"))
+    with pytest.raises(KvQuotaError) as error:
+        await ledger.admit(request("two", 400, 200, tenant="tok"))
+    assert error.value.reason == "TENANT_QUOTA_EXCEEDED"
+    assert [v.description for v in error.value.quota_violations] == [
+        "tokens in flight: needs 600, 400 left in quota"
+    ]
+    assert error.value.retry_delay_seconds is not None
+
+
+async def test_suspended_tenant_and_draining_instance(ledger: Ledger, engine: AsyncEngine) -> None:
+    store = Catalog(engine)
+    await store.set_tenant_state("acme", (await store.get_tenant("acme")).state.SUSPENDED)
+    with pytest.raises(KvQuotaError) as suspended:
+        await ledger.admit(request("s", 10, 10))
+    assert suspended.value.reason == "TENANT_SUSPENDED"
+    await store.set_tenant_state("acme", (await store.get_tenant("acme")).state.ACTIVE)
+    await store.drain_instance("gpu-0")
+    with pytest.raises(KvQuotaError) as draining:
+        await ledger.admit(request("d", 10, 10))
+    assert draining.value.reason == "INSTANCE_DRAINING"
+
+
+async def test_lease_expiry_is_reaped_and_renewal_refused(
+    ledger: Ledger, engine: AsyncEngine
+) -> None:
+    await ledger.admit(request("short", 100, 100, lease_ttl=1.0))
+    await ledger.admit(request("long", 100, 100, lease_ttl=60.0))
+    renewed = await ledger.renew("acme", "short", 1.0)
+    assert renewed.lease_ttl_seconds == 1.0
+    await asyncio.sleep(1.2)
+    with pytest.raises(KvQuotaError) as lapsed:
+        await ledger.renew("acme", "short", None)
+    assert lapsed.value.reason == "LEASE_EXPIRED"
+    assert await reap_once(ledger, batch_size=1) == 1
+    short = await ledger.get("acme", "short")
+    assert (short.state, short.end_reason) == (ReservationState.ENDED, EndReason.LEASE_EXPIRED)
+    assert (await ledger.get("acme", "long")).state is ReservationState.ADMITTED
+    with pytest.raises(KvQuotaError) as expired:
+        await ledger.renew("acme", "short", None)
+    assert expired.value.reason == "LEASE_EXPIRED"
+    # Releasing after the reaper is a no-op that reports how it ended.
+    assert (
+        await ledger.end("acme", "short", EndReason.RELEASED, 3)
+    ).end_reason is EndReason.LEASE_EXPIRED
+    (await read_books(engine)).assert_consistent()
+
+
+async def test_renewing_an_ended_reservation_is_refused(ledger: Ledger) -> None:
+    await ledger.admit(request("done", 100, 100))
+    await ledger.end("acme", "done", EndReason.RELEASED, 1)
+    with pytest.raises(KvQuotaError) as ended:
+        await ledger.renew("acme", "done", None)
+    assert ended.value.reason == "RESERVATION_ENDED"
+
+
+async def test_two_transactions_racing_for_the_last_blocks(
+    ledger: Ledger, engine: AsyncEngine
+) -> None:
+    await add_tenant(engine, "other")
+    await ledger.admit(request("fill", 4096, 2048))  # 128 blocks left
+    results = await asyncio.gather(
+        ledger.admit(request("x", 1024, 1024)),  # 128 blocks each
+        ledger.admit(request("y", 1024, 1024, tenant="other")),
+        return_exceptions=True,
+    )
+    winners = [r for r in results if not isinstance(r, BaseException)]
+    losers = [r for r in results if isinstance(r, KvQuotaError)]
+    assert len(winners) == 1 and len(losers) == 1
+    assert losers[0].reason == "INSTANCE_OVERLOADED"
+    assert await free_blocks(engine) == 0
+    (await read_books(engine)).assert_consistent()
+
+
+async def test_concurrent_duplicates_make_one_reservation(
+    ledger: Ledger, engine: AsyncEngine
+) -> None:
+    results = await asyncio.gather(*(ledger.admit(request("same", 160, 16)) for _ in range(10)))
+    assert len({r for r, _ in results}) == 1
+    assert await free_blocks(engine) == 512 - 11
+    async with engine.connect() as conn:
+        count = await conn.execute(text("SELECT count(*) FROM reservations"))
+        assert count.scalar_one() == 1
+
+
+async def test_many_admits_and_releases_never_over_commit(
+    ledger: Ledger, engine: AsyncEngine
+) -> None:
+    await add_tenant(engine, "capped", TenantQuota(200, 10**9, 10, 10, 10))
+
+    async def one(i: int) -> None:
+        tenant = "capped" if i % 2 else "acme"
+        try:
+            await ledger.admit(request(f"r{i}", 100 + i, 60, tenant=tenant))
+        except KvQuotaError as error:
+            assert error.reason in ("INSTANCE_OVERLOADED", "TENANT_QUOTA_EXCEEDED")
+            return
+        if i % 3 == 0:
+            await ledger.end(tenant, f"r{i}", EndReason.RELEASED, 1)
+
+    await asyncio.gather(*(one(i) for i in range(120)))
+    books = await read_books(engine)
+    books.assert_consistent()
+    assert books.tenant_blocks["capped"] <= 200
