@@ -1,0 +1,48 @@
+"""Settings from defaults, a TOML file and KVQUOTA_* variables, checked at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from quota_service.config import SettingsError, load_settings
+
+
+def test_defaults() -> None:
+    settings = load_settings({})
+    assert settings.grpc_listen == "127.0.0.1:50051"
+    assert settings.database_url == ""
+    assert settings.default_lease_ttl_seconds == 60.0
+
+
+def test_environment_overrides_file(tmp_path: Path) -> None:
+    config = tmp_path / "kvquota.toml"
+    config.write_text('grpc_listen = "0.0.0.0:6000"\nmax_n = 8\ndata_dir = "/srv/kvq"\n')
+    settings = load_settings({"KVQUOTA_CONFIG": str(config), "KVQUOTA_MAX_N": "4"})
+    assert (settings.grpc_listen, settings.max_n, settings.data_dir) == (
+        "0.0.0.0:6000",
+        4,
+        Path("/srv/kvq"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"KVQUOTA_MAX_N": "many"}, "KVQUOTA_MAX_N"),
+        ({"KVQUOTA_DB_POOL_SIZE": "0"}, "DB_POOL_SIZE"),
+        ({"KVQUOTA_DEFAULT_LEASE_TTL_SECONDS": "7200"}, "lease TTLs"),
+        ({"KVQUOTA_CONFIG": "/nonexistent/kvquota.toml"}, "KVQUOTA_CONFIG"),
+    ],
+)
+def test_bad_settings_say_which(environ: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        load_settings(environ)
+
+
+def test_unknown_key_in_file(tmp_path: Path) -> None:
+    config = tmp_path / "kvquota.toml"
+    config.write_text("grpc_lsten = 1\n")
+    with pytest.raises(SettingsError, match="grpc_lsten"):
+        load_settings({"KVQUOTA_CONFIG": str(config)})
