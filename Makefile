@@ -23,11 +23,17 @@ venv: $(STAMP) ## Create .venv and install the project with its dev tools
 run: $(STAMP) ## Serve gRPC on 127.0.0.1:50051 (embedded PostgreSQL unless KVQUOTA_DATABASE_URL is set) with demo data
 	$(BIN)/kvquota serve --migrate --demo
 
+# pytest exits 5 when it collected nothing: that is a failure, never a pass.
+define PYTEST
+	$(BIN)/python -m pytest -q $(1); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
+endef
+
 test: $(STAMP) ## Unit and integration tests against a real PostgreSQL
-	$(BIN)/python -m pytest -q
+	$(call PYTEST,)
 
 test-unit: $(STAMP) ## Unit tests only (no database)
-	$(BIN)/python -m pytest -q tests/unit
+	$(call PYTEST,tests/unit)
 
 lint: $(STAMP) ## ruff (lint and format check) and mypy --strict
 	$(BIN)/ruff check .
@@ -41,8 +47,8 @@ format: $(STAMP) ## Apply ruff's fixes and formatting
 proto: $(STAMP) ## Regenerate kvquota/v1 from proto/kvquota/v1
 	$(BIN)/python scripts/protogen.py
 
-bench: $(STAMP) ## First reading of Admit latency and throughput against a running test database
-	$(BIN)/python -m quota_service.bench
+bench: $(STAMP) ## Admit latency and Admit+Release pairs per second (one server process, throwaway database)
+	$(BIN)/python bench/admit_latency.py
 
 clean: ## Remove the virtual environment and the embedded database
 	rm -rf $(VENV) .kvquota

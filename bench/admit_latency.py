@@ -1,0 +1,167 @@
+"""First reading of the hot path: Admit latency and Admit+Release pairs per second.
+
+Starts one kvquota server process on a throwaway database (KVQUOTA_DATABASE_URL's server, else
+127.0.0.1:5432, else an embedded PostgreSQL), then this process drives it with concurrent gRPC
+clients doing Admit then Release of 1536-token requests (96 blocks at 16 tokens per block).
+Prints a table, or JSON with --json. The full benchmark suite (pgbench reference, scenarios)
+belongs to a later issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import psycopg
+from sqlalchemy import make_url
+
+from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
+from kvquota.v1 import resources_pb2 as pb
+from quota_service.store import embedded, migrate
+
+ADDRESS = re.compile(r"serving gRPC on (\S+)")
+
+
+def server_url() -> str:
+    configured = os.environ.get("KVQUOTA_DATABASE_URL")
+    if configured:
+        return configured
+    try:
+        url = "postgresql://postgres@127.0.0.1:5432/postgres"
+        psycopg.connect(url, connect_timeout=2).close()
+        return url
+    except psycopg.OperationalError:
+        return embedded.start(Path(tempfile.mkdtemp(prefix="kvquota-bench-")))
+
+
+async def setup(address: str, capacity: int) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        admin = admin_pb2_grpc.AdminServiceStub(channel)
+        await admin.RegisterInstance(
+            admin_pb2.RegisterInstanceRequest(
+                instance_id="bench", block_size=16, max_model_len=8192, num_gpu_blocks=capacity
+            )
+        )
+        big = 10**12
+        quota = pb.TenantQuota(
+            max_blocks=big,
+            max_tokens_in_flight=big,
+            max_queued_requests=1,
+            max_pinned_blocks=1,
+            max_cpu_tier_bytes=1,
+        )
+        for t in range(4):
+            await admin.CreateTenant(
+                admin_pb2.CreateTenantRequest(tenant_id=f"t{t}", tenant=pb.Tenant(quota=quota))
+            )
+
+
+async def drive(address: str, concurrency: int, seconds: float) -> dict[str, float]:
+    latencies: list[float] = []
+    pairs = 0
+    refused = 0
+    deadline = time.perf_counter() + seconds
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+
+        async def client(c: int) -> None:
+            nonlocal pairs, refused
+            i = 0
+            while time.perf_counter() < deadline:
+                i += 1
+                request = admission_pb2.AdmitRequest(
+                    tenant=f"tenants/t{c % 4}",
+                    request_id=f"c{c}-{i}",
+                    instance="instances/bench",
+                    prompt_tokens=1024,
+                    max_output_tokens=512,
+                )
+                start = time.perf_counter()
+                try:
+                    admitted = await stub.Admit(request)
+                except grpc.aio.AioRpcError:
+                    refused += 1
+                    continue
+                latencies.append(time.perf_counter() - start)
+                await stub.Release(admission_pb2.ReleaseRequest(name=admitted.reservation.name))
+                pairs += 1
+
+        async def progress() -> None:
+            while time.perf_counter() < deadline:
+                await asyncio.sleep(1)
+                print(f"\r  {pairs} pairs…", end="", file=sys.stderr, flush=True)
+            print(file=sys.stderr)
+
+        began = time.perf_counter()
+        await asyncio.gather(progress(), *(client(c) for c in range(concurrency)))
+        elapsed = time.perf_counter() - began
+    quantiles = statistics.quantiles(latencies, n=100)
+    return {
+        "concurrency": concurrency,
+        "seconds": round(elapsed, 2),
+        "pairs_per_second": round(pairs / elapsed, 1),
+        "admit_p50_ms": round(quantiles[49] * 1000, 2),
+        "admit_p99_ms": round(quantiles[98] * 1000, 2),
+        "refused": refused,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--capacity", type=int, default=1_000_000)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    root = server_url()
+    database = f"kvq_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(root, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{database}"')
+    url = make_url(root).set(database=database).render_as_string(hide_password=False)
+    server = None
+    try:
+        migrate.upgrade(url)
+        env = {**os.environ, "KVQUOTA_DATABASE_URL": url, "KVQUOTA_GRPC_LISTEN": "127.0.0.1:0"}
+        server = subprocess.Popen(
+            [sys.executable, "-m", "quota_service.cli", "serve"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert server.stdout is not None
+        address = next(m.group(1) for line in server.stdout if (m := ADDRESS.search(line)))
+        asyncio.run(setup(address, args.capacity))
+        results = []
+        for concurrency in args.concurrency:
+            print(f"concurrency {concurrency}, {args.seconds:g} s", file=sys.stderr)
+            results.append(asyncio.run(drive(address, concurrency, args.seconds)))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+        with psycopg.connect(root, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    columns = list(results[0])
+    print("  ".join(f"{c:>17}" for c in columns))
+    for row in results:
+        print("  ".join(f"{row[c]!s:>17}" for c in columns))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Engine drivers for the GPU hosts (vLLM, LMCache, a simulated host) live here."""

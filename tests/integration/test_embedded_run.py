@@ -1,0 +1,57 @@
+"""`make run`'s path: with no KVQUOTA_DATABASE_URL the server starts an embedded PostgreSQL,
+migrates it, seeds the demo data and serves; SIGTERM stops both."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quota_service.cli import main as cli_main
+
+ADDRESS = re.compile(r"serving gRPC on (\S+)")
+
+
+def test_serve_on_embedded_postgres(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVQUOTA_")}
+    env |= {"KVQUOTA_DATA_DIR": str(tmp_path / "state"), "KVQUOTA_GRPC_LISTEN": "127.0.0.1:0"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "quota_service.cli", "serve", "--migrate", "--demo"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert process.stdout is not None
+    try:
+        address = next(m.group(1) for line in process.stdout if (m := ADDRESS.search(line)))
+        assert (tmp_path / "state" / "pgdata" / "PG_VERSION").exists()
+        assert cli_main(["tenants", "--server", address, "--json"]) == 0
+        names = [t["name"] for t in json.loads(capsys.readouterr().out)]
+        assert names == ["tenants/acme", "tenants/globex"]
+        assert cli_main(["instances", "--server", address]) == 0
+        header, row = capsys.readouterr().out.splitlines()
+        assert header.split()[:2] == ["NAME", "STATE"]
+        assert row.split()[:2] == ["instances/demo-llama3-8b", "ACTIVE"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        process.stdout.close()
+    assert not _postgres_running(tmp_path / "state" / "pgdata")
+
+
+def _postgres_running(pgdata: Path) -> bool:
+    """Whether a postgres process still serves pgdata (the server must stop it on exit)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(pgdata) in cmdline.read_text():
+                return True
+        except OSError:
+            continue
+    return False
