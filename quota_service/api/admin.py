@@ -10,43 +10,11 @@ from kvquota.v1 import admin_pb2 as pb
 from kvquota.v1 import admin_pb2_grpc, resources_pb2
 from quota_service.api import convert
 from quota_service.core import catalog, pagination
-from quota_service.core.errors import FieldViolation, invalid_request
-from quota_service.core.model import TenantQuota, TenantState
+from quota_service.core.model import TenantState
 from quota_service.core.names import instance_id, tenant_id
 from quota_service.store.catalog import Catalog
 
 Context = grpc.aio.ServicerContext[Any, Any]
-
-_QUOTA_FIELDS = tuple(TenantQuota.__dataclass_fields__)
-_UPDATABLE = ("display_name", "weight", "quota", *(f"quota.{f}" for f in _QUOTA_FIELDS))
-
-
-def _tenant_changes(request: pb.UpdateTenantRequest) -> dict[str, object]:
-    """The columns an UpdateTenant sets, checked like a create."""
-    paths = list(request.update_mask.paths)
-    unknown = [p for p in paths if p not in _UPDATABLE]
-    if not paths or unknown:
-        raise invalid_request(
-            [FieldViolation("update_mask", f"paths must be some of {', '.join(_UPDATABLE)}")]
-        )
-    given = request.tenant
-    changes: dict[str, object] = {}
-    if "display_name" in paths:
-        changes["display_name"] = given.display_name
-    if "weight" in paths:
-        changes["weight"] = given.weight
-    for field in _QUOTA_FIELDS:
-        if "quota" in paths or f"quota.{field}" in paths:
-            changes[field] = getattr(given.quota, field)
-    quota = TenantQuota(**{f: int(changes.get(f, 0)) for f in _QUOTA_FIELDS})  # type: ignore[call-overload]
-    catalog.check_tenant_fields(
-        tenant_id(given.name, "tenant.name"),
-        str(changes.get("display_name", "")),
-        int(changes.get("weight", 1)),  # type: ignore[call-overload]
-        quota,
-        quota_field="tenant.quota",
-    )
-    return changes
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
@@ -59,9 +27,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         given = request.tenant
         weight = given.weight or 1
         quota = convert.quota(given.quota)
-        catalog.check_tenant_fields(
-            request.tenant_id, given.display_name, weight, quota, "tenant.quota"
-        )
+        catalog.check_new_tenant(request.tenant_id, given.display_name, weight, quota)
         created = await self._catalog.create_tenant(
             request.tenant_id, given.display_name, weight, quota
         )
@@ -85,8 +51,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def UpdateTenant(
         self, request: pb.UpdateTenantRequest, context: Context
     ) -> resources_pb2.Tenant:
-        changes = _tenant_changes(request)
-        name = tenant_id(request.tenant.name, "tenant.name")
+        given = request.tenant
+        name = tenant_id(given.name, "tenant.name")
+        changes = catalog.tenant_changes(
+            list(request.update_mask.paths),
+            given.display_name,
+            given.weight,
+            convert.quota(given.quota),
+        )
         return convert.tenant(await self._catalog.update_tenant(name, changes))
 
     async def SuspendTenant(

@@ -70,7 +70,7 @@ def rich_status(error: KvQuotaError) -> tuple[grpc.StatusCode, status_pb2.Status
     return code, status
 
 
-def _as_error(exc: Exception, method: str) -> KvQuotaError:
+def domain_error(exc: Exception, method: str) -> KvQuotaError:
     if isinstance(exc, KvQuotaError):
         return exc
     unavailable = unavailable_error(exc)
@@ -92,7 +92,7 @@ def _guard(behavior: Behavior[Request, Response], method: str) -> Behavior[Reque
         try:
             return await behavior(request, context)
         except Exception as exc:
-            code, status = rich_status(_as_error(exc, method))
+            code, status = rich_status(domain_error(exc, method))
             await context.abort(
                 code,
                 status.message,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+
 from quota_service.core import geometry
 from quota_service.core.errors import FieldViolation, invalid_request
 from quota_service.core.model import InstanceSpec, TenantQuota
@@ -12,19 +15,61 @@ MAX_MODEL_NAME = 200
 MAX_WEIGHT = 10_000
 
 
-def check_tenant_fields(
-    tenant: str, display_name: str, weight: int, quota: TenantQuota, quota_field: str = "quota"
-) -> None:
-    violations = [v for v in (check_resource_id(tenant, "tenant_id"),) if v is not None]
-    if len(display_name) > MAX_DISPLAY_NAME:
-        violations.append(FieldViolation("display_name", f"at most {MAX_DISPLAY_NAME} characters"))
-    if not 1 <= weight <= MAX_WEIGHT:
-        violations.append(FieldViolation("weight", f"must be between 1 and {MAX_WEIGHT}"))
-    for name in TenantQuota.__dataclass_fields__:
-        if getattr(quota, name) < 0:
-            violations.append(FieldViolation(f"{quota_field}.{name}", "must not be negative"))
+QUOTA_FIELDS = tuple(TenantQuota.__dataclass_fields__)
+TENANT_UPDATE_PATHS = ("display_name", "weight", "quota", *(f"quota.{f}" for f in QUOTA_FIELDS))
+
+
+def _tenant_violations(
+    display_name: str | None, weight: int | None, quota: Mapping[str, int]
+) -> list[FieldViolation]:
+    """What is wrong with the given tenant fields (None: not being set)."""
+    violations = []
+    if display_name is not None and len(display_name) > MAX_DISPLAY_NAME:
+        violations.append(
+            FieldViolation("tenant.display_name", f"at most {MAX_DISPLAY_NAME} characters")
+        )
+    if weight is not None and not 1 <= weight <= MAX_WEIGHT:
+        violations.append(FieldViolation("tenant.weight", f"must be between 1 and {MAX_WEIGHT}"))
+    violations.extend(
+        FieldViolation(f"tenant.quota.{name}", "must not be negative")
+        for name, value in quota.items()
+        if value < 0
+    )
+    return violations
+
+
+def check_new_tenant(tenant: str, display_name: str, weight: int, quota: TenantQuota) -> None:
+    violation = check_resource_id(tenant, "tenant_id")
+    violations = [violation] if violation else []
+    violations += _tenant_violations(display_name, weight, asdict(quota))
     if violations:
         raise invalid_request(violations)
+
+
+def tenant_changes(
+    paths: Sequence[str], display_name: str, weight: int, quota: TenantQuota
+) -> dict[str, object]:
+    """The columns an update sets: the fields its mask names (AIP-134), checked like a create."""
+    if not paths or any(p not in TENANT_UPDATE_PATHS for p in paths):
+        raise invalid_request(
+            [FieldViolation("update_mask", f"paths must be among {', '.join(TENANT_UPDATE_PATHS)}")]
+        )
+    quota_changes = {
+        name: getattr(quota, name)
+        for name in QUOTA_FIELDS
+        if "quota" in paths or f"quota.{name}" in paths
+    }
+    new_name = display_name if "display_name" in paths else None
+    new_weight = weight if "weight" in paths else None
+    violations = _tenant_violations(new_name, new_weight, quota_changes)
+    if violations:
+        raise invalid_request(violations)
+    changes: dict[str, object] = dict(quota_changes)
+    if new_name is not None:
+        changes["display_name"] = new_name
+    if new_weight is not None:
+        changes["weight"] = new_weight
+    return changes
 
 
 def instance_spec(

@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
 from quota_service.core.errors import KvQuotaError
-from quota_service.core.model import EndReason, ReservationState, TenantQuota
+from quota_service.core.model import EndReason, ReservationState, TenantQuota, TenantState
 from quota_service.jobs.lease_reaper import reap_once
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
@@ -134,15 +134,19 @@ async def test_tenant_quota_on_tokens_in_flight(ledger: Ledger, engine: AsyncEng
 
 async def test_suspended_tenant_and_draining_instance(ledger: Ledger, engine: AsyncEngine) -> None:
     store = Catalog(engine)
-    await store.set_tenant_state("acme", (await store.get_tenant("acme")).state.SUSPENDED)
+    await store.set_tenant_state("acme", TenantState.SUSPENDED)
+    before = await snapshot(engine)
     with pytest.raises(KvQuotaError) as suspended:
         await ledger.admit(request("s", 10, 10))
     assert suspended.value.reason == "TENANT_SUSPENDED"
-    await store.set_tenant_state("acme", (await store.get_tenant("acme")).state.ACTIVE)
+    assert await snapshot(engine) == before
+    await store.set_tenant_state("acme", TenantState.ACTIVE)
     await store.drain_instance("gpu-0")
+    before = await snapshot(engine)
     with pytest.raises(KvQuotaError) as draining:
         await ledger.admit(request("d", 10, 10))
     assert draining.value.reason == "INSTANCE_DRAINING"
+    assert await snapshot(engine) == before
 
 
 async def test_lease_expiry_is_reaped_and_renewal_refused(

@@ -32,8 +32,14 @@ QUOTA = TenantQuota(
 ADDRESS = re.compile(r"serving gRPC on (\S+)")
 
 
-def _start_replica(database_url: str) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "KVQUOTA_DATABASE_URL": database_url, "KVQUOTA_GRPC_LISTEN": "127.0.0.1:0"}
+def start_replica(database_url: str, **settings: str) -> tuple[subprocess.Popen[str], str]:
+    """A `kvquota serve` process on database_url; returns it and the address it serves on."""
+    env = {
+        **os.environ,
+        "KVQUOTA_DATABASE_URL": database_url,
+        "KVQUOTA_GRPC_LISTEN": "127.0.0.1:0",
+        **{f"KVQUOTA_{k.upper()}": v for k, v in settings.items()},
+    }
     process = subprocess.Popen(
         [sys.executable, "-m", "quota_service.cli", "serve"],
         env=env,
@@ -51,7 +57,7 @@ def _start_replica(database_url: str) -> tuple[subprocess.Popen[str], str]:
 
 @pytest.fixture
 def replicas(database_url: str) -> Iterator[list[str]]:
-    started = [_start_replica(database_url) for _ in range(2)]
+    started = [start_replica(database_url) for _ in range(2)]
     yield [address for _, address in started]
     for process, _ in started:
         process.terminate()

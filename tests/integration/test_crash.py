@@ -1,0 +1,81 @@
+"""Invariant 7 for reservations: a server killed with SIGKILL in the middle of Admits and Releases
+loses nothing. Its transactions either committed whole or not at all, and the leases of the
+requests it was serving run out and are ended, with a reason, by another replica."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from kvquota.v1 import admission_pb2, admission_pb2_grpc
+from tests.integration.ledger_fixtures import add_instance, add_tenant, read_books
+from tests.integration.test_replicas import start_replica
+
+LEASE_SECONDS = 1
+
+
+async def test_kill_9_mid_load_loses_nothing(engine: AsyncEngine, database_url: str) -> None:
+    await add_instance(engine, blocks=2000)
+    await add_tenant(engine, "acme")
+    victim, address = start_replica(database_url)
+
+    async def client(c: int, channel: grpc.aio.Channel) -> None:
+        stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+        for i in range(1000):
+            request = admission_pb2.AdmitRequest(
+                tenant="tenants/acme",
+                request_id=f"c{c}-{i}",
+                instance="instances/gpu-0",
+                prompt_tokens=100,
+                max_output_tokens=60,
+            )
+            request.lease_ttl.FromSeconds(LEASE_SECONDS)
+            try:
+                admitted = await stub.Admit(request)
+                if i % 2:
+                    await stub.Release(admission_pb2.ReleaseRequest(name=admitted.reservation.name))
+            except grpc.aio.AioRpcError:
+                return  # the server died under us
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        clients = [asyncio.create_task(client(c, channel)) for c in range(16)]
+        await asyncio.sleep(1.0)
+        assert victim.stdout is not None
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=10)
+        victim.stdout.close()
+        await asyncio.gather(*clients)
+
+    books = await read_books(engine)
+    books.assert_consistent()
+    assert books.reservations > 0
+
+    survivor, _ = start_replica(database_url, reaper_interval_seconds="0.2")
+    try:
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            async with engine.connect() as conn:
+                live = await conn.execute(
+                    text("SELECT count(*) FROM reservations WHERE state = 'ADMITTED'")
+                )
+                if live.scalar_one() == 0:
+                    break
+        async with engine.connect() as conn:
+            rows = await conn.execute(
+                text("SELECT coalesce(end_reason, state), count(*) FROM reservations GROUP BY 1")
+            )
+            ends: dict[str, int] = {reason: count for reason, count in rows.all()}
+    finally:
+        survivor.terminate()
+        survivor.wait(timeout=30)
+        assert survivor.stdout is not None
+        survivor.stdout.close()
+    assert set(ends) == {"RELEASED", "LEASE_EXPIRED"}, ends
+    books = await read_books(engine)
+    books.assert_consistent()
+    assert books.instance_blocks["gpu-0"] == 0
+    assert books.tenant_blocks["acme"] == 0

@@ -1,0 +1,60 @@
+"""Domain errors on the wire: the rich status a gateway decodes, and what it never sees."""
+
+from __future__ import annotations
+
+import grpc
+import psycopg
+import pytest
+from google.rpc import error_details_pb2
+from sqlalchemy.exc import OperationalError
+
+from quota_service.api.errors import domain_error, rich_status
+from quota_service.core.errors import Code, FieldViolation, KvQuotaError, QuotaViolation
+
+
+def test_rich_status_carries_every_detail() -> None:
+    error = KvQuotaError(
+        Code.RESOURCE_EXHAUSTED,
+        "TENANT_QUOTA_EXCEEDED",
+        "over quota",
+        metadata={"tenant": "acme"},
+        field_violations=(FieldViolation("n", "too big"),),
+        quota_violations=(QuotaViolation("tenants/acme", "blocks"),),
+        retry_delay_seconds=2.25,
+    )
+    code, status = rich_status(error)
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (status.code, status.message) == (8, "over quota")
+    info, bad, quota, retry = (
+        error_details_pb2.ErrorInfo(),
+        error_details_pb2.BadRequest(),
+        error_details_pb2.QuotaFailure(),
+        error_details_pb2.RetryInfo(),
+    )
+    for packed, message in zip(status.details, (info, bad, quota, retry), strict=True):
+        assert packed.Unpack(message)
+    assert (info.reason, info.domain, dict(info.metadata)) == (
+        "TENANT_QUOTA_EXCEEDED",
+        "kvquota",
+        {"tenant": "acme"},
+    )
+    assert bad.field_violations[0].field == "n"
+    assert quota.violations[0].subject == "tenants/acme"
+    assert retry.retry_delay.ToNanoseconds() == 2_250_000_000
+
+
+def test_unexpected_errors_hide_their_text(caplog: pytest.LogCaptureFixture) -> None:
+    error = domain_error(RuntimeError("secret salt abc"), "/kvquota.v1.AdmissionService/Admit")
+    assert (error.code, error.reason, error.message) == (
+        Code.INTERNAL,
+        "INTERNAL",
+        "internal error",
+    )
+    assert "unexpected error" in caplog.text
+
+
+def test_lost_database_is_unavailable() -> None:
+    lost = OperationalError("SELECT 1", {}, psycopg.OperationalError("connection refused"))
+    error = domain_error(lost, "/kvquota.v1.AdmissionService/Admit")
+    assert (error.code, error.reason) == (Code.UNAVAILABLE, "DATABASE_UNAVAILABLE")
+    assert error.retry_delay_seconds is not None
