@@ -39,7 +39,6 @@ def connect(url: str, pool_size: int = 10) -> AsyncEngine:
         sqlalchemy_url(url),
         pool_size=pool_size,
         max_overflow=pool_size,
-        pool_pre_ping=True,
         # The hot path runs the same few statements: let psycopg prepare them server-side.
         connect_args={"prepare_threshold": 1},
     )
