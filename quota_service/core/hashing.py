@@ -1,0 +1,66 @@
+"""vLLM-compatible prefix-cache block hashes, so the ledger and the engine name the same blocks.
+
+vLLM chains the hash of each full block onto its parent's:
+    hash(block) = H((parent_digest or NONE_HASH, tuple(block_token_ids), extra_keys))
+with H = SHA-256 of pickle (protocol 5) by default, or of canonical CBOR (`sha256_cbor`, portable).
+NONE_HASH = H("vllm-none-hash") unless the engine sets PYTHONHASHSEED, then H(that seed). The
+cache salt is an extra key of the first block only, so every later hash differs too. Only full
+blocks are hashed. KV events carry the low 64 bits of the digest as an int.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import pickle
+from collections.abc import Sequence
+
+import cbor2
+
+NONE_HASH_SEED = "vllm-none-hash"
+DIGEST_BYTES = 32
+
+
+class HashAlgo(enum.Enum):
+    """vLLM's --prefix-caching-hash-algo values we can reproduce (xxhash ones are seeded per
+    process and cannot be)."""
+
+    SHA256 = "sha256"
+    SHA256_CBOR = "sha256_cbor"
+
+
+def _digest(value: object, algo: HashAlgo) -> bytes:
+    if algo is HashAlgo.SHA256:
+        encoded = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    else:
+        encoded = cbor2.dumps(value, canonical=True)
+    return hashlib.sha256(encoded).digest()
+
+
+def none_hash(algo: HashAlgo, python_hash_seed: str | None = None) -> bytes:
+    """The parent of a sequence's first block."""
+    return _digest(python_hash_seed if python_hash_seed is not None else NONE_HASH_SEED, algo)
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None,
+    algo: HashAlgo = HashAlgo.SHA256,
+    python_hash_seed: str | None = None,
+) -> list[bytes]:
+    """The chained digests of every full block of token_ids; a partial tail gets none."""
+    if block_size < 1:
+        raise ValueError("block_size must be at least 1")
+    parent = none_hash(algo, python_hash_seed)
+    digests = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        extra = (("cache_salt", cache_salt),) if cache_salt and start == 0 else None
+        parent = _digest((parent, tuple(token_ids[start : start + block_size]), extra), algo)
+        digests.append(parent)
+    return digests
+
+
+def event_hash(digest: bytes) -> int:
+    """The int a KV event carries for this digest: its low 64 bits, big-endian."""
+    return int.from_bytes(digest, "big") & (2**64 - 1)
