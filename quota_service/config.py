@@ -36,6 +36,8 @@ class Settings:
     max_retry_delay_seconds: float = 300.0
     reaper_interval_seconds: float = 1.0
     reaper_batch_size: int = 500
+    # Tombstones answer late releases through freed handles; after this they are purged.
+    tombstone_retention_seconds: float = 86400.0
     shutdown_grace_seconds: float = 10.0
     log_level: str = "INFO"
 
@@ -48,6 +50,7 @@ class Settings:
             "min_retry_delay_seconds",
             "reaper_interval_seconds",
             "reaper_batch_size",
+            "tombstone_retention_seconds",
         )
         for name in positive:
             if getattr(self, name) <= 0:

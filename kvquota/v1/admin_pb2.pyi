@@ -122,8 +122,9 @@ class UpdateTenantRequest(_message.Message):
 
     @_builtins.property
     def update_mask(self) -> _field_mask_pb2.FieldMask:
-        """Paths: display_name, weight, quota, quota.max_blocks, quota.max_tokens_in_flight,
-        quota.max_queued_requests, quota.max_pinned_blocks, quota.max_cpu_tier_bytes.
+        """Paths: display_name, weight, shared_namespace, quota, quota.max_blocks,
+        quota.max_tokens_in_flight, quota.max_queued_requests, quota.max_pinned_blocks,
+        quota.max_cpu_tier_bytes.
         """
 
     def __init__(
@@ -191,6 +192,7 @@ class RegisterInstanceRequest(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     MEMORY_BUDGET_FIELD_NUMBER: _builtins.int
     NUM_GPU_BLOCKS_FIELD_NUMBER: _builtins.int
+    HASH_ALGO_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The final component of the name: [a-z][a-z0-9-]{0,62}."""
     model: _builtins.str
@@ -198,6 +200,8 @@ class RegisterInstanceRequest(_message.Message):
     max_model_len: _builtins.int
     num_gpu_blocks: _builtins.int
     """The engine's reported block count (vllm:cache_config_info num_gpu_blocks)."""
+    hash_algo: _resources_pb2.PrefixHashAlgo.ValueType
+    """The engine's --prefix-caching-hash-algo; unset means sha256 (vLLM's default)."""
     @_builtins.property
     def geometry(self) -> _resources_pb2.KvGeometry: ...
     @_builtins.property
@@ -214,10 +218,11 @@ class RegisterInstanceRequest(_message.Message):
         max_model_len: _builtins.int = ...,
         memory_budget: _resources_pb2.MemoryBudget | None = ...,
         num_gpu_blocks: _builtins.int = ...,
+        hash_algo: _resources_pb2.PrefixHashAlgo.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "geometry", b"geometry", "memory_budget", b"memory_budget", "num_gpu_blocks", b"num_gpu_blocks"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "capacity", b"capacity", "geometry", b"geometry", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "memory_budget", b"memory_budget", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "capacity", b"capacity", "geometry", b"geometry", "hash_algo", b"hash_algo", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "memory_budget", b"memory_budget", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_capacity: _TypeAlias = _typing.Literal["memory_budget", "num_gpu_blocks"]  # noqa: Y015
     _WhichOneofArgType_capacity: _TypeAlias = _typing.Literal["capacity", b"capacity"]  # noqa: Y015
@@ -310,3 +315,425 @@ class DrainInstanceRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DrainInstanceRequest: _TypeAlias = DrainInstanceRequest  # noqa: Y015
+
+@_typing.final
+class DeleteTenantRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """tenants/{tenant}"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteTenantRequest: _TypeAlias = DeleteTenantRequest  # noqa: Y015
+
+@_typing.final
+class OffboardingReport(_message.Message):
+    """What offboarding a tenant did to the blocks it held."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FREED_BLOCKS_FIELD_NUMBER: _builtins.int
+    SHARED_BLOCKS_FIELD_NUMBER: _builtins.int
+    PINNED_BY_OTHERS_FIELD_NUMBER: _builtins.int
+    freed_blocks: _builtins.int
+    """Blocks only it held: freed and tombstoned."""
+    shared_blocks: _builtins.int
+    """Blocks others still reference (or a shared namespace keeps cached): only its reference went."""
+    pinned_by_others: _builtins.int
+    """Of the shared blocks, those other tenants' or namespaces' pins hold."""
+    def __init__(
+        self,
+        *,
+        freed_blocks: _builtins.int = ...,
+        shared_blocks: _builtins.int = ...,
+        pinned_by_others: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_blocks", b"freed_blocks", "pinned_by_others", b"pinned_by_others", "shared_blocks", b"shared_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffboardingReport: _TypeAlias = OffboardingReport  # noqa: Y015
+
+@_typing.final
+class DeleteTenantResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    REPORT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tenant(self) -> _resources_pb2.Tenant: ...
+    @_builtins.property
+    def report(self) -> Global___OffboardingReport: ...
+    def __init__(
+        self,
+        *,
+        tenant: _resources_pb2.Tenant | None = ...,
+        report: Global___OffboardingReport | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["report", b"report", "tenant", b"tenant"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["report", b"report", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteTenantResponse: _TypeAlias = DeleteTenantResponse  # noqa: Y015
+
+@_typing.final
+class RotateCacheSaltRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """tenants/{tenant} or namespaces/{namespace}"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotateCacheSaltRequest: _TypeAlias = RotateCacheSaltRequest  # noqa: Y015
+
+@_typing.final
+class RotateCacheSaltResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotateCacheSaltResponse: _TypeAlias = RotateCacheSaltResponse  # noqa: Y015
+
+@_typing.final
+class GetTenantUsageRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """tenants/{tenant}"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTenantUsageRequest: _TypeAlias = GetTenantUsageRequest  # noqa: Y015
+
+@_typing.final
+class InstanceUsage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    BLOCKS_IN_USE_FIELD_NUMBER: _builtins.int
+    PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
+    SHARED_BLOCKS_FIELD_NUMBER: _builtins.int
+    LIVE_RESERVATIONS_FIELD_NUMBER: _builtins.int
+    TOKENS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    instance: _builtins.str
+    """instances/{instance}"""
+    blocks_in_use: _builtins.int
+    pinned_blocks: _builtins.int
+    shared_blocks: _builtins.int
+    """Of its blocks, those other tenants reference too."""
+    live_reservations: _builtins.int
+    tokens_in_flight: _builtins.int
+    def __init__(
+        self,
+        *,
+        instance: _builtins.str = ...,
+        blocks_in_use: _builtins.int = ...,
+        pinned_blocks: _builtins.int = ...,
+        shared_blocks: _builtins.int = ...,
+        live_reservations: _builtins.int = ...,
+        tokens_in_flight: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_in_use", b"blocks_in_use", "instance", b"instance", "live_reservations", b"live_reservations", "pinned_blocks", b"pinned_blocks", "shared_blocks", b"shared_blocks", "tokens_in_flight", b"tokens_in_flight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceUsage: _TypeAlias = InstanceUsage  # noqa: Y015
+
+@_typing.final
+class TenantUsageReport(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    QUOTA_FIELD_NUMBER: _builtins.int
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """tenants/{tenant}"""
+    @_builtins.property
+    def usage(self) -> _resources_pb2.TenantUsage: ...
+    @_builtins.property
+    def quota(self) -> _resources_pb2.TenantQuota: ...
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceUsage]: ...
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        usage: _resources_pb2.TenantUsage | None = ...,
+        quota: _resources_pb2.TenantQuota | None = ...,
+        instances: _abc.Iterable[Global___InstanceUsage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["quota", b"quota", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "quota", b"quota", "tenant", b"tenant", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TenantUsageReport: _TypeAlias = TenantUsageReport  # noqa: Y015
+
+@_typing.final
+class CreateNamespaceRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_ID_FIELD_NUMBER: _builtins.int
+    namespace_id: _builtins.str
+    """[a-z][a-z0-9-]{0,62}"""
+    def __init__(
+        self,
+        *,
+        namespace_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace_id", b"namespace_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateNamespaceRequest: _TypeAlias = CreateNamespaceRequest  # noqa: Y015
+
+@_typing.final
+class ListNamespacesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListNamespacesRequest: _TypeAlias = ListNamespacesRequest  # noqa: Y015
+
+@_typing.final
+class ListNamespacesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def namespaces(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Namespace]: ...
+    def __init__(
+        self,
+        *,
+        namespaces: _abc.Iterable[_resources_pb2.Namespace] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespaces", b"namespaces", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListNamespacesResponse: _TypeAlias = ListNamespacesResponse  # noqa: Y015
+
+@_typing.final
+class PinPrefixRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARENT_FIELD_NUMBER: _builtins.int
+    PIN_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    parent: _builtins.str
+    """tenants/{tenant} or namespaces/{namespace}"""
+    pin_id: _builtins.str
+    """The final component of the pin's name: [a-z][a-z0-9-]{0,62}. Pinning again with the same id
+    and the same prefix returns the pin; with another prefix it is refused.
+    """
+    instance: _builtins.str
+    """instances/{instance}"""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        parent: _builtins.str = ...,
+        pin_id: _builtins.str = ...,
+        instance: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "parent", b"parent", "pin_id", b"pin_id", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinPrefixRequest: _TypeAlias = PinPrefixRequest  # noqa: Y015
+
+@_typing.final
+class UnpinPrefixRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """tenants/{tenant}/pins/{pin} or namespaces/{namespace}/pins/{pin}"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnpinPrefixRequest: _TypeAlias = UnpinPrefixRequest  # noqa: Y015
+
+@_typing.final
+class ListPinsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARENT_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    parent: _builtins.str
+    """tenants/{tenant} or namespaces/{namespace}"""
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        parent: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "parent", b"parent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPinsRequest: _TypeAlias = ListPinsRequest  # noqa: Y015
+
+@_typing.final
+class ListPinsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PINS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def pins(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Pin]: ...
+    def __init__(
+        self,
+        *,
+        pins: _abc.Iterable[_resources_pb2.Pin] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "pins", b"pins"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPinsResponse: _TypeAlias = ListPinsResponse  # noqa: Y015
+
+@_typing.final
+class ListBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARENT_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    parent: _builtins.str
+    """instances/{instance}"""
+    tenant: _builtins.str
+    """tenants/{tenant}: only blocks that tenant references."""
+    state: _resources_pb2.BlockState.ValueType
+    """Only blocks in this state."""
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        parent: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        state: _resources_pb2.BlockState.ValueType = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "parent", b"parent", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListBlocksRequest: _TypeAlias = ListBlocksRequest  # noqa: Y015
+
+@_typing.final
+class ListBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Block]: ...
+    def __init__(
+        self,
+        *,
+        blocks: _abc.Iterable[_resources_pb2.Block] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListBlocksResponse: _TypeAlias = ListBlocksResponse  # noqa: Y015

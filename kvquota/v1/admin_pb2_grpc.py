@@ -66,6 +66,46 @@ class AdminServiceStub:
                 request_serializer=kvquota_dot_v1_dot_admin__pb2.ResumeTenantRequest.SerializeToString,
                 response_deserializer=kvquota_dot_v1_dot_resources__pb2.Tenant.FromString,
                 _registered_method=True)
+        self.DeleteTenant = channel.unary_unary(
+                '/kvquota.v1.AdminService/DeleteTenant',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.DeleteTenantRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_admin__pb2.DeleteTenantResponse.FromString,
+                _registered_method=True)
+        self.RotateCacheSalt = channel.unary_unary(
+                '/kvquota.v1.AdminService/RotateCacheSalt',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.RotateCacheSaltRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_admin__pb2.RotateCacheSaltResponse.FromString,
+                _registered_method=True)
+        self.GetTenantUsage = channel.unary_unary(
+                '/kvquota.v1.AdminService/GetTenantUsage',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.GetTenantUsageRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_admin__pb2.TenantUsageReport.FromString,
+                _registered_method=True)
+        self.CreateNamespace = channel.unary_unary(
+                '/kvquota.v1.AdminService/CreateNamespace',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.CreateNamespaceRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_resources__pb2.Namespace.FromString,
+                _registered_method=True)
+        self.ListNamespaces = channel.unary_unary(
+                '/kvquota.v1.AdminService/ListNamespaces',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.ListNamespacesRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_admin__pb2.ListNamespacesResponse.FromString,
+                _registered_method=True)
+        self.PinPrefix = channel.unary_unary(
+                '/kvquota.v1.AdminService/PinPrefix',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.PinPrefixRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_resources__pb2.Pin.FromString,
+                _registered_method=True)
+        self.UnpinPrefix = channel.unary_unary(
+                '/kvquota.v1.AdminService/UnpinPrefix',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.UnpinPrefixRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_resources__pb2.Pin.FromString,
+                _registered_method=True)
+        self.ListPins = channel.unary_unary(
+                '/kvquota.v1.AdminService/ListPins',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.ListPinsRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_admin__pb2.ListPinsResponse.FromString,
+                _registered_method=True)
         self.RegisterInstance = channel.unary_unary(
                 '/kvquota.v1.AdminService/RegisterInstance',
                 request_serializer=kvquota_dot_v1_dot_admin__pb2.RegisterInstanceRequest.SerializeToString,
@@ -85,6 +125,11 @@ class AdminServiceStub:
                 '/kvquota.v1.AdminService/DrainInstance',
                 request_serializer=kvquota_dot_v1_dot_admin__pb2.DrainInstanceRequest.SerializeToString,
                 response_deserializer=kvquota_dot_v1_dot_resources__pb2.Instance.FromString,
+                _registered_method=True)
+        self.ListBlocks = channel.unary_unary(
+                '/kvquota.v1.AdminService/ListBlocks',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.ListBlocksRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_admin__pb2.ListBlocksResponse.FromString,
                 _registered_method=True)
 
 
@@ -129,6 +174,58 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteTenant(self, request, context):
+        """Offboards a tenant: ends its reservations, drops its pins, frees what only it held.
+        Idempotent and resumable: call it again after a crash to finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateCacheSalt(self, request, context):
+        """Gives a tenant or namespace a new cache salt: its cached prefixes stop matching.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTenantUsage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateNamespace(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListNamespaces(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinPrefix(self, request, context):
+        """Pins a system-prompt prefix on an instance for a tenant or a shared namespace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpinPrefix(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPins(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterInstance(self, request, context):
         """Registers an engine from its geometry and memory budget, or from its block count.
         """
@@ -149,6 +246,12 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DrainInstance(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBlocks(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -187,6 +290,46 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     request_deserializer=kvquota_dot_v1_dot_admin__pb2.ResumeTenantRequest.FromString,
                     response_serializer=kvquota_dot_v1_dot_resources__pb2.Tenant.SerializeToString,
             ),
+            'DeleteTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTenant,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.DeleteTenantRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_admin__pb2.DeleteTenantResponse.SerializeToString,
+            ),
+            'RotateCacheSalt': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateCacheSalt,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.RotateCacheSaltRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_admin__pb2.RotateCacheSaltResponse.SerializeToString,
+            ),
+            'GetTenantUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTenantUsage,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.GetTenantUsageRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_admin__pb2.TenantUsageReport.SerializeToString,
+            ),
+            'CreateNamespace': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateNamespace,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.CreateNamespaceRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_resources__pb2.Namespace.SerializeToString,
+            ),
+            'ListNamespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNamespaces,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.ListNamespacesRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_admin__pb2.ListNamespacesResponse.SerializeToString,
+            ),
+            'PinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinPrefix,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.PinPrefixRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_resources__pb2.Pin.SerializeToString,
+            ),
+            'UnpinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpinPrefix,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.UnpinPrefixRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_resources__pb2.Pin.SerializeToString,
+            ),
+            'ListPins': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPins,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.ListPinsRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_admin__pb2.ListPinsResponse.SerializeToString,
+            ),
             'RegisterInstance': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterInstance,
                     request_deserializer=kvquota_dot_v1_dot_admin__pb2.RegisterInstanceRequest.FromString,
@@ -206,6 +349,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.DrainInstance,
                     request_deserializer=kvquota_dot_v1_dot_admin__pb2.DrainInstanceRequest.FromString,
                     response_serializer=kvquota_dot_v1_dot_resources__pb2.Instance.SerializeToString,
+            ),
+            'ListBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBlocks,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.ListBlocksRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_admin__pb2.ListBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -382,6 +530,222 @@ class AdminService:
             _registered_method=True)
 
     @staticmethod
+    def DeleteTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/DeleteTenant',
+            kvquota_dot_v1_dot_admin__pb2.DeleteTenantRequest.SerializeToString,
+            kvquota_dot_v1_dot_admin__pb2.DeleteTenantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateCacheSalt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/RotateCacheSalt',
+            kvquota_dot_v1_dot_admin__pb2.RotateCacheSaltRequest.SerializeToString,
+            kvquota_dot_v1_dot_admin__pb2.RotateCacheSaltResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTenantUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/GetTenantUsage',
+            kvquota_dot_v1_dot_admin__pb2.GetTenantUsageRequest.SerializeToString,
+            kvquota_dot_v1_dot_admin__pb2.TenantUsageReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateNamespace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/CreateNamespace',
+            kvquota_dot_v1_dot_admin__pb2.CreateNamespaceRequest.SerializeToString,
+            kvquota_dot_v1_dot_resources__pb2.Namespace.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNamespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/ListNamespaces',
+            kvquota_dot_v1_dot_admin__pb2.ListNamespacesRequest.SerializeToString,
+            kvquota_dot_v1_dot_admin__pb2.ListNamespacesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/PinPrefix',
+            kvquota_dot_v1_dot_admin__pb2.PinPrefixRequest.SerializeToString,
+            kvquota_dot_v1_dot_resources__pb2.Pin.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/UnpinPrefix',
+            kvquota_dot_v1_dot_admin__pb2.UnpinPrefixRequest.SerializeToString,
+            kvquota_dot_v1_dot_resources__pb2.Pin.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/ListPins',
+            kvquota_dot_v1_dot_admin__pb2.ListPinsRequest.SerializeToString,
+            kvquota_dot_v1_dot_admin__pb2.ListPinsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def RegisterInstance(request,
             target,
             options=(),
@@ -479,6 +843,33 @@ class AdminService:
             '/kvquota.v1.AdminService/DrainInstance',
             kvquota_dot_v1_dot_admin__pb2.DrainInstanceRequest.SerializeToString,
             kvquota_dot_v1_dot_resources__pb2.Instance.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/ListBlocks',
+            kvquota_dot_v1_dot_admin__pb2.ListBlocksRequest.SerializeToString,
+            kvquota_dot_v1_dot_admin__pb2.ListBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,11 +41,25 @@ class AdminServiceStub:
     """Updates display_name, weight and quota fields named in update_mask."""
     SuspendTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SuspendTenantRequest, _resources_pb2.Tenant]
     ResumeTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ResumeTenantRequest, _resources_pb2.Tenant]
+    DeleteTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteTenantRequest, _admin_pb2.DeleteTenantResponse]
+    """Offboards a tenant: ends its reservations, drops its pins, frees what only it held.
+    Idempotent and resumable: call it again after a crash to finish.
+    """
+    RotateCacheSalt: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RotateCacheSaltRequest, _admin_pb2.RotateCacheSaltResponse]
+    """Gives a tenant or namespace a new cache salt: its cached prefixes stop matching."""
+    GetTenantUsage: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetTenantUsageRequest, _admin_pb2.TenantUsageReport]
+    CreateNamespace: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CreateNamespaceRequest, _resources_pb2.Namespace]
+    ListNamespaces: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListNamespacesRequest, _admin_pb2.ListNamespacesResponse]
+    PinPrefix: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PinPrefixRequest, _resources_pb2.Pin]
+    """Pins a system-prompt prefix on an instance for a tenant or a shared namespace."""
+    UnpinPrefix: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UnpinPrefixRequest, _resources_pb2.Pin]
+    ListPins: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListPinsRequest, _admin_pb2.ListPinsResponse]
     RegisterInstance: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RegisterInstanceRequest, _resources_pb2.Instance]
     """Registers an engine from its geometry and memory budget, or from its block count."""
     GetInstance: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetInstanceRequest, _resources_pb2.Instance]
     ListInstances: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListInstancesRequest, _admin_pb2.ListInstancesResponse]
     DrainInstance: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DrainInstanceRequest, _resources_pb2.Instance]
+    ListBlocks: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListBlocksRequest, _admin_pb2.ListBlocksResponse]
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -59,11 +73,25 @@ class AdminServiceAsyncStub(AdminServiceStub):
     """Updates display_name, weight and quota fields named in update_mask."""
     SuspendTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.SuspendTenantRequest, _resources_pb2.Tenant]  # type: ignore[assignment]
     ResumeTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.ResumeTenantRequest, _resources_pb2.Tenant]  # type: ignore[assignment]
+    DeleteTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteTenantRequest, _admin_pb2.DeleteTenantResponse]  # type: ignore[assignment]
+    """Offboards a tenant: ends its reservations, drops its pins, frees what only it held.
+    Idempotent and resumable: call it again after a crash to finish.
+    """
+    RotateCacheSalt: _aio.UnaryUnaryMultiCallable[_admin_pb2.RotateCacheSaltRequest, _admin_pb2.RotateCacheSaltResponse]  # type: ignore[assignment]
+    """Gives a tenant or namespace a new cache salt: its cached prefixes stop matching."""
+    GetTenantUsage: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetTenantUsageRequest, _admin_pb2.TenantUsageReport]  # type: ignore[assignment]
+    CreateNamespace: _aio.UnaryUnaryMultiCallable[_admin_pb2.CreateNamespaceRequest, _resources_pb2.Namespace]  # type: ignore[assignment]
+    ListNamespaces: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListNamespacesRequest, _admin_pb2.ListNamespacesResponse]  # type: ignore[assignment]
+    PinPrefix: _aio.UnaryUnaryMultiCallable[_admin_pb2.PinPrefixRequest, _resources_pb2.Pin]  # type: ignore[assignment]
+    """Pins a system-prompt prefix on an instance for a tenant or a shared namespace."""
+    UnpinPrefix: _aio.UnaryUnaryMultiCallable[_admin_pb2.UnpinPrefixRequest, _resources_pb2.Pin]  # type: ignore[assignment]
+    ListPins: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListPinsRequest, _admin_pb2.ListPinsResponse]  # type: ignore[assignment]
     RegisterInstance: _aio.UnaryUnaryMultiCallable[_admin_pb2.RegisterInstanceRequest, _resources_pb2.Instance]  # type: ignore[assignment]
     """Registers an engine from its geometry and memory budget, or from its block count."""
     GetInstance: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetInstanceRequest, _resources_pb2.Instance]  # type: ignore[assignment]
     ListInstances: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListInstancesRequest, _admin_pb2.ListInstancesResponse]  # type: ignore[assignment]
     DrainInstance: _aio.UnaryUnaryMultiCallable[_admin_pb2.DrainInstanceRequest, _resources_pb2.Instance]  # type: ignore[assignment]
+    ListBlocks: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListBlocksRequest, _admin_pb2.ListBlocksResponse]  # type: ignore[assignment]
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     """Used by operators: tenants, quotas and engine instances."""
@@ -112,6 +140,67 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_resources_pb2.Tenant, _abc.Awaitable[_resources_pb2.Tenant]]: ...
 
     @_abc_1.abstractmethod
+    def DeleteTenant(
+        self,
+        request: _admin_pb2.DeleteTenantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.DeleteTenantResponse, _abc.Awaitable[_admin_pb2.DeleteTenantResponse]]:
+        """Offboards a tenant: ends its reservations, drops its pins, frees what only it held.
+        Idempotent and resumable: call it again after a crash to finish.
+        """
+
+    @_abc_1.abstractmethod
+    def RotateCacheSalt(
+        self,
+        request: _admin_pb2.RotateCacheSaltRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.RotateCacheSaltResponse, _abc.Awaitable[_admin_pb2.RotateCacheSaltResponse]]:
+        """Gives a tenant or namespace a new cache salt: its cached prefixes stop matching."""
+
+    @_abc_1.abstractmethod
+    def GetTenantUsage(
+        self,
+        request: _admin_pb2.GetTenantUsageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.TenantUsageReport, _abc.Awaitable[_admin_pb2.TenantUsageReport]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateNamespace(
+        self,
+        request: _admin_pb2.CreateNamespaceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Namespace, _abc.Awaitable[_resources_pb2.Namespace]]: ...
+
+    @_abc_1.abstractmethod
+    def ListNamespaces(
+        self,
+        request: _admin_pb2.ListNamespacesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListNamespacesResponse, _abc.Awaitable[_admin_pb2.ListNamespacesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PinPrefix(
+        self,
+        request: _admin_pb2.PinPrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Pin, _abc.Awaitable[_resources_pb2.Pin]]:
+        """Pins a system-prompt prefix on an instance for a tenant or a shared namespace."""
+
+    @_abc_1.abstractmethod
+    def UnpinPrefix(
+        self,
+        request: _admin_pb2.UnpinPrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Pin, _abc.Awaitable[_resources_pb2.Pin]]: ...
+
+    @_abc_1.abstractmethod
+    def ListPins(
+        self,
+        request: _admin_pb2.ListPinsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListPinsResponse, _abc.Awaitable[_admin_pb2.ListPinsResponse]]: ...
+
+    @_abc_1.abstractmethod
     def RegisterInstance(
         self,
         request: _admin_pb2.RegisterInstanceRequest,
@@ -139,5 +228,12 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.DrainInstanceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_resources_pb2.Instance, _abc.Awaitable[_resources_pb2.Instance]]: ...
+
+    @_abc_1.abstractmethod
+    def ListBlocks(
+        self,
+        request: _admin_pb2.ListBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListBlocksResponse, _abc.Awaitable[_admin_pb2.ListBlocksResponse]]: ...
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

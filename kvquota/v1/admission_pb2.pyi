@@ -193,3 +193,27 @@ class GetReservationRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetReservationRequest: _TypeAlias = GetReservationRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    HANDLES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """tenants/{tenant}/reservations/{request_id}"""
+    @_builtins.property
+    def handles(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.BlockHandle]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        handles: _abc.Iterable[_resources_pb2.BlockHandle] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handles", b"handles", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseBlocksRequest: _TypeAlias = ReleaseBlocksRequest  # noqa: Y015

@@ -61,6 +61,11 @@ class AdmissionServiceStub:
                 request_serializer=kvquota_dot_v1_dot_admission__pb2.GetReservationRequest.SerializeToString,
                 response_deserializer=kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
                 _registered_method=True)
+        self.ReleaseBlocks = channel.unary_unary(
+                '/kvquota.v1.AdmissionService/ReleaseBlocks',
+                request_serializer=kvquota_dot_v1_dot_admission__pb2.ReleaseBlocksRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
+                _registered_method=True)
 
 
 class AdmissionServiceServicer:
@@ -101,6 +106,14 @@ class AdmissionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseBlocks(self, request, context):
+        """Releases chosen entries of a live reservation's block table (a sliding window, a tail the
+        engine dropped); releasing an entry twice changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdmissionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_AdmissionServiceServicer_to_server(servicer, server):
             'GetReservation': grpc.unary_unary_rpc_method_handler(
                     servicer.GetReservation,
                     request_deserializer=kvquota_dot_v1_dot_admission__pb2.GetReservationRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_resources__pb2.Reservation.SerializeToString,
+            ),
+            'ReleaseBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseBlocks,
+                    request_deserializer=kvquota_dot_v1_dot_admission__pb2.ReleaseBlocksRequest.FromString,
                     response_serializer=kvquota_dot_v1_dot_resources__pb2.Reservation.SerializeToString,
             ),
     }
@@ -265,6 +283,33 @@ class AdmissionService:
             target,
             '/kvquota.v1.AdmissionService/GetReservation',
             kvquota_dot_v1_dot_admission__pb2.GetReservationRequest.SerializeToString,
+            kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdmissionService/ReleaseBlocks',
+            kvquota_dot_v1_dot_admission__pb2.ReleaseBlocksRequest.SerializeToString,
             kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
             options,
             channel_credentials,

@@ -43,6 +43,10 @@ class AdmissionServiceStub:
     Cancel: _grpc.UnaryUnaryMultiCallable[_admission_pb2.CancelRequest, _resources_pb2.Reservation]
     """Ends a reservation whose client went away; idempotent."""
     GetReservation: _grpc.UnaryUnaryMultiCallable[_admission_pb2.GetReservationRequest, _resources_pb2.Reservation]
+    ReleaseBlocks: _grpc.UnaryUnaryMultiCallable[_admission_pb2.ReleaseBlocksRequest, _resources_pb2.Reservation]
+    """Releases chosen entries of a live reservation's block table (a sliding window, a tail the
+    engine dropped); releasing an entry twice changes nothing.
+    """
 
 @_typing.type_check_only
 class AdmissionServiceAsyncStub(AdmissionServiceStub):
@@ -58,6 +62,10 @@ class AdmissionServiceAsyncStub(AdmissionServiceStub):
     Cancel: _aio.UnaryUnaryMultiCallable[_admission_pb2.CancelRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
     """Ends a reservation whose client went away; idempotent."""
     GetReservation: _aio.UnaryUnaryMultiCallable[_admission_pb2.GetReservationRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
+    ReleaseBlocks: _aio.UnaryUnaryMultiCallable[_admission_pb2.ReleaseBlocksRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
+    """Releases chosen entries of a live reservation's block table (a sliding window, a tail the
+    engine dropped); releasing an entry twice changes nothing.
+    """
 
 class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
     """Called by the gateway around every LLM request."""
@@ -100,5 +108,15 @@ class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admission_pb2.GetReservationRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_resources_pb2.Reservation, _abc.Awaitable[_resources_pb2.Reservation]]: ...
+
+    @_abc_1.abstractmethod
+    def ReleaseBlocks(
+        self,
+        request: _admission_pb2.ReleaseBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Reservation, _abc.Awaitable[_resources_pb2.Reservation]]:
+        """Releases chosen entries of a live reservation's block table (a sliding window, a tail the
+        engine dropped); releasing an entry twice changes nothing.
+        """
 
 def add_AdmissionServiceServicer_to_server(servicer: AdmissionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

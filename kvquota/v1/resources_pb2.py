@@ -26,23 +26,31 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvquota/v1/resources.proto\x12\nkvquota.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"y\n\nKvGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\"\n\x05\x64type\x18\x04 \x01(\x0e\x32\x13.kvquota.v1.KvDtype\x12\x0b\n\x03mla\x18\x05 \x01(\x08\"r\n\x0cMemoryBudget\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x03\x12\x15\n\rweights_bytes\x18\x02 \x01(\x03\x12\x16\n\x0eoverhead_bytes\x18\x03 \x01(\x03\x12\x1e\n\x16gpu_memory_utilization\x18\x04 \x01(\x01\"\x93\x01\n\x0bTenantQuota\x12\x12\n\nmax_blocks\x18\x01 \x01(\x03\x12\x1c\n\x14max_tokens_in_flight\x18\x02 \x01(\x03\x12\x1b\n\x13max_queued_requests\x18\x03 \x01(\x03\x12\x19\n\x11max_pinned_blocks\x18\x04 \x01(\x03\x12\x1a\n\x12max_cpu_tier_bytes\x18\x05 \x01(\x03\"Y\n\x0bTenantUsage\x12\x15\n\rblocks_in_use\x18\x01 \x01(\x03\x12\x18\n\x10tokens_in_flight\x18\x02 \x01(\x03\x12\x19\n\x11live_reservations\x18\x03 \x01(\x03\"\x96\x02\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.kvquota.v1.TenantState\x12&\n\x05quota\x18\x04 \x01(\x0b\x32\x17.kvquota.v1.TenantQuota\x12&\n\x05usage\x18\x05 \x01(\x0b\x32\x17.kvquota.v1.TenantUsage\x12\x0e\n\x06weight\x18\x06 \x01(\x05\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x81\x03\n\x08Instance\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x08geometry\x18\x03 \x01(\x0b\x32\x16.kvquota.v1.KvGeometry\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x05 \x01(\x03\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12(\n\x05state\x18\x07 \x01(\x0e\x32\x19.kvquota.v1.InstanceState\x12\x17\n\x0f\x62ytes_per_block\x18\x08 \x01(\x03\x12\x15\n\rblocks_in_use\x18\t \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\n \x01(\x03\x12\x19\n\x11live_reservations\x18\x0b \x01(\x03\x12/\n\x0b\x63reate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x9f\x04\n\x0bReservation\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x10\n\x08instance\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11max_output_tokens\x18\x06 \x01(\x05\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12+\n\x05state\x18\t \x01(\x0e\x32\x1c.kvquota.v1.ReservationState\x12\x17\n\x0freserved_blocks\x18\n \x01(\x03\x12\x17\n\x0freserved_tokens\x18\x0b \x01(\x03\x12\x19\n\x11prefix_hit_blocks\x18\x0c \x01(\x03\x12\x35\n\x11lease_expire_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nadmit_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\nend_reason\x18\x10 \x01(\x0e\x32\x15.kvquota.v1.EndReason\x12\x15\n\routput_tokens\x18\x11 \x01(\x05\x12,\n\tlease_ttl\x18\x12 \x01(\x0b\x32\x19.google.protobuf.Duration*\x81\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x11\n\rKV_DTYPE_FP32\x10\x01\x12\x11\n\rKV_DTYPE_FP16\x10\x02\x12\x11\n\rKV_DTYPE_BF16\x10\x03\x12\x10\n\x0cKV_DTYPE_FP8\x10\x04\x12\x11\n\rKV_DTYPE_INT8\x10\x05*`\n\x0bTenantState\x12\x1c\n\x18TENANT_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13TENANT_STATE_ACTIVE\x10\x01\x12\x1a\n\x16TENANT_STATE_SUSPENDED\x10\x02*g\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_STATE_ACTIVE\x10\x01\x12\x1b\n\x17INSTANCE_STATE_DRAINING\x10\x02*r\n\x10ReservationState\x12!\n\x1dRESERVATION_STATE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aRESERVATION_STATE_ADMITTED\x10\x01\x12\x1b\n\x17RESERVATION_STATE_ENDED\x10\x02*x\n\tEndReason\x12\x1a\n\x16\x45ND_REASON_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45ND_REASON_RELEASED\x10\x01\x12\x18\n\x14\x45ND_REASON_CANCELLED\x10\x02\x12\x1c\n\x18\x45ND_REASON_LEASE_EXPIRED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvquota/v1/resources.proto\x12\nkvquota.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"y\n\nKvGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\"\n\x05\x64type\x18\x04 \x01(\x0e\x32\x13.kvquota.v1.KvDtype\x12\x0b\n\x03mla\x18\x05 \x01(\x08\"r\n\x0cMemoryBudget\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x03\x12\x15\n\rweights_bytes\x18\x02 \x01(\x03\x12\x16\n\x0eoverhead_bytes\x18\x03 \x01(\x03\x12\x1e\n\x16gpu_memory_utilization\x18\x04 \x01(\x01\"\x93\x01\n\x0bTenantQuota\x12\x12\n\nmax_blocks\x18\x01 \x01(\x03\x12\x1c\n\x14max_tokens_in_flight\x18\x02 \x01(\x03\x12\x1b\n\x13max_queued_requests\x18\x03 \x01(\x03\x12\x19\n\x11max_pinned_blocks\x18\x04 \x01(\x03\x12\x1a\n\x12max_cpu_tier_bytes\x18\x05 \x01(\x03\"p\n\x0bTenantUsage\x12\x15\n\rblocks_in_use\x18\x01 \x01(\x03\x12\x18\n\x10tokens_in_flight\x18\x02 \x01(\x03\x12\x19\n\x11live_reservations\x18\x03 \x01(\x03\x12\x15\n\rpinned_blocks\x18\x04 \x01(\x03\"\xb0\x02\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.kvquota.v1.TenantState\x12&\n\x05quota\x18\x04 \x01(\x0b\x32\x17.kvquota.v1.TenantQuota\x12&\n\x05usage\x18\x05 \x01(\x0b\x32\x17.kvquota.v1.TenantUsage\x12\x0e\n\x06weight\x18\x06 \x01(\x05\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10shared_namespace\x18\t \x01(\t\"J\n\tNamespace\x12\x0c\n\x04name\x18\x01 \x01(\t\x12/\n\x0b\x63reate_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xde\x03\n\x08Instance\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x08geometry\x18\x03 \x01(\x0b\x32\x16.kvquota.v1.KvGeometry\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x05 \x01(\x03\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12(\n\x05state\x18\x07 \x01(\x0e\x32\x19.kvquota.v1.InstanceState\x12\x17\n\x0f\x62ytes_per_block\x18\x08 \x01(\x03\x12\x15\n\rblocks_in_use\x18\t \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\n \x01(\x03\x12\x19\n\x11live_reservations\x18\x0b \x01(\x03\x12/\n\x0b\x63reate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rcached_blocks\x18\x0e \x01(\x03\x12\x15\n\rpinned_blocks\x18\x0f \x01(\x03\x12-\n\thash_algo\x18\x10 \x01(\x0e\x32\x1a.kvquota.v1.PrefixHashAlgo\"3\n\x0b\x42lockHandle\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\xf6\x01\n\x05\x42lock\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.kvquota.v1.BlockState\x12\x11\n\tref_count\x18\x04 \x01(\x05\x12\x11\n\tpin_count\x18\x05 \x01(\x05\x12\x12\n\nblock_hash\x18\x06 \x01(\x03\x12\x12\n\nhash_scope\x18\x07 \x01(\t\x12#\n\x04tier\x18\x08 \x01(\x0e\x32\x15.kvquota.v1.BlockTier\x12\x31\n\rlast_use_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xd2\x01\n\x03Pin\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rpinned_blocks\x18\x04 \x01(\x05\x12#\n\x05state\x18\x05 \x01(\x0e\x32\x14.kvquota.v1.PinState\x12\'\n\x06\x62locks\x18\x06 \x03(\x0b\x32\x17.kvquota.v1.BlockHandle\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xcd\x04\n\x0bReservation\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x10\n\x08instance\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11max_output_tokens\x18\x06 \x01(\x05\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12+\n\x05state\x18\t \x01(\x0e\x32\x1c.kvquota.v1.ReservationState\x12\x17\n\x0freserved_blocks\x18\n \x01(\x03\x12\x17\n\x0freserved_tokens\x18\x0b \x01(\x03\x12\x19\n\x11prefix_hit_blocks\x18\x0c \x01(\x03\x12\x35\n\x11lease_expire_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nadmit_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\nend_reason\x18\x10 \x01(\x0e\x32\x15.kvquota.v1.EndReason\x12\x15\n\routput_tokens\x18\x11 \x01(\x05\x12,\n\tlease_ttl\x18\x12 \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\x0b\x62lock_table\x18\x13 \x03(\x0b\x32\x17.kvquota.v1.BlockHandle*\x81\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x11\n\rKV_DTYPE_FP32\x10\x01\x12\x11\n\rKV_DTYPE_FP16\x10\x02\x12\x11\n\rKV_DTYPE_BF16\x10\x03\x12\x10\n\x0cKV_DTYPE_FP8\x10\x04\x12\x11\n\rKV_DTYPE_INT8\x10\x05*\x95\x01\n\x0bTenantState\x12\x1c\n\x18TENANT_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13TENANT_STATE_ACTIVE\x10\x01\x12\x1a\n\x16TENANT_STATE_SUSPENDED\x10\x02\x12\x19\n\x15TENANT_STATE_DELETING\x10\x03\x12\x18\n\x14TENANT_STATE_DELETED\x10\x04*q\n\x0ePrefixHashAlgo\x12 \n\x1cPREFIX_HASH_ALGO_UNSPECIFIED\x10\x00\x12\x1b\n\x17PREFIX_HASH_ALGO_SHA256\x10\x01\x12 \n\x1cPREFIX_HASH_ALGO_SHA256_CBOR\x10\x02*g\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_STATE_ACTIVE\x10\x01\x12\x1b\n\x17INSTANCE_STATE_DRAINING\x10\x02*\x87\x01\n\nBlockState\x12\x1b\n\x17\x42LOCK_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x42LOCK_STATE_FREE\x10\x01\x12\x16\n\x12\x42LOCK_STATE_CACHED\x10\x02\x12\x16\n\x12\x42LOCK_STATE_IN_USE\x10\x03\x12\x16\n\x12\x42LOCK_STATE_PINNED\x10\x04*j\n\tBlockTier\x12\x1a\n\x16\x42LOCK_TIER_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x42LOCK_TIER_GPU\x10\x01\x12\x12\n\x0e\x42LOCK_TIER_CPU\x10\x02\x12\x19\n\x15\x42LOCK_TIER_COMPRESSED\x10\x03*R\n\x08PinState\x12\x19\n\x15PIN_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10PIN_STATE_ACTIVE\x10\x01\x12\x15\n\x11PIN_STATE_REMOVED\x10\x02*r\n\x10ReservationState\x12!\n\x1dRESERVATION_STATE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aRESERVATION_STATE_ADMITTED\x10\x01\x12\x1b\n\x17RESERVATION_STATE_ENDED\x10\x02*\x97\x01\n\tEndReason\x12\x1a\n\x16\x45ND_REASON_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45ND_REASON_RELEASED\x10\x01\x12\x18\n\x14\x45ND_REASON_CANCELLED\x10\x02\x12\x1c\n\x18\x45ND_REASON_LEASE_EXPIRED\x10\x03\x12\x1d\n\x19\x45ND_REASON_TENANT_DELETED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvquota.v1.resources_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVDTYPE']._serialized_start=1803
-  _globals['_KVDTYPE']._serialized_end=1932
-  _globals['_TENANTSTATE']._serialized_start=1934
-  _globals['_TENANTSTATE']._serialized_end=2030
-  _globals['_INSTANCESTATE']._serialized_start=2032
-  _globals['_INSTANCESTATE']._serialized_end=2135
-  _globals['_RESERVATIONSTATE']._serialized_start=2137
-  _globals['_RESERVATIONSTATE']._serialized_end=2251
-  _globals['_ENDREASON']._serialized_start=2253
-  _globals['_ENDREASON']._serialized_end=2373
+  _globals['_KVDTYPE']._serialized_start=2582
+  _globals['_KVDTYPE']._serialized_end=2711
+  _globals['_TENANTSTATE']._serialized_start=2714
+  _globals['_TENANTSTATE']._serialized_end=2863
+  _globals['_PREFIXHASHALGO']._serialized_start=2865
+  _globals['_PREFIXHASHALGO']._serialized_end=2978
+  _globals['_INSTANCESTATE']._serialized_start=2980
+  _globals['_INSTANCESTATE']._serialized_end=3083
+  _globals['_BLOCKSTATE']._serialized_start=3086
+  _globals['_BLOCKSTATE']._serialized_end=3221
+  _globals['_BLOCKTIER']._serialized_start=3223
+  _globals['_BLOCKTIER']._serialized_end=3329
+  _globals['_PINSTATE']._serialized_start=3331
+  _globals['_PINSTATE']._serialized_end=3413
+  _globals['_RESERVATIONSTATE']._serialized_start=3415
+  _globals['_RESERVATIONSTATE']._serialized_end=3529
+  _globals['_ENDREASON']._serialized_start=3532
+  _globals['_ENDREASON']._serialized_end=3683
   _globals['_KVGEOMETRY']._serialized_start=107
   _globals['_KVGEOMETRY']._serialized_end=228
   _globals['_MEMORYBUDGET']._serialized_start=230
@@ -50,11 +58,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENANTQUOTA']._serialized_start=347
   _globals['_TENANTQUOTA']._serialized_end=494
   _globals['_TENANTUSAGE']._serialized_start=496
-  _globals['_TENANTUSAGE']._serialized_end=585
-  _globals['_TENANT']._serialized_start=588
-  _globals['_TENANT']._serialized_end=866
-  _globals['_INSTANCE']._serialized_start=869
-  _globals['_INSTANCE']._serialized_end=1254
-  _globals['_RESERVATION']._serialized_start=1257
-  _globals['_RESERVATION']._serialized_end=1800
+  _globals['_TENANTUSAGE']._serialized_end=608
+  _globals['_TENANT']._serialized_start=611
+  _globals['_TENANT']._serialized_end=915
+  _globals['_NAMESPACE']._serialized_start=917
+  _globals['_NAMESPACE']._serialized_end=991
+  _globals['_INSTANCE']._serialized_start=994
+  _globals['_INSTANCE']._serialized_end=1472
+  _globals['_BLOCKHANDLE']._serialized_start=1474
+  _globals['_BLOCKHANDLE']._serialized_end=1525
+  _globals['_BLOCK']._serialized_start=1528
+  _globals['_BLOCK']._serialized_end=1774
+  _globals['_PIN']._serialized_start=1777
+  _globals['_PIN']._serialized_end=1987
+  _globals['_RESERVATION']._serialized_start=1990
+  _globals['_RESERVATION']._serialized_end=2579
 # @@protoc_insertion_point(module_scope)

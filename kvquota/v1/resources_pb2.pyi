@@ -3,10 +3,12 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
@@ -53,6 +55,9 @@ class _TenantStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TenantSta
     TENANT_STATE_ACTIVE: _TenantState.ValueType  # 1
     TENANT_STATE_SUSPENDED: _TenantState.ValueType  # 2
     """Admissions are refused with TENANT_SUSPENDED; live reservations run to their end."""
+    TENANT_STATE_DELETING: _TenantState.ValueType  # 3
+    """Offboarding: its reservations and pins are being released."""
+    TENANT_STATE_DELETED: _TenantState.ValueType  # 4
 
 class TenantState(_TenantState, metaclass=_TenantStateEnumTypeWrapper): ...
 
@@ -60,7 +65,28 @@ TENANT_STATE_UNSPECIFIED: TenantState.ValueType  # 0
 TENANT_STATE_ACTIVE: TenantState.ValueType  # 1
 TENANT_STATE_SUSPENDED: TenantState.ValueType  # 2
 """Admissions are refused with TENANT_SUSPENDED; live reservations run to their end."""
+TENANT_STATE_DELETING: TenantState.ValueType  # 3
+"""Offboarding: its reservations and pins are being released."""
+TENANT_STATE_DELETED: TenantState.ValueType  # 4
 Global___TenantState: _TypeAlias = TenantState  # noqa: Y015
+
+class _PrefixHashAlgo:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PrefixHashAlgoEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PrefixHashAlgo.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PREFIX_HASH_ALGO_UNSPECIFIED: _PrefixHashAlgo.ValueType  # 0
+    PREFIX_HASH_ALGO_SHA256: _PrefixHashAlgo.ValueType  # 1
+    PREFIX_HASH_ALGO_SHA256_CBOR: _PrefixHashAlgo.ValueType  # 2
+
+class PrefixHashAlgo(_PrefixHashAlgo, metaclass=_PrefixHashAlgoEnumTypeWrapper):
+    """vLLM's --prefix-caching-hash-algo, which kvquota reproduces."""
+
+PREFIX_HASH_ALGO_UNSPECIFIED: PrefixHashAlgo.ValueType  # 0
+PREFIX_HASH_ALGO_SHA256: PrefixHashAlgo.ValueType  # 1
+PREFIX_HASH_ALGO_SHA256_CBOR: PrefixHashAlgo.ValueType  # 2
+Global___PrefixHashAlgo: _TypeAlias = PrefixHashAlgo  # noqa: Y015
 
 class _InstanceState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -80,6 +106,67 @@ INSTANCE_STATE_ACTIVE: InstanceState.ValueType  # 1
 INSTANCE_STATE_DRAINING: InstanceState.ValueType  # 2
 """Admissions are refused with INSTANCE_DRAINING; live reservations run to their end."""
 Global___InstanceState: _TypeAlias = InstanceState  # noqa: Y015
+
+class _BlockState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BlockStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BlockState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BLOCK_STATE_UNSPECIFIED: _BlockState.ValueType  # 0
+    BLOCK_STATE_FREE: _BlockState.ValueType  # 1
+    BLOCK_STATE_CACHED: _BlockState.ValueType  # 2
+    """Unreferenced, contents kept for prefix hits; evicted least recently used first."""
+    BLOCK_STATE_IN_USE: _BlockState.ValueType  # 3
+    BLOCK_STATE_PINNED: _BlockState.ValueType  # 4
+    """Held by pins alone."""
+
+class BlockState(_BlockState, metaclass=_BlockStateEnumTypeWrapper): ...
+
+BLOCK_STATE_UNSPECIFIED: BlockState.ValueType  # 0
+BLOCK_STATE_FREE: BlockState.ValueType  # 1
+BLOCK_STATE_CACHED: BlockState.ValueType  # 2
+"""Unreferenced, contents kept for prefix hits; evicted least recently used first."""
+BLOCK_STATE_IN_USE: BlockState.ValueType  # 3
+BLOCK_STATE_PINNED: BlockState.ValueType  # 4
+"""Held by pins alone."""
+Global___BlockState: _TypeAlias = BlockState  # noqa: Y015
+
+class _BlockTier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BlockTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BlockTier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BLOCK_TIER_UNSPECIFIED: _BlockTier.ValueType  # 0
+    BLOCK_TIER_GPU: _BlockTier.ValueType  # 1
+    BLOCK_TIER_CPU: _BlockTier.ValueType  # 2
+    BLOCK_TIER_COMPRESSED: _BlockTier.ValueType  # 3
+
+class BlockTier(_BlockTier, metaclass=_BlockTierEnumTypeWrapper): ...
+
+BLOCK_TIER_UNSPECIFIED: BlockTier.ValueType  # 0
+BLOCK_TIER_GPU: BlockTier.ValueType  # 1
+BLOCK_TIER_CPU: BlockTier.ValueType  # 2
+BLOCK_TIER_COMPRESSED: BlockTier.ValueType  # 3
+Global___BlockTier: _TypeAlias = BlockTier  # noqa: Y015
+
+class _PinState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PinStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PinState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PIN_STATE_UNSPECIFIED: _PinState.ValueType  # 0
+    PIN_STATE_ACTIVE: _PinState.ValueType  # 1
+    PIN_STATE_REMOVED: _PinState.ValueType  # 2
+
+class PinState(_PinState, metaclass=_PinStateEnumTypeWrapper): ...
+
+PIN_STATE_UNSPECIFIED: PinState.ValueType  # 0
+PIN_STATE_ACTIVE: PinState.ValueType  # 1
+PIN_STATE_REMOVED: PinState.ValueType  # 2
+Global___PinState: _TypeAlias = PinState  # noqa: Y015
 
 class _ReservationState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -111,6 +198,8 @@ class _EndReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EndReason.V
     """The gateway cancelled it (client went away)."""
     END_REASON_LEASE_EXPIRED: _EndReason.ValueType  # 3
     """Nobody renewed the lease in time."""
+    END_REASON_TENANT_DELETED: _EndReason.ValueType  # 4
+    """Its tenant was offboarded."""
 
 class EndReason(_EndReason, metaclass=_EndReasonEnumTypeWrapper): ...
 
@@ -121,6 +210,8 @@ END_REASON_CANCELLED: EndReason.ValueType  # 2
 """The gateway cancelled it (client went away)."""
 END_REASON_LEASE_EXPIRED: EndReason.ValueType  # 3
 """Nobody renewed the lease in time."""
+END_REASON_TENANT_DELETED: EndReason.ValueType  # 4
+"""Its tenant was offboarded."""
 Global___EndReason: _TypeAlias = EndReason  # noqa: Y015
 
 @_typing.final
@@ -235,19 +326,24 @@ class TenantUsage(_message.Message):
     BLOCKS_IN_USE_FIELD_NUMBER: _builtins.int
     TOKENS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     LIVE_RESERVATIONS_FIELD_NUMBER: _builtins.int
+    PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
     blocks_in_use: _builtins.int
+    """Distinct blocks its live reservations and pins reference (sharing within a tenant is free)."""
     tokens_in_flight: _builtins.int
     live_reservations: _builtins.int
+    pinned_blocks: _builtins.int
+    """Distinct blocks its pins hold."""
     def __init__(
         self,
         *,
         blocks_in_use: _builtins.int = ...,
         tokens_in_flight: _builtins.int = ...,
         live_reservations: _builtins.int = ...,
+        pinned_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_in_use", b"blocks_in_use", "live_reservations", b"live_reservations", "tokens_in_flight", b"tokens_in_flight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_in_use", b"blocks_in_use", "live_reservations", b"live_reservations", "pinned_blocks", b"pinned_blocks", "tokens_in_flight", b"tokens_in_flight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -267,12 +363,15 @@ class Tenant(_message.Message):
     WEIGHT_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    SHARED_NAMESPACE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """tenants/{tenant}"""
     display_name: _builtins.str
     state: Global___TenantState.ValueType
     weight: _builtins.int
     """Relative share of contended capacity (fair share between tenants)."""
+    shared_namespace: _builtins.str
+    """namespaces/{namespace} the tenant shares prefixes in, or empty (isolated, the default)."""
     @_builtins.property
     def quota(self) -> Global___TenantQuota: ...
     @_builtins.property
@@ -294,14 +393,41 @@ class Tenant(_message.Message):
         weight: _builtins.int = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
+        shared_namespace: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "quota", b"quota", "update_time", b"update_time", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "display_name", b"display_name", "name", b"name", "quota", b"quota", "state", b"state", "update_time", b"update_time", "usage", b"usage", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "display_name", b"display_name", "name", b"name", "quota", b"quota", "shared_namespace", b"shared_namespace", "state", b"state", "update_time", b"update_time", "usage", b"usage", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Tenant: _TypeAlias = Tenant  # noqa: Y015
+
+@_typing.final
+class Namespace(_message.Message):
+    """A named prefix-sharing scope tenants opt into, for public system prompts."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """namespaces/{namespace}"""
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Namespace: _TypeAlias = Namespace  # noqa: Y015
 
 @_typing.final
 class Instance(_message.Message):
@@ -322,6 +448,9 @@ class Instance(_message.Message):
     LIVE_RESERVATIONS_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
+    HASH_ALGO_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """instances/{instance}"""
     model: _builtins.str
@@ -341,6 +470,11 @@ class Instance(_message.Message):
     """Output only."""
     live_reservations: _builtins.int
     """Output only."""
+    cached_blocks: _builtins.int
+    """Output only: unreferenced blocks whose contents a prefix hit may reuse."""
+    pinned_blocks: _builtins.int
+    """Output only: blocks held by pins alone."""
+    hash_algo: Global___PrefixHashAlgo.ValueType
     @_builtins.property
     def geometry(self) -> Global___KvGeometry: ...
     @_builtins.property
@@ -363,14 +497,137 @@ class Instance(_message.Message):
         live_reservations: _builtins.int = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
+        cached_blocks: _builtins.int = ...,
+        pinned_blocks: _builtins.int = ...,
+        hash_algo: Global___PrefixHashAlgo.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "geometry", b"geometry", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "blocks_in_use", b"blocks_in_use", "bytes_per_block", b"bytes_per_block", "capacity_blocks", b"capacity_blocks", "create_time", b"create_time", "free_blocks", b"free_blocks", "geometry", b"geometry", "live_reservations", b"live_reservations", "max_model_len", b"max_model_len", "model", b"model", "name", b"name", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "blocks_in_use", b"blocks_in_use", "bytes_per_block", b"bytes_per_block", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "create_time", b"create_time", "free_blocks", b"free_blocks", "geometry", b"geometry", "hash_algo", b"hash_algo", "live_reservations", b"live_reservations", "max_model_len", b"max_model_len", "model", b"model", "name", b"name", "pinned_blocks", b"pinned_blocks", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Instance: _TypeAlias = Instance  # noqa: Y015
+
+@_typing.final
+class BlockHandle(_message.Message):
+    """(instance, block id, generation): a reference to one slot's contents."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    block_id: _builtins.int
+    generation: _builtins.int
+    def __init__(
+        self,
+        *,
+        block_id: _builtins.int = ...,
+        generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_id", b"block_id", "generation", b"generation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockHandle: _TypeAlias = BlockHandle  # noqa: Y015
+
+@_typing.final
+class Block(_message.Message):
+    """One KV block slot of an instance, as the ledger's shadow of vLLM's block pool holds it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    REF_COUNT_FIELD_NUMBER: _builtins.int
+    PIN_COUNT_FIELD_NUMBER: _builtins.int
+    BLOCK_HASH_FIELD_NUMBER: _builtins.int
+    HASH_SCOPE_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    LAST_USE_TIME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """instances/{instance}/blocks/{block_id}"""
+    generation: _builtins.int
+    state: Global___BlockState.ValueType
+    ref_count: _builtins.int
+    """Live block-table entries plus pins."""
+    pin_count: _builtins.int
+    block_hash: _builtins.int
+    """The chained block hash as vLLM's KV events carry it: the low 64 bits of the digest, read as
+    two's-complement int64 (the same 64 bits as the event's unsigned int); 0 when unhashed.
+    """
+    hash_scope: _builtins.str
+    """Whose salt made the hash: tenants/{t} or namespaces/{n}."""
+    tier: Global___BlockTier.ValueType
+    @_builtins.property
+    def last_use_time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        state: Global___BlockState.ValueType = ...,
+        ref_count: _builtins.int = ...,
+        pin_count: _builtins.int = ...,
+        block_hash: _builtins.int = ...,
+        hash_scope: _builtins.str = ...,
+        tier: Global___BlockTier.ValueType = ...,
+        last_use_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_use_time", b"last_use_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hash", b"block_hash", "generation", b"generation", "hash_scope", b"hash_scope", "last_use_time", b"last_use_time", "name", b"name", "pin_count", b"pin_count", "ref_count", b"ref_count", "state", b"state", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Block: _TypeAlias = Block  # noqa: Y015
+
+@_typing.final
+class Pin(_message.Message):
+    """A system-prompt prefix held resident on an instance."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """tenants/{tenant}/pins/{pin} or namespaces/{namespace}/pins/{pin}"""
+    instance: _builtins.str
+    """instances/{instance}"""
+    prompt_tokens: _builtins.int
+    pinned_blocks: _builtins.int
+    """Full blocks of the prefix (a partial last block is not pinned)."""
+    state: Global___PinState.ValueType
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockHandle]: ...
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        instance: _builtins.str = ...,
+        prompt_tokens: _builtins.int = ...,
+        pinned_blocks: _builtins.int = ...,
+        state: Global___PinState.ValueType = ...,
+        blocks: _abc.Iterable[Global___BlockHandle] | None = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "create_time", b"create_time", "instance", b"instance", "name", b"name", "pinned_blocks", b"pinned_blocks", "prompt_tokens", b"prompt_tokens", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Pin: _TypeAlias = Pin  # noqa: Y015
 
 @_typing.final
 class Reservation(_message.Message):
@@ -396,6 +653,7 @@ class Reservation(_message.Message):
     END_REASON_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     LEASE_TTL_FIELD_NUMBER: _builtins.int
+    BLOCK_TABLE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """tenants/{tenant}/reservations/{request_id}"""
     tenant: _builtins.str
@@ -422,6 +680,12 @@ class Reservation(_message.Message):
     def end_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def lease_ttl(self) -> _duration_pb2.Duration: ...
+    @_builtins.property
+    def block_table(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockHandle]:
+        """Its live block table: full prompt blocks (shared by its n sequences), then each sequence's
+        tail. Empty once it ended.
+        """
+
     def __init__(
         self,
         *,
@@ -443,10 +707,11 @@ class Reservation(_message.Message):
         end_reason: Global___EndReason.ValueType = ...,
         output_tokens: _builtins.int = ...,
         lease_ttl: _duration_pb2.Duration | None = ...,
+        block_table: _abc.Iterable[Global___BlockHandle] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "end_time", b"end_time", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "end_reason", b"end_reason", "end_time", b"end_time", "instance", b"instance", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "name", b"name", "output_tokens", b"output_tokens", "prefix_hit_blocks", b"prefix_hit_blocks", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "reserved_tokens", b"reserved_tokens", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "block_table", b"block_table", "end_reason", b"end_reason", "end_time", b"end_time", "instance", b"instance", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "name", b"name", "output_tokens", b"output_tokens", "prefix_hit_blocks", b"prefix_hit_blocks", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "reserved_tokens", b"reserved_tokens", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

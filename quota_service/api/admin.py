@@ -9,17 +9,30 @@ import grpc
 from kvquota.v1 import admin_pb2 as pb
 from kvquota.v1 import admin_pb2_grpc, resources_pb2
 from quota_service.api import convert
-from quota_service.core import catalog, pagination
+from quota_service.core import catalog, names, pagination
+from quota_service.core.errors import FieldViolation, invalid_request
 from quota_service.core.model import TenantState
 from quota_service.core.names import instance_id, tenant_id
 from quota_service.store.catalog import Catalog
+from quota_service.store.inspection import Inspection
+from quota_service.store.offboarding import Offboarding
+from quota_service.store.pins import Pins
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, catalog_store: Catalog) -> None:
+    def __init__(
+        self,
+        catalog_store: Catalog,
+        pins: Pins,
+        offboarding: Offboarding,
+        inspection: Inspection,
+    ) -> None:
         self._catalog = catalog_store
+        self._pins = pins
+        self._offboarding = offboarding
+        self._inspection = inspection
 
     async def CreateTenant(
         self, request: pb.CreateTenantRequest, context: Context
@@ -58,6 +71,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             given.display_name,
             given.weight,
             convert.quota(given.quota),
+            given.shared_namespace,
         )
         return convert.tenant(await self._catalog.update_tenant(name, changes))
 
@@ -90,6 +104,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 else None
             ),
             num_gpu_blocks=request.num_gpu_blocks if capacity == "num_gpu_blocks" else None,
+            hash_algo=convert.hash_algo(request.hash_algo),
         )
         return convert.instance(await self._catalog.register_instance(spec))
 
@@ -112,3 +127,120 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: pb.DrainInstanceRequest, context: Context
     ) -> resources_pb2.Instance:
         return convert.instance(await self._catalog.drain_instance(instance_id(request.name)))
+
+    async def DeleteTenant(
+        self, request: pb.DeleteTenantRequest, context: Context
+    ) -> pb.DeleteTenantResponse:
+        tenant = tenant_id(request.name)
+        report = await self._offboarding.delete_tenant(tenant)
+        return pb.DeleteTenantResponse(
+            tenant=convert.tenant(await self._catalog.get_tenant(tenant)),
+            report=pb.OffboardingReport(
+                freed_blocks=report.freed_blocks,
+                shared_blocks=report.shared_blocks,
+                pinned_by_others=report.pinned_by_others,
+            ),
+        )
+
+    async def RotateCacheSalt(
+        self, request: pb.RotateCacheSaltRequest, context: Context
+    ) -> pb.RotateCacheSaltResponse:
+        collection, owner_id = names.owner(request.name, "name")
+        await self._catalog.rotate_salt(collection, owner_id)
+        return pb.RotateCacheSaltResponse()
+
+    async def GetTenantUsage(
+        self, request: pb.GetTenantUsageRequest, context: Context
+    ) -> pb.TenantUsageReport:
+        tenant = tenant_id(request.name)
+        current = convert.tenant(await self._catalog.get_tenant(tenant))
+        per_instance = await self._inspection.tenant_usage(tenant)
+        return pb.TenantUsageReport(
+            tenant=current.name,
+            usage=current.usage,
+            quota=current.quota,
+            instances=[
+                pb.InstanceUsage(
+                    instance=names.instance_name(u.instance),
+                    blocks_in_use=u.blocks_in_use,
+                    pinned_blocks=u.pinned_blocks,
+                    shared_blocks=u.shared_blocks,
+                    live_reservations=u.live_reservations,
+                    tokens_in_flight=u.tokens_in_flight,
+                )
+                for u in per_instance
+            ],
+        )
+
+    async def CreateNamespace(
+        self, request: pb.CreateNamespaceRequest, context: Context
+    ) -> resources_pb2.Namespace:
+        violation = names.check_resource_id(request.namespace_id, "namespace_id")
+        if violation:
+            raise invalid_request([violation])
+        namespace, created = await self._catalog.create_namespace(request.namespace_id)
+        return resources_pb2.Namespace(
+            name=names.namespace_name(namespace), create_time=convert.timestamp(created)
+        )
+
+    async def ListNamespaces(
+        self, request: pb.ListNamespacesRequest, context: Context
+    ) -> pb.ListNamespacesResponse:
+        page = pagination.page(request.page_size, request.page_token)
+        found = await self._catalog.list_namespaces(page)
+        return pb.ListNamespacesResponse(
+            namespaces=[
+                resources_pb2.Namespace(
+                    name=names.namespace_name(n), create_time=convert.timestamp(created)
+                )
+                for n, created in found
+            ],
+            next_page_token=pagination.next_token([n for n, _ in found], page.size),
+        )
+
+    async def PinPrefix(self, request: pb.PinPrefixRequest, context: Context) -> resources_pb2.Pin:
+        names.owner(request.parent)
+        violations = [
+            v for v in (names.check_resource_id(request.pin_id, "pin_id"),) if v is not None
+        ]
+        instance, violation = names.parse_child(request.instance, "instances", "instance")
+        if violation:
+            violations.append(violation)
+        if violations:
+            raise invalid_request(violations)
+        assert instance is not None
+        pinned = await self._pins.pin(
+            request.parent, request.pin_id, instance, list(request.token_ids)
+        )
+        return convert.pin(pinned)
+
+    async def UnpinPrefix(
+        self, request: pb.UnpinPrefixRequest, context: Context
+    ) -> resources_pb2.Pin:
+        owner, pin_id = names.pin_key(request.name)
+        return convert.pin(await self._pins.unpin(owner, pin_id))
+
+    async def ListPins(self, request: pb.ListPinsRequest, context: Context) -> pb.ListPinsResponse:
+        names.owner(request.parent)
+        page = pagination.page(request.page_size, request.page_token)
+        found = await self._pins.list_pins(request.parent, page)
+        return pb.ListPinsResponse(
+            pins=[convert.pin(p) for p in found],
+            next_page_token=pagination.next_token([p.pin_id for p in found], page.size),
+        )
+
+    async def ListBlocks(
+        self, request: pb.ListBlocksRequest, context: Context
+    ) -> pb.ListBlocksResponse:
+        instance = instance_id(request.parent, "parent")
+        tenant = tenant_id(request.tenant, "tenant") if request.tenant else None
+        page = pagination.page(request.page_size, request.page_token)
+        if page.after is not None and not page.after.isdigit():
+            raise invalid_request([FieldViolation("page_token", "not a token this API issued")])
+        found = await self._inspection.list_blocks(
+            instance, tenant, convert.block_state(request.state), page
+        )
+        return pb.ListBlocksResponse(
+            blocks=[convert.block(b) for b in found],
+            next_page_token=pagination.next_token([str(b.block_id) for b in found], page.size),
+        )

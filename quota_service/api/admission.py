@@ -9,6 +9,7 @@ import grpc
 from kvquota.v1 import admission_pb2 as pb
 from kvquota.v1 import admission_pb2_grpc, resources_pb2
 from quota_service.api import convert
+from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import FieldViolation, invalid_request
 from quota_service.core.model import EndReason
 from quota_service.core.names import reservation_key
@@ -58,3 +59,12 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     ) -> resources_pb2.Reservation:
         tenant, request_id = reservation_key(request.name)
         return convert.reservation(await self._ledger.get(tenant, request_id))
+
+    async def ReleaseBlocks(
+        self, request: pb.ReleaseBlocksRequest, context: Context
+    ) -> resources_pb2.Reservation:
+        tenant, request_id = reservation_key(request.name)
+        if not request.handles:
+            raise invalid_request([FieldViolation("handles", "name at least one block handle")])
+        handles = [BlockHandle(h.block_id, h.generation) for h in request.handles]
+        return convert.reservation(await self._ledger.release_blocks(tenant, request_id, handles))

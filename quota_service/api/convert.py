@@ -11,12 +11,18 @@ from kvquota.v1 import admission_pb2 as admission_pb
 from kvquota.v1 import resources_pb2 as pb
 from quota_service.core import geometry, names
 from quota_service.core.admission import AdmitRequest
+from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import FieldViolation, invalid_request
+from quota_service.core.hashing import HashAlgo, event_hash
 from quota_service.core.model import (
     AdmitParams,
+    Block,
+    BlockState,
     EndReason,
     Instance,
     InstanceState,
+    Pin,
+    PinState,
     Reservation,
     ReservationState,
     Tenant,
@@ -43,6 +49,10 @@ _INSTANCE_STATES = {
     InstanceState.ACTIVE: pb.INSTANCE_STATE_ACTIVE,
     InstanceState.DRAINING: pb.INSTANCE_STATE_DRAINING,
 }
+_HASH_ALGOS = {
+    HashAlgo.SHA256: pb.PREFIX_HASH_ALGO_SHA256,
+    HashAlgo.SHA256_CBOR: pb.PREFIX_HASH_ALGO_SHA256_CBOR,
+}
 _RESERVATION_STATES = {
     ReservationState.ADMITTED: pb.RESERVATION_STATE_ADMITTED,
     ReservationState.ENDED: pb.RESERVATION_STATE_ENDED,
@@ -51,6 +61,7 @@ _END_REASONS = {
     EndReason.RELEASED: pb.END_REASON_RELEASED,
     EndReason.CANCELLED: pb.END_REASON_CANCELLED,
     EndReason.LEASE_EXPIRED: pb.END_REASON_LEASE_EXPIRED,
+    EndReason.TENANT_DELETED: pb.END_REASON_TENANT_DELETED,
 }
 
 
@@ -111,6 +122,8 @@ def reservation(value: Reservation) -> pb.Reservation:
         state=_RESERVATION_STATES[value.state],
         reserved_blocks=value.reserved_blocks,
         reserved_tokens=value.reserved_tokens,
+        prefix_hit_blocks=value.prefix_hit_blocks,
+        block_table=[block_handle(h) for h in value.block_table],
         lease_expire_time=timestamp(value.lease_expires_at),
         admit_time=timestamp(value.admitted_at),
         lease_ttl=duration(value.lease_ttl_seconds),
@@ -121,6 +134,15 @@ def reservation(value: Reservation) -> pb.Reservation:
     if value.end_reason is not None:
         message.end_reason = _END_REASONS[value.end_reason]
     return message
+
+
+def block_handle(value: BlockHandle) -> pb.BlockHandle:
+    return pb.BlockHandle(block_id=value.block_id, generation=value.generation)
+
+
+def hash_algo(value: pb.PrefixHashAlgo.ValueType) -> HashAlgo:
+    """Unset means sha256, vLLM's default."""
+    return {v: k for k, v in _HASH_ALGOS.items()}.get(value, HashAlgo.SHA256)
 
 
 def quota(message: pb.TenantQuota) -> TenantQuota:
@@ -150,7 +172,9 @@ def tenant(value: Tenant) -> pb.Tenant:
             blocks_in_use=value.blocks_in_use,
             tokens_in_flight=value.tokens_in_flight,
             live_reservations=value.live_reservations,
+            pinned_blocks=value.pinned_blocks,
         ),
+        shared_namespace=names.namespace_name(value.namespace) if value.namespace else "",
         weight=value.weight,
         create_time=timestamp(value.created_at),
         update_time=timestamp(value.updated_at),
@@ -193,6 +217,9 @@ def instance(value: Instance) -> pb.Instance:
         bytes_per_block=spec.bytes_per_block or 0,
         blocks_in_use=value.blocks_in_use,
         free_blocks=value.free_blocks,
+        cached_blocks=value.cached_blocks,
+        pinned_blocks=value.pinned_blocks,
+        hash_algo=_HASH_ALGOS[spec.hash_algo],
         live_reservations=value.live_reservations,
         create_time=timestamp(value.created_at),
         update_time=timestamp(value.updated_at),
@@ -209,3 +236,59 @@ def instance(value: Instance) -> pb.Instance:
             )
         )
     return message
+
+
+_PIN_STATES = {PinState.ACTIVE: pb.PIN_STATE_ACTIVE, PinState.REMOVED: pb.PIN_STATE_REMOVED}
+_BLOCK_STATES = {
+    BlockState.FREE: pb.BLOCK_STATE_FREE,
+    BlockState.CACHED: pb.BLOCK_STATE_CACHED,
+    BlockState.IN_USE: pb.BLOCK_STATE_IN_USE,
+    BlockState.PINNED: pb.BLOCK_STATE_PINNED,
+}
+_BLOCK_STATE_VALUES = {v: k for k, v in _BLOCK_STATES.items()}
+_TIERS = {
+    "GPU": pb.BLOCK_TIER_GPU,
+    "CPU": pb.BLOCK_TIER_CPU,
+    "COMPRESSED": pb.BLOCK_TIER_COMPRESSED,
+}
+
+
+def pin(value: Pin) -> pb.Pin:
+    return pb.Pin(
+        name=f"{value.owner}/pins/{value.pin_id}",
+        instance=names.instance_name(value.instance),
+        prompt_tokens=value.prompt_tokens,
+        pinned_blocks=value.pinned_blocks,
+        state=_PIN_STATES[value.state],
+        blocks=[block_handle(h) for h in value.blocks],
+        create_time=timestamp(value.created_at),
+    )
+
+
+def signed_event_hash(content_hash: bytes | None) -> int:
+    """vLLM's event hash (an unsigned 64-bit int) as the int64 the API carries: same bits."""
+    if content_hash is None:
+        return 0
+    unsigned = event_hash(content_hash)
+    return unsigned - (1 << 64) if unsigned >= 1 << 63 else unsigned
+
+
+def block(value: Block) -> pb.Block:
+    message = pb.Block(
+        name=f"{names.instance_name(value.instance)}/blocks/{value.block_id}",
+        generation=value.generation,
+        state=_BLOCK_STATES[value.state],
+        ref_count=value.ref_count,
+        pin_count=value.pin_count,
+        block_hash=signed_event_hash(value.content_hash),
+        hash_scope=value.hash_scope or "",
+        tier=_TIERS[value.tier],
+    )
+    if value.last_used_at is not None:
+        message.last_use_time.CopyFrom(timestamp(value.last_used_at))
+    return message
+
+
+def block_state(value: pb.BlockState.ValueType) -> BlockState | None:
+    """Unset means any state."""
+    return _BLOCK_STATE_VALUES.get(value)

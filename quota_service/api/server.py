@@ -18,11 +18,14 @@ from quota_service.api.admin import AdminServicer
 from quota_service.api.admission import AdmissionServicer
 from quota_service.api.errors import ErrorInterceptor
 from quota_service.config import Settings
-from quota_service.jobs import lease_reaper
+from quota_service.jobs import maintenance
 from quota_service.store import migrate
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
+from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
+from quota_service.store.offboarding import Offboarding
+from quota_service.store.pins import Pins
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,11 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         ],
     )
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(AdmissionServicer(ledger), server)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(Catalog(engine)), server)
+    pins = Pins(engine, settings.admission_limits)
+    offboarding = Offboarding(engine, ledger, pins)
+    inspection = Inspection(engine)
+    admin = AdminServicer(Catalog(engine), pins, offboarding, inspection)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -84,7 +91,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
     reaper = asyncio.create_task(
-        lease_reaper.run(ledger, settings.reaper_interval_seconds, settings.reaper_batch_size, stop)
+        maintenance.run(maintenance.Maintenance(ledger, offboarding, inspection, settings), stop)
     )
     return RunningServer(port, server, health_servicer, engine, stop, reaper)
 

@@ -5,11 +5,13 @@ the plan in the same transaction, so the decision is atomic whichever replica ma
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
-from quota_service.core import geometry
+from quota_service.core import block_table, geometry
+from quota_service.core.block_table import CachedBlock, TableLayout
 from quota_service.core.errors import (
     Code,
     FieldViolation,
@@ -53,11 +55,14 @@ class AdmitRequest:
 
 @dataclass(frozen=True, slots=True)
 class AdmissionPlan:
-    """What to write: the blocks and tokens to add to the pool and the tenant, and the lease."""
+    """What to write: the table (cached prefix, then new blocks with what each will hold), the
+    tokens to add to the tenant, and the lease."""
 
     blocks: int
     tokens: int
     lease_ttl_seconds: float
+    hits: tuple[CachedBlock, ...] = ()
+    new_hashes: tuple[bytes | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,16 +139,18 @@ def decide(
     pool: InstancePool,
     account: TenantAccount,
     limits: AdmissionLimits,
+    table: TableLayout,
+    hits: Sequence[CachedBlock] = (),
 ) -> AdmissionPlan | Shortfall:
     """Check-and-reserve: raise for refusals that waiting cannot fix, return a Shortfall for those
-    it can, or the plan to write."""
+    it can, or the plan to write. `hits` is the cached prefix of `table` on this instance."""
     p = request.params
-    if account.state is TenantState.SUSPENDED:
+    if account.state is not TenantState.ACTIVE:
         raise KvQuotaError(
             Code.FAILED_PRECONDITION,
             "TENANT_SUSPENDED",
-            f"tenant {p.tenant} is suspended",
-            metadata={"tenant": p.tenant},
+            f"tenant {p.tenant} is {account.state.value.lower()}",
+            metadata={"tenant": p.tenant, "state": account.state.value},
         )
     if pool.state is InstanceState.DRAINING:
         raise KvQuotaError(
@@ -160,33 +167,42 @@ def decide(
             f"prompt + max_output = {asked} tokens exceeds the context cap of {pool.max_model_len}",
             metadata={"maxModelLen": str(pool.max_model_len), "requestedTokens": str(asked)},
         )
-    blocks = geometry.blocks_for_request(p.prompt_tokens, p.max_output_tokens, p.n, pool.block_size)
+    blocks = table.total
     tokens = geometry.tokens_in_flight(p.prompt_tokens, p.max_output_tokens, p.n)
+    new_blocks = blocks - len(hits)
+    # Blocks the tenant does not reference yet: sharing within a tenant is free.
+    new_to_tenant = new_blocks + sum(1 for h in hits if not h.held_by_tenant)
     quota = account.quota
-    limit, limit_name = min(
-        (pool.capacity_blocks, "instanceCapacityBlocks"), (quota.max_blocks, "tenantMaxBlocks")
+    hard_limits = (
+        ("instanceCapacityBlocks", blocks, pool.capacity_blocks),
+        ("tenantMaxBlocks", new_to_tenant, quota.max_blocks),
+        ("tenantMaxTokensInFlight", tokens, quota.max_tokens_in_flight),
     )
-    if blocks > limit or tokens > quota.max_tokens_in_flight:
-        raise KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "REQUEST_EXCEEDS_CAPACITY",
-            f"needs {blocks} blocks and {tokens} tokens in flight; the instance and the tenant's "
-            "quota can never give that much at once",
-            metadata={
-                "requestedBlocks": str(blocks),
-                "requestedTokens": str(tokens),
-                limit_name: str(limit),
-                "tenantMaxTokensInFlight": str(quota.max_tokens_in_flight),
-            },
-        )
+    for limit_name, asked_for, limit in hard_limits:
+        if asked_for > limit:
+            raise KvQuotaError(
+                Code.FAILED_PRECONDITION,
+                "REQUEST_EXCEEDS_CAPACITY",
+                f"needs {blocks} blocks and {tokens} tokens in flight; {limit_name} is {limit}, "
+                "so it can never be admitted",
+                metadata={
+                    "requestedBlocks": str(blocks),
+                    "requestedTokens": str(tokens),
+                    limit_name: str(limit),
+                },
+            )
     free_blocks_tenant = quota.max_blocks - account.blocks_in_use
     free_tokens_tenant = quota.max_tokens_in_flight - account.tokens_in_flight
-    if blocks > free_blocks_tenant or tokens > free_tokens_tenant:
-        return Shortfall("tenant", blocks, tokens, free_blocks_tenant, free_tokens_tenant)
-    if blocks > pool.free_blocks:
-        return Shortfall("instance", blocks, tokens, pool.free_blocks, 0)
+    if new_to_tenant > free_blocks_tenant or tokens > free_tokens_tenant:
+        return Shortfall("tenant", new_to_tenant, tokens, free_blocks_tenant, free_tokens_tenant)
+    # A hit on a cached block takes it out of what can be evicted to make room.
+    allocatable = pool.allocatable_blocks - sum(1 for h in hits if h.evictable)
+    if new_blocks > allocatable:
+        return Shortfall("instance", new_blocks, tokens, allocatable, 0)
     ttl = request.lease_ttl_seconds or limits.default_lease_ttl_seconds
-    return AdmissionPlan(blocks, tokens, ttl)
+    return AdmissionPlan(
+        blocks, tokens, ttl, tuple(hits), tuple(block_table.new_block_hashes(table, len(hits)))
+    )
 
 
 def expected_end(

@@ -7,16 +7,25 @@ from dataclasses import asdict
 
 from quota_service.core import geometry
 from quota_service.core.errors import FieldViolation, invalid_request
+from quota_service.core.hashing import HashAlgo
 from quota_service.core.model import InstanceSpec, TenantQuota
-from quota_service.core.names import check_resource_id
+from quota_service.core.names import check_resource_id, parse_child
 
 MAX_DISPLAY_NAME = 200
 MAX_MODEL_NAME = 200
 MAX_WEIGHT = 10_000
+# One row per slot: beyond this a pool is surely a typo in a budget (a million is a big GPU).
+MAX_CAPACITY_BLOCKS = 10_000_000
 
 
 QUOTA_FIELDS = tuple(TenantQuota.__dataclass_fields__)
-TENANT_UPDATE_PATHS = ("display_name", "weight", "quota", *(f"quota.{f}" for f in QUOTA_FIELDS))
+TENANT_UPDATE_PATHS = (
+    "display_name",
+    "weight",
+    "shared_namespace",
+    "quota",
+    *(f"quota.{f}" for f in QUOTA_FIELDS),
+)
 
 
 def _tenant_violations(
@@ -47,7 +56,11 @@ def check_new_tenant(tenant: str, display_name: str, weight: int, quota: TenantQ
 
 
 def tenant_changes(
-    paths: Sequence[str], display_name: str, weight: int, quota: TenantQuota
+    paths: Sequence[str],
+    display_name: str,
+    weight: int,
+    quota: TenantQuota,
+    shared_namespace: str = "",
 ) -> dict[str, object]:
     """The columns an update sets: the fields its mask names (AIP-134), checked like a create."""
     if not paths or any(p not in TENANT_UPDATE_PATHS for p in paths):
@@ -62,9 +75,16 @@ def tenant_changes(
     new_name = display_name if "display_name" in paths else None
     new_weight = weight if "weight" in paths else None
     violations = _tenant_violations(new_name, new_weight, quota_changes)
+    changes: dict[str, object] = dict(quota_changes)
+    if "shared_namespace" in paths:
+        # Empty leaves the namespace: the tenant is isolated again under its own salt.
+        namespace, violation = (None, None)
+        if shared_namespace:
+            namespace, violation = parse_child(shared_namespace, "namespaces", "shared_namespace")
+            violations += [violation] if violation else []
+        changes["namespace"] = namespace
     if violations:
         raise invalid_request(violations)
-    changes: dict[str, object] = dict(quota_changes)
     if new_name is not None:
         changes["display_name"] = new_name
     if new_weight is not None:
@@ -80,6 +100,7 @@ def instance_spec(
     max_model_len: int,
     budget: geometry.MemoryBudget | None,
     num_gpu_blocks: int | None,
+    hash_algo: HashAlgo = HashAlgo.SHA256,
 ) -> InstanceSpec:
     """The pool an instance registers with: from its geometry and memory budget, or from the
     block count the engine itself reports (then the geometry is optional)."""
@@ -105,6 +126,12 @@ def instance_spec(
         capacity = num_gpu_blocks
     else:
         violations.append(FieldViolation("capacity", "give memory_budget or num_gpu_blocks"))
+    if capacity > MAX_CAPACITY_BLOCKS:
+        violations.append(
+            FieldViolation("capacity", f"{capacity} blocks is more than {MAX_CAPACITY_BLOCKS}")
+        )
     if violations:
         raise invalid_request(violations)
-    return InstanceSpec(instance, model, kv_geometry, block_size, capacity, max_model_len)
+    return InstanceSpec(
+        instance, model, kv_geometry, block_size, capacity, max_model_len, hash_algo
+    )

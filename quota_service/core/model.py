@@ -6,12 +6,17 @@ import enum
 from dataclasses import dataclass
 from datetime import datetime
 
+from quota_service.core.block_table import BlockHandle
 from quota_service.core.geometry import KvGeometry
+from quota_service.core.hashing import HashAlgo
 
 
 class TenantState(enum.Enum):
     ACTIVE = "ACTIVE"
     SUSPENDED = "SUSPENDED"
+    # Offboarding: its reservations and pins are being released; it admits nothing.
+    DELETING = "DELETING"
+    DELETED = "DELETED"
 
 
 class InstanceState(enum.Enum):
@@ -28,6 +33,7 @@ class EndReason(enum.Enum):
     RELEASED = "RELEASED"
     CANCELLED = "CANCELLED"
     LEASE_EXPIRED = "LEASE_EXPIRED"
+    TENANT_DELETED = "TENANT_DELETED"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,7 @@ class TenantAccount:
     blocks_in_use: int
     tokens_in_flight: int
     mean_hold_seconds: float | None
+    pinned_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +67,15 @@ class InstancePool:
     block_size: int
     capacity_blocks: int
     max_model_len: int
-    blocks_in_use: int
+    free_blocks: int
+    # Cached and unreferenced: reusable by a prefix hit, or evicted to make room.
+    cached_blocks: int
+    hash_algo: HashAlgo
     mean_hold_seconds: float | None
 
     @property
-    def free_blocks(self) -> int:
-        return self.capacity_blocks - self.blocks_in_use
+    def allocatable_blocks(self) -> int:
+        return self.free_blocks + self.cached_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +103,15 @@ class Reservation:
     state: ReservationState
     reserved_blocks: int
     reserved_tokens: int
+    prefix_hit_blocks: int
     lease_ttl_seconds: float
     lease_expires_at: datetime
     admitted_at: datetime
     ended_at: datetime | None
     end_reason: EndReason | None
     output_tokens: int | None
+    # The live entries of its block table, in order (empty once it ended).
+    block_table: tuple[BlockHandle, ...] = ()
 
     @property
     def params(self) -> AdmitParams:
@@ -131,6 +144,9 @@ class Tenant:
     quota: TenantQuota
     blocks_in_use: int
     tokens_in_flight: int
+    pinned_blocks: int
+    # The shared namespace it hashes its prefixes in, or None (isolated).
+    namespace: str | None
     live_reservations: int
     created_at: datetime
     updated_at: datetime
@@ -146,6 +162,7 @@ class InstanceSpec:
     block_size: int
     capacity_blocks: int
     max_model_len: int
+    hash_algo: HashAlgo = HashAlgo.SHA256
 
     @property
     def bytes_per_block(self) -> int | None:
@@ -156,11 +173,62 @@ class InstanceSpec:
 class Instance:
     spec: InstanceSpec
     state: InstanceState
+    # Slots per state; they add up to the capacity.
+    free_blocks: int
+    cached_blocks: int
     blocks_in_use: int
+    pinned_blocks: int
     live_reservations: int
     created_at: datetime
     updated_at: datetime
 
-    @property
-    def free_blocks(self) -> int:
-        return self.spec.capacity_blocks - self.blocks_in_use
+
+class PinState(enum.Enum):
+    ACTIVE = "ACTIVE"
+    REMOVED = "REMOVED"
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    owner: str  # tenants/{t} or namespaces/{n}
+    pin_id: str
+    instance: str
+    prompt_tokens: int
+    pinned_blocks: int
+    state: PinState
+    created_at: datetime
+    blocks: tuple[BlockHandle, ...] = ()
+
+
+class BlockState(enum.Enum):
+    FREE = "FREE"
+    CACHED = "CACHED"
+    IN_USE = "IN_USE"
+    PINNED = "PINNED"
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    instance: str
+    block_id: int
+    generation: int
+    state: BlockState
+    ref_count: int
+    pin_count: int
+    content_hash: bytes | None
+    hash_scope: str | None
+    tier: str
+    last_used_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceUsage:
+    """What one tenant holds on one instance."""
+
+    instance: str
+    blocks_in_use: int
+    pinned_blocks: int
+    # Of its blocks, those other tenants (or namespaces' pins) reference too.
+    shared_blocks: int
+    live_reservations: int
+    tokens_in_flight: int

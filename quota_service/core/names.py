@@ -78,5 +78,49 @@ def instance_name(instance: str) -> str:
     return f"instances/{instance}"
 
 
+def namespace_name(namespace: str) -> str:
+    return f"namespaces/{namespace}"
+
+
 def reservation_name(tenant: str, request_id: str) -> str:
     return f"tenants/{tenant}/reservations/{request_id}"
+
+
+OWNER_COLLECTIONS = ("tenants", "namespaces")
+
+
+def owner(name: str, field: str = "parent") -> tuple[str, str]:
+    """`tenants/{t}` or `namespaces/{n}` → (collection, id): who a pin or a salt belongs to."""
+    collection = name.split("/", 1)[0]
+    if collection not in OWNER_COLLECTIONS:
+        raise invalid_request(
+            [FieldViolation(field, f"must be tenants/{{t}} or namespaces/{{n}}, got {name!r}")]
+        )
+    value, violation = parse_child(name, collection, field)
+    if violation:
+        raise invalid_request([violation])
+    assert value is not None
+    return collection, value
+
+
+def pin_key(name: str, field: str = "name") -> tuple[str, str]:
+    """`{owner}/pins/{pin}` → (owner name, pin id)."""
+    parts = name.split("/")
+    if len(parts) != 4 or parts[2] != "pins":
+        raise invalid_request(
+            [FieldViolation(field, f"must look like {{owner}}/pins/{{id}}: {name!r}")]
+        )
+    owner_name = "/".join(parts[:2])
+    owner(owner_name, field)
+    violation = check_resource_id(parts[3], field)
+    if violation:
+        raise invalid_request([violation])
+    return owner_name, parts[3]
+
+
+def namespace_id(name: str, field: str = "name") -> str:
+    value, violation = parse_child(name, "namespaces", field)
+    if violation:
+        raise invalid_request([violation])
+    assert value is not None
+    return value

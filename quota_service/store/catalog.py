@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
+from datetime import datetime
 
-from sqlalchemy import RowMapping, func, select, update
+from sqlalchemy import RowMapping, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core.errors import already_exists, not_found
 from quota_service.core.geometry import KvGeometry, parse_dtype
+from quota_service.core.hashing import HashAlgo
 from quota_service.core.model import (
     Instance,
     InstanceSpec,
@@ -21,7 +24,9 @@ from quota_service.core.model import (
 from quota_service.core.names import instance_name, tenant_name
 from quota_service.core.pagination import Page
 from quota_service.store.database import in_transaction
-from quota_service.store.schema import InstanceRow, ReservationRow, TenantRow
+from quota_service.store.schema import InstanceRow, NamespaceRow, ReservationRow, TenantRow
+
+log = logging.getLogger(__name__)
 
 # vLLM accepts salts of at most 128 characters without "@", "/", "\\" or NUL: url-safe base64
 # of 32 random bytes fits and is unguessable.
@@ -44,6 +49,13 @@ _TENANT_VIEW = select(TenantRow.__table__, _tenant_live)
 _INSTANCE_VIEW = select(InstanceRow.__table__, _instance_live)
 
 
+SLOT_CHUNK = 100_000
+_CREATE_SLOTS = text(
+    "INSERT INTO blocks (instance, block_id) "
+    "SELECT :instance, g FROM generate_series(CAST(:first AS int), CAST(:last AS int)) AS g"
+)
+
+
 def tenant_from_row(row: RowMapping) -> Tenant:
     return Tenant(
         tenant=row["tenant"],
@@ -53,6 +65,8 @@ def tenant_from_row(row: RowMapping) -> Tenant:
         quota=TenantQuota(**{name: row[name] for name in TenantQuota.__dataclass_fields__}),
         blocks_in_use=row["blocks_in_use"],
         tokens_in_flight=row["tokens_in_flight"],
+        pinned_blocks=row["pinned_blocks"],
+        namespace=row["namespace"],
         live_reservations=row["live_reservations"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
@@ -76,11 +90,15 @@ def instance_from_row(row: RowMapping) -> Instance:
         row["block_size"],
         row["capacity_blocks"],
         row["max_model_len"],
+        HashAlgo(row["hash_algo"]),
     )
     return Instance(
         spec=spec,
         state=InstanceState(row["state"]),
+        free_blocks=row["free_blocks"],
+        cached_blocks=row["cached_blocks"],
         blocks_in_use=row["blocks_in_use"],
+        pinned_blocks=row["pinned_blocks"],
         live_reservations=row["live_reservations"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
@@ -103,7 +121,7 @@ class Catalog:
                     tenant=tenant,
                     display_name=display_name,
                     weight=weight,
-                    cache_salt=secrets.token_urlsafe(SALT_BYTES),
+                    cache_salt=new_salt(),
                     **_quota_columns(quota),
                 )
                 .on_conflict_do_nothing()
@@ -140,6 +158,11 @@ class Catalog:
         return await self.update_tenant(tenant, {"state": state.value})
 
     async def _set(self, conn: AsyncConnection, tenant: str, values: dict[str, object]) -> None:
+        namespace = values.get("namespace")
+        if namespace is not None:
+            exists = select(NamespaceRow.namespace).where(NamespaceRow.namespace == namespace)
+            if (await conn.execute(exists)).first() is None:
+                raise not_found("namespace", f"namespaces/{namespace}")
         statement = (
             update(TenantRow)
             .where(TenantRow.tenant == tenant)
@@ -155,6 +178,52 @@ class Catalog:
         if row is None:
             raise not_found("tenant", tenant_name(tenant))
         return tenant_from_row(row)
+
+    # Cache salts and shared namespaces
+
+    async def create_namespace(self, namespace: str) -> tuple[str, datetime]:
+        async def work(conn: AsyncConnection) -> tuple[str, datetime]:
+            statement = (
+                pg_insert(NamespaceRow)
+                .values(namespace=namespace, cache_salt=new_salt())
+                .on_conflict_do_nothing()
+                .returning(NamespaceRow.namespace, NamespaceRow.created_at)
+            )
+            row = (await conn.execute(statement)).first()
+            if row is None:
+                raise already_exists("namespace", f"namespaces/{namespace}")
+            return row[0], row[1]
+
+        return await in_transaction(self._engine, work)
+
+    async def list_namespaces(self, page: Page) -> list[tuple[str, datetime]]:
+        query = select(NamespaceRow.namespace, NamespaceRow.created_at).order_by(
+            NamespaceRow.namespace
+        )
+        if page.after is not None:
+            query = query.where(NamespaceRow.namespace > page.after)
+        async with self._engine.connect() as conn:
+            return [(r[0], r[1]) for r in await conn.execute(query.limit(page.size))]
+
+    async def rotate_salt(self, collection: str, owner_id: str) -> None:
+        """A new secret salt: prefixes cached under the old one stop matching (and age out)."""
+        table, key = (
+            (TenantRow, TenantRow.tenant)
+            if collection == "tenants"
+            else (
+                NamespaceRow,
+                NamespaceRow.namespace,
+            )
+        )
+
+        async def work(conn: AsyncConnection) -> None:
+            statement = (
+                update(table).where(key == owner_id).values(cache_salt=new_salt()).returning(key)
+            )
+            if (await conn.execute(statement)).first() is None:
+                raise not_found(collection.rstrip("s"), f"{collection}/{owner_id}")
+
+        await in_transaction(self._engine, work)
 
     # Instances
 
@@ -175,16 +244,27 @@ class Catalog:
                     bytes_per_block=spec.bytes_per_block,
                     block_size=spec.block_size,
                     capacity_blocks=spec.capacity_blocks,
+                    free_blocks=spec.capacity_blocks,
                     max_model_len=spec.max_model_len,
+                    hash_algo=spec.hash_algo.value,
                 )
                 .on_conflict_do_nothing()
                 .returning(InstanceRow.instance)
             )
             if (await conn.execute(statement)).first() is None:
                 raise already_exists("instance", instance_name(spec.instance))
+            await self._create_slots(conn, spec.instance, spec.capacity_blocks)
             return await self._instance(conn, spec.instance)
 
         return await in_transaction(self._engine, work)
+
+    async def _create_slots(self, conn: AsyncConnection, instance: str, capacity: int) -> None:
+        """One FREE row per block slot, in chunks so a pool of millions shows progress."""
+        for first in range(0, capacity, SLOT_CHUNK):
+            last = min(first + SLOT_CHUNK, capacity) - 1
+            await conn.execute(_CREATE_SLOTS, {"instance": instance, "first": first, "last": last})
+            if capacity > SLOT_CHUNK:
+                log.info("instance %s: %d of %d block slots created", instance, last + 1, capacity)
 
     async def get_instance(self, instance: str) -> Instance:
         async with self._engine.connect() as conn:
@@ -217,6 +297,10 @@ class Catalog:
         if row is None:
             raise not_found("instance", instance_name(instance))
         return instance_from_row(row)
+
+
+def new_salt() -> str:
+    return secrets.token_urlsafe(SALT_BYTES)
 
 
 def _quota_columns(quota: TenantQuota) -> dict[str, int]:

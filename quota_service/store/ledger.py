@@ -10,14 +10,17 @@ instance update returned: that dependency is what orders the two locks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 
 from sqlalchemy import RowMapping, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from quota_service.core import admission
+from quota_service.core import admission, block_table
 from quota_service.core.admission import AdmissionLimits, AdmissionPlan, AdmitRequest, Shortfall
+from quota_service.core.block_table import BlockHandle, CachedBlock
 from quota_service.core.errors import Code, KvQuotaError, invalid_request, not_found
+from quota_service.core.hashing import HashAlgo
 from quota_service.core.model import (
     EndReason,
     Holding,
@@ -30,6 +33,7 @@ from quota_service.core.model import (
     TenantState,
 )
 from quota_service.core.names import instance_name, reservation_name, tenant_name
+from quota_service.store import blocks
 from quota_service.store.database import in_transaction
 
 # Weight of the newest observation in the mean holding time (an exponentially weighted mean, so
@@ -38,46 +42,75 @@ HOLD_EWMA_ALPHA = 0.2
 # Retry-delay estimates look at the holdings that end soonest; more would not change the answer.
 HOLDINGS_LIMIT = 1000
 
+# Locks the instance, then the tenant (the order every transaction here takes them), and draws
+# the holder id the new reservation's block references will carry.
 _LOCK_POOL_AND_ACCOUNT = text(
     """
-    SELECT now() AS now,
+    SELECT now() AS now, nextval('holder_ids') AS holder_id,
            i.state AS pool_state, i.block_size, i.capacity_blocks, i.max_model_len,
-           i.blocks_in_use AS pool_blocks, i.mean_hold_seconds AS pool_hold,
+           i.free_blocks, i.cached_blocks, i.hash_algo, i.mean_hold_seconds AS pool_hold,
            t.state AS account_state, t.max_blocks, t.max_tokens_in_flight,
            t.max_queued_requests, t.max_pinned_blocks, t.max_cpu_tier_bytes,
            t.blocks_in_use AS account_blocks, t.tokens_in_flight,
-           t.mean_hold_seconds AS account_hold,
-           t.cache_salt, r.request_id AS existing
+           t.mean_hold_seconds AS account_hold, t.pinned_blocks AS account_pinned,
+           coalesce(ns.cache_salt, t.cache_salt) AS cache_salt,
+           CASE WHEN t.namespace IS NULL THEN 'tenants/' || t.tenant
+                ELSE 'namespaces/' || t.namespace END AS hash_scope,
+           r.request_id AS existing
     FROM instances i
     CROSS JOIN tenants t
+    LEFT JOIN namespaces ns ON ns.namespace = t.namespace
     LEFT JOIN reservations r ON r.tenant = t.tenant AND r.request_id = :request_id
     WHERE i.instance = :instance AND t.tenant = :tenant
     FOR UPDATE OF i, t
     """
 )
 
+_LOOKUP_PREFIX = text(blocks.PREFIX_LOOKUP)
+
 _INSERT_RESERVATION = text(
-    """
+    f"""
     WITH reservation AS (
         INSERT INTO reservations (
-            tenant, request_id, instance, prompt_tokens, max_output_tokens, n, priority, state,
-            reserved_blocks, reserved_tokens, lease_ttl_seconds, lease_expires_at, admitted_at)
+            tenant, request_id, holder_id, instance, prompt_tokens, max_output_tokens, n,
+            priority, state, reserved_blocks, reserved_tokens, prefix_hit_blocks,
+            lease_ttl_seconds, lease_expires_at, admitted_at)
         VALUES (
-            :tenant, :request_id, :instance, :prompt_tokens, :max_output_tokens, :n, :priority,
-            'ADMITTED', :blocks, :tokens, :ttl, now() + make_interval(secs => :ttl), now())
+            :tenant, :request_id, :holder, :instance, :prompt_tokens, :max_output_tokens, :n,
+            :priority, 'ADMITTED', :blocks, :tokens, :hit_count,
+            :ttl, now() + make_interval(secs => :ttl), now())
         ON CONFLICT DO NOTHING
         RETURNING *
-    ), pool AS (
-        UPDATE instances SET blocks_in_use = blocks_in_use + :blocks
-        FROM reservation WHERE instances.instance = :instance
-    ), account AS (
-        UPDATE tenants
-        SET blocks_in_use = blocks_in_use + :blocks, tokens_in_flight = tokens_in_flight + :tokens
-        FROM reservation WHERE tenants.tenant = :tenant
-    )
-    SELECT * FROM reservation
+    ), {blocks.ALLOCATE}, {blocks.pool_counts()},
+    {blocks.tenant_additions(", tokens_in_flight = tokens_in_flight + :tokens")}
+    SELECT r.*, (SELECT count(*) FROM allocated) AS allocated,
+           (SELECT array_agg(block_id ORDER BY position) FROM entries) AS table_block_ids,
+           (SELECT array_agg(generation ORDER BY position) FROM entries) AS table_generations
+    FROM reservation r
     """
 )
+
+# Locks the reservation's instance, then its tenant, before anything touches their blocks.
+_LOCK_FOR_RESERVATION = text(
+    """
+    SELECT r.instance, r.holder_id, r.state
+    FROM reservations r
+    JOIN instances i ON i.instance = r.instance
+    JOIN tenants t ON t.tenant = r.tenant
+    WHERE r.tenant = :tenant AND r.request_id = :request_id
+    FOR UPDATE OF i, t
+    """
+)
+
+_HOLD = "extract(epoch FROM now() - e.admitted_at)::float8"
+
+
+def _ewma(column: str) -> str:
+    return (
+        f"CASE WHEN :observed THEN coalesce({1 - HOLD_EWMA_ALPHA} * {column} "
+        f"+ {HOLD_EWMA_ALPHA} * {_HOLD}, {_HOLD}) ELSE {column} END"
+    )
+
 
 _END_RESERVATION = text(
     f"""
@@ -86,63 +119,53 @@ _END_RESERVATION = text(
         SET state = 'ENDED', ended_at = now(), end_reason = :reason,
             output_tokens = :output_tokens
         WHERE tenant = :tenant AND request_id = :request_id AND state = 'ADMITTED'
+          AND (NOT :lapsed_only OR lease_expires_at <= now())
         RETURNING *
-    ), held AS (
-        SELECT *, extract(epoch FROM now() - admitted_at)::float8 AS hold FROM ended
-    ), pool AS (
-        UPDATE instances i
-        SET blocks_in_use = i.blocks_in_use - h.reserved_blocks,
-            mean_hold_seconds = CASE WHEN :observed
-                THEN coalesce({1 - HOLD_EWMA_ALPHA} * i.mean_hold_seconds
-                              + {HOLD_EWMA_ALPHA} * h.hold, h.hold)
-                ELSE i.mean_hold_seconds END
-        FROM held h WHERE i.instance = h.instance
-        RETURNING i.instance
-    ), account AS (
-        -- Reading pool's rows makes this update run after it: instance, then tenant.
+    ), {
+        blocks.drop(
+            "DELETE FROM block_refs r USING ended e "
+            "WHERE r.holder_id = e.holder_id AND NOT r.released "
+            "RETURNING r.block_id, r.position, r.pinned, r.tenant"
+        )
+    }, forgotten AS (
+        DELETE FROM block_refs r USING ended e WHERE r.holder_id = e.holder_id AND r.released
+    ), {blocks.pool_counts("mean_hold_seconds = " + _ewma("i.mean_hold_seconds"), "ended e")},
+    account AS (
         UPDATE tenants t
-        SET blocks_in_use = t.blocks_in_use - h.reserved_blocks,
-            tokens_in_flight = t.tokens_in_flight - h.reserved_tokens,
-            mean_hold_seconds = CASE WHEN :observed
-                THEN coalesce({1 - HOLD_EWMA_ALPHA} * t.mean_hold_seconds
-                              + {HOLD_EWMA_ALPHA} * h.hold, h.hold)
-                ELSE t.mean_hold_seconds END
-        FROM held h JOIN pool ON pool.instance = h.instance WHERE t.tenant = h.tenant
+        SET blocks_in_use = t.blocks_in_use - coalesce(c.removed, 0),
+            pinned_blocks = t.pinned_blocks - coalesce(c.unpinned, 0),
+            tokens_in_flight = t.tokens_in_flight - e.reserved_tokens,
+            mean_hold_seconds = {_ewma("t.mean_hold_seconds")}
+        FROM ended e LEFT JOIN tenant_changes c ON c.tenant = e.tenant
+        WHERE t.tenant = e.tenant
     )
     SELECT * FROM ended
     """
 )
 
-_REAP_EXPIRED = text(
+_RELEASE_BLOCKS = text(
+    f"""
+    WITH {
+        blocks.drop(
+            "UPDATE block_refs r SET released = true "
+            "WHERE r.holder_id = :holder AND r.position = ANY (CAST(:positions AS int[])) "
+            "AND NOT r.released "
+            "RETURNING r.block_id, r.position, r.pinned, r.tenant"
+        )
+    }, {blocks.pool_counts()}, {blocks.TENANT_REMOVALS}
+    SELECT count(*) AS released FROM dropped
     """
-    WITH expired AS (
-        SELECT tenant, request_id FROM reservations
-        WHERE state = 'ADMITTED' AND lease_expires_at <= now()
-        ORDER BY lease_expires_at
-        LIMIT :batch
-        FOR UPDATE SKIP LOCKED
-    ), ended AS (
-        UPDATE reservations r
-        SET state = 'ENDED', ended_at = now(), end_reason = 'LEASE_EXPIRED'
-        FROM expired e
-        WHERE r.tenant = e.tenant AND r.request_id = e.request_id
-        RETURNING r.tenant, r.instance, r.reserved_blocks, r.reserved_tokens
-    ), per_instance AS (
-        SELECT instance, sum(reserved_blocks) AS blocks FROM ended GROUP BY instance
-    ), pool AS (
-        UPDATE instances i SET blocks_in_use = i.blocks_in_use - p.blocks
-        FROM per_instance p WHERE i.instance = p.instance
-        RETURNING i.instance
-    ), per_tenant AS (
-        SELECT tenant, sum(reserved_blocks) AS blocks, sum(reserved_tokens) AS tokens
-        FROM ended GROUP BY tenant
-    ), account AS (
-        UPDATE tenants t
-        SET blocks_in_use = t.blocks_in_use - p.blocks,
-            tokens_in_flight = t.tokens_in_flight - p.tokens
-        FROM per_tenant p WHERE t.tenant = p.tenant AND (SELECT count(*) FROM pool) >= 0
-    )
-    SELECT count(*) FROM ended
+)
+
+# What a reservation's table says about the handles a ReleaseBlocks names.
+_TABLE_ENTRIES_FOR = text(
+    """
+    SELECT h.block_id, h.generation, r.position, r.released, b.generation AS current_generation
+    FROM unnest(CAST(:block_ids AS int[]), CAST(:generations AS bigint[]))
+         AS h(block_id, generation)
+    LEFT JOIN block_refs r
+      ON r.holder_id = :holder AND r.block_id = h.block_id AND r.generation = h.generation
+    LEFT JOIN blocks b ON b.instance = :instance AND b.block_id = h.block_id
     """
 )
 
@@ -158,22 +181,33 @@ _RENEW_LEASE = text(
 )
 
 _GET_RESERVATION = text(
-    "SELECT * FROM reservations WHERE tenant = :tenant AND request_id = :request_id"
+    """
+    SELECT r.*,
+           (SELECT array_agg(b.block_id ORDER BY b.position) FROM block_refs b
+            WHERE b.holder_id = r.holder_id AND NOT b.released) AS table_block_ids,
+           (SELECT array_agg(b.generation ORDER BY b.position) FROM block_refs b
+            WHERE b.holder_id = r.holder_id AND NOT b.released) AS table_generations
+    FROM reservations r WHERE r.tenant = :tenant AND r.request_id = :request_id
+    """
 )
 
-_HOLDINGS_OF_TENANT = text(
+_LAPSED = text(
     """
-    SELECT admitted_at, lease_expires_at, reserved_blocks, reserved_tokens FROM reservations
-    WHERE tenant = :key AND state = 'ADMITTED' ORDER BY lease_expires_at LIMIT :limit
+    SELECT tenant, request_id FROM reservations
+    WHERE state = 'ADMITTED' AND lease_expires_at <= now()
+    ORDER BY lease_expires_at LIMIT :batch
     """
 )
 
-_HOLDINGS_ON_INSTANCE = text(
-    """
-    SELECT admitted_at, lease_expires_at, reserved_blocks, reserved_tokens FROM reservations
-    WHERE instance = :key AND state = 'ADMITTED' ORDER BY lease_expires_at LIMIT :limit
-    """
-)
+_HOLDINGS = {
+    scope: text(
+        f"""
+        SELECT admitted_at, lease_expires_at, reserved_blocks, reserved_tokens FROM reservations
+        WHERE {scope} = :key AND state = 'ADMITTED' ORDER BY lease_expires_at LIMIT :limit
+        """
+    )
+    for scope in ("tenant", "instance")
+}
 
 _EXISTS = {
     "instance": text("SELECT 1 FROM instances WHERE instance = :key"),
@@ -186,6 +220,8 @@ class _DuplicateRace(Exception):
 
 
 def reservation_from_row(row: RowMapping) -> Reservation:
+    block_ids = row["table_block_ids"] or []
+    generations = row["table_generations"] or []
     return Reservation(
         tenant=row["tenant"],
         request_id=row["request_id"],
@@ -197,12 +233,14 @@ def reservation_from_row(row: RowMapping) -> Reservation:
         state=ReservationState(row["state"]),
         reserved_blocks=row["reserved_blocks"],
         reserved_tokens=row["reserved_tokens"],
+        prefix_hit_blocks=row["prefix_hit_blocks"],
         lease_ttl_seconds=row["lease_ttl_seconds"],
         lease_expires_at=row["lease_expires_at"],
         admitted_at=row["admitted_at"],
         ended_at=row["ended_at"],
         end_reason=EndReason(row["end_reason"]) if row["end_reason"] else None,
         output_tokens=row["output_tokens"],
+        block_table=tuple(BlockHandle(b, g) for b, g in zip(block_ids, generations, strict=True)),
     )
 
 
@@ -214,7 +252,8 @@ class Ledger:
         self._limits = limits
 
     async def admit(self, request: AdmitRequest) -> tuple[Reservation, str]:
-        """Reserve blocks for one request; returns the reservation and the tenant's cache salt."""
+        """Reserve a block table for one request; returns it and the salt the gateway passes
+        to vLLM as cache_salt."""
         admission.validate(request, self._limits)
         for _ in range(2):
             try:
@@ -233,41 +272,38 @@ class Ledger:
         if row["existing"] is not None:
             existing = await self._get(conn, p.tenant, p.request_id)
             return admission.check_replay(p, existing), salt
-        pool = InstancePool(
-            instance=p.instance,
-            state=InstanceState(row["pool_state"]),
-            block_size=row["block_size"],
-            capacity_blocks=row["capacity_blocks"],
-            max_model_len=row["max_model_len"],
-            blocks_in_use=row["pool_blocks"],
-            mean_hold_seconds=row["pool_hold"],
+        pool = pool_from_row(p.instance, row)
+        account = account_from_row(p.tenant, row)
+        table = block_table.layout(
+            p.prompt_tokens,
+            p.max_output_tokens,
+            p.n,
+            pool.block_size,
+            request.prompt_token_ids,
+            salt,
+            pool.hash_algo,
         )
-        account = TenantAccount(
-            tenant=p.tenant,
-            state=TenantState(row["account_state"]),
-            quota=TenantQuota(
-                max_blocks=row["max_blocks"],
-                max_tokens_in_flight=row["max_tokens_in_flight"],
-                max_queued_requests=row["max_queued_requests"],
-                max_pinned_blocks=row["max_pinned_blocks"],
-                max_cpu_tier_bytes=row["max_cpu_tier_bytes"],
-            ),
-            blocks_in_use=row["account_blocks"],
-            tokens_in_flight=row["tokens_in_flight"],
-            mean_hold_seconds=row["account_hold"],
-        )
-        decision = admission.decide(request, pool, account, self._limits)
+        hits = await lookup_prefix(conn, p.instance, p.tenant, table.hashes)
+        decision = admission.decide(request, pool, account, self._limits, table, hits)
         if isinstance(decision, Shortfall):
-            raise await self._refusal(conn, decision, pool, account, row["now"])
-        return await self._insert(conn, request, decision), salt
+            raise await refusal(conn, decision, pool, account, row["now"], self._limits)
+        return await self._insert(
+            conn, request, decision, row["holder_id"], row["hash_scope"]
+        ), salt
 
     async def _insert(
-        self, conn: AsyncConnection, request: AdmitRequest, plan: AdmissionPlan
+        self,
+        conn: AsyncConnection,
+        request: AdmitRequest,
+        plan: AdmissionPlan,
+        holder: int,
+        hash_scope: str,
     ) -> Reservation:
         p = request.params
         params = {
             "tenant": p.tenant,
             "request_id": p.request_id,
+            "holder": holder,
             "instance": p.instance,
             "prompt_tokens": p.prompt_tokens,
             "max_output_tokens": p.max_output_tokens,
@@ -276,31 +312,15 @@ class Ledger:
             "blocks": plan.blocks,
             "tokens": plan.tokens,
             "ttl": plan.lease_ttl_seconds,
+            **allocation_params(plan.hits, plan.new_hashes, hash_scope, pinned=False),
         }
         row = (await conn.execute(_INSERT_RESERVATION, params)).mappings().first()
         if row is None:
             raise _DuplicateRace()
+        # The decision was made under the instance's lock from its counters: running short here
+        # would mean the counters and the block rows disagree.
+        assert row["allocated"] == len(plan.new_hashes), "block pool counters out of step"
         return reservation_from_row(row)
-
-    async def _refusal(
-        self,
-        conn: AsyncConnection,
-        shortfall: Shortfall,
-        pool: InstancePool,
-        account: TenantAccount,
-        now: datetime,
-    ) -> KvQuotaError:
-        if shortfall.scope == "tenant":
-            query, key, mean_hold = _HOLDINGS_OF_TENANT, account.tenant, account.mean_hold_seconds
-        else:
-            query, key, mean_hold = _HOLDINGS_ON_INSTANCE, pool.instance, pool.mean_hold_seconds
-        rows = (await conn.execute(query, {"key": key, "limit": HOLDINGS_LIMIT})).all()
-        holdings = [
-            Holding(admission.expected_end(admitted, expires, mean_hold), blocks, tokens)
-            for admitted, expires, blocks, tokens in rows
-        ]
-        delay = admission.retry_delay(shortfall, holdings, now, self._limits)
-        return admission.shortfall_error(shortfall, delay, account.tenant, pool.instance)
 
     async def _missing(self, conn: AsyncConnection, tenant: str, instance: str) -> KvQuotaError:
         for kind, key, name in (
@@ -322,25 +342,86 @@ class Ledger:
             raise not_found("reservation", reservation_name(tenant, request_id))
         return reservation_from_row(row)
 
+    async def _lock(self, conn: AsyncConnection, tenant: str, request_id: str) -> RowMapping:
+        keys = {"tenant": tenant, "request_id": request_id}
+        row = (await conn.execute(_LOCK_FOR_RESERVATION, keys)).mappings().first()
+        if row is None:
+            raise not_found("reservation", reservation_name(tenant, request_id))
+        return row
+
     async def end(
-        self, tenant: str, request_id: str, reason: EndReason, output_tokens: int | None = None
+        self,
+        tenant: str,
+        request_id: str,
+        reason: EndReason,
+        output_tokens: int | None = None,
+        *,
+        lapsed_only: bool = False,
     ) -> Reservation:
-        """End a live reservation and give its blocks back. Idempotent: ending an ended
-        reservation returns it unchanged, whatever the reason given now."""
+        """End a live reservation and drop its block table, tail first. Idempotent: ending an
+        ended reservation returns it unchanged, whatever the reason given now. With lapsed_only,
+        only a reservation whose lease has run out is ended (a renewal may have won)."""
 
         async def work(conn: AsyncConnection) -> Reservation:
+            locked = await self._lock(conn, tenant, request_id)
             params = {
                 "tenant": tenant,
                 "request_id": request_id,
+                "instance": locked["instance"],
                 "reason": reason.value,
                 "output_tokens": output_tokens,
+                "lapsed_only": lapsed_only,
                 # Only work that ran to its end says how long requests really hold blocks.
                 "observed": reason is EndReason.RELEASED,
             }
-            row = (await conn.execute(_END_RESERVATION, params)).mappings().first()
-            if row is None:
+            await conn.execute(_END_RESERVATION, params)
+            return await self._get(conn, tenant, request_id)
+
+        return await in_transaction(self._engine, work)
+
+    async def release_blocks(
+        self, tenant: str, request_id: str, handles: Sequence[BlockHandle]
+    ) -> Reservation:
+        """Drop chosen entries of a live reservation's table (a sliding window, a tail the engine
+        evicted). Releasing an entry again changes nothing; a handle whose block has moved on to
+        other contents is refused with STALE_BLOCK_HANDLE, and then nothing is released."""
+
+        async def work(conn: AsyncConnection) -> Reservation:
+            locked = await self._lock(conn, tenant, request_id)
+            if locked["state"] != ReservationState.ADMITTED.value:
                 return await self._get(conn, tenant, request_id)
-            return reservation_from_row(row)
+            found = await conn.execute(
+                _TABLE_ENTRIES_FOR,
+                {
+                    "holder": locked["holder_id"],
+                    "instance": locked["instance"],
+                    "block_ids": [h.block_id for h in handles],
+                    "generations": [h.generation for h in handles],
+                },
+            )
+            positions = block_table.positions_to_release(
+                reservation_name(tenant, request_id),
+                [
+                    block_table.EntryLookup(
+                        BlockHandle(r.block_id, r.generation),
+                        r.position,
+                        r.released,
+                        r.current_generation,
+                    )
+                    for r in found
+                ],
+            )
+            if positions:
+                await conn.execute(
+                    _RELEASE_BLOCKS,
+                    {
+                        "holder": locked["holder_id"],
+                        "instance": locked["instance"],
+                        "tenant": tenant,
+                        "positions": positions,
+                    },
+                )
+            return await self._get(conn, tenant, request_id)
 
         return await in_transaction(self._engine, work)
 
@@ -351,9 +432,8 @@ class Ledger:
 
         async def work(conn: AsyncConnection) -> Reservation:
             params = {"tenant": tenant, "request_id": request_id, "ttl": ttl_seconds}
-            row = (await conn.execute(_RENEW_LEASE, params)).mappings().first()
-            if row is not None:
-                return reservation_from_row(row)
+            if (await conn.execute(_RENEW_LEASE, params)).first() is not None:
+                return await self._get(conn, tenant, request_id)
             current = await self._get(conn, tenant, request_id)
             name = reservation_name(tenant, request_id)
             if current.state is ReservationState.ADMITTED or (
@@ -375,10 +455,112 @@ class Ledger:
         return await in_transaction(self._engine, work)
 
     async def reap_expired(self, batch: int) -> int:
-        """End up to `batch` reservations whose lease ran out; returns how many. Safe to run in
-        every replica at once: rows another replica is reaping are skipped, not waited for."""
+        """End up to `batch` reservations whose lease ran out; returns how many. Safe in every
+        replica at once: each is ended in its own transaction, only if still lapsed."""
+        async with self._engine.connect() as conn:
+            lapsed = (await conn.execute(_LAPSED, {"batch": batch})).all()
+        ended = 0
+        for tenant, request_id in lapsed:
+            reservation = await self.end(
+                tenant, request_id, EndReason.LEASE_EXPIRED, lapsed_only=True
+            )
+            ended += reservation.end_reason is EndReason.LEASE_EXPIRED
+        return ended
 
-        async def work(conn: AsyncConnection) -> int:
-            return int((await conn.execute(_REAP_EXPIRED, {"batch": batch})).scalar_one())
 
-        return await in_transaction(self._engine, work)
+def pool_from_row(instance: str, row: RowMapping) -> InstancePool:
+    return InstancePool(
+        instance=instance,
+        state=InstanceState(row["pool_state"]),
+        block_size=row["block_size"],
+        capacity_blocks=row["capacity_blocks"],
+        max_model_len=row["max_model_len"],
+        free_blocks=row["free_blocks"],
+        cached_blocks=row["cached_blocks"],
+        hash_algo=HashAlgo(row["hash_algo"]),
+        mean_hold_seconds=row["pool_hold"],
+    )
+
+
+def account_from_row(tenant: str, row: RowMapping) -> TenantAccount:
+    return TenantAccount(
+        tenant=tenant,
+        state=TenantState(row["account_state"]),
+        quota=TenantQuota(
+            max_blocks=row["max_blocks"],
+            max_tokens_in_flight=row["max_tokens_in_flight"],
+            max_queued_requests=row["max_queued_requests"],
+            max_pinned_blocks=row["max_pinned_blocks"],
+            max_cpu_tier_bytes=row["max_cpu_tier_bytes"],
+        ),
+        blocks_in_use=row["account_blocks"],
+        tokens_in_flight=row["tokens_in_flight"],
+        mean_hold_seconds=row["account_hold"],
+        pinned_blocks=row["account_pinned"],
+    )
+
+
+async def refusal(
+    conn: AsyncConnection,
+    shortfall: Shortfall,
+    pool: InstancePool,
+    account: TenantAccount | None,
+    now: datetime,
+    limits: AdmissionLimits,
+) -> KvQuotaError:
+    """The refusal for a shortfall, with a retry delay computed from the live holdings (a
+    namespace's pin has no account and can only fall short on the instance)."""
+    if shortfall.scope == "tenant":
+        assert account is not None
+        key, mean_hold = account.tenant, account.mean_hold_seconds
+    else:
+        key, mean_hold = pool.instance, pool.mean_hold_seconds
+    query = _HOLDINGS[shortfall.scope]
+    rows = (await conn.execute(query, {"key": key, "limit": HOLDINGS_LIMIT})).all()
+    holdings = [
+        Holding(admission.expected_end(admitted, expires, mean_hold), blocks, tokens)
+        for admitted, expires, blocks, tokens in rows
+    ]
+    delay = admission.retry_delay(shortfall, holdings, now, limits)
+    tenant = account.tenant if account else ""
+    return admission.shortfall_error(shortfall, delay, tenant, pool.instance)
+
+
+async def lookup_prefix(
+    conn: AsyncConnection, instance: str, tenant: str | None, hashes: Sequence[bytes]
+) -> list[CachedBlock]:
+    """The longest prefix of `hashes` cached on the instance (call under its row lock)."""
+    if not hashes:
+        return []
+    rows = await conn.execute(
+        _LOOKUP_PREFIX, {"instance": instance, "tenant": tenant, "hashes": list(hashes)}
+    )
+    cached = {
+        r.content_hash: CachedBlock(
+            r.content_hash,
+            BlockHandle(r.block_id, r.generation),
+            r.evictable,
+            r.held_by_tenant,
+            r.pinned_by_tenant,
+        )
+        for r in rows
+    }
+    return block_table.longest_cached_prefix(hashes, cached)
+
+
+def allocation_params(
+    hits: Sequence[CachedBlock],
+    new_hashes: Sequence[bytes | None],
+    hash_scope: str,
+    *,
+    pinned: bool,
+) -> dict[str, object]:
+    """The parameters blocks.ALLOCATE takes, for a cached prefix and the new blocks after it."""
+    return {
+        "hit_ids": [h.handle.block_id for h in hits],
+        "hit_count": len(hits),
+        "new_hashes": list(new_hashes),
+        "k": len(new_hashes),
+        "pin": int(pinned),
+        "hash_scope": hash_scope,
+    }

@@ -10,12 +10,16 @@ from typing import Annotated
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
+    Computed,
     DateTime,
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
+    Sequence,
     String,
     func,
     text,
@@ -42,6 +46,21 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
+# Reservations and pins both hold block references; one id space names either.
+HOLDER_IDS = Sequence("holder_ids", metadata=Base.metadata)
+# Eviction order of cached blocks: each release takes one value; see store/blocks.py.
+BLOCK_LRU = Sequence("block_lru", metadata=Base.metadata)
+
+# A block's state follows from its counts, so no code can set it inconsistently:
+# FREE (no references, no contents), CACHED (no references, reusable contents),
+# PINNED (held by pins alone), IN_USE (referenced by a block table).
+BLOCK_STATE = (
+    "CASE WHEN ref_count = 0 AND content_hash IS NULL THEN 'FREE' "
+    "WHEN ref_count = 0 THEN 'CACHED' "
+    "WHEN ref_count = pin_count THEN 'PINNED' ELSE 'IN_USE' END"
+)
+
+
 class TenantRow(Base):
     __tablename__ = "tenants"
 
@@ -58,21 +77,42 @@ class TenantRow(Base):
     tokens_in_flight: Mapped[Count]
     # Exponentially weighted mean of observed holding times, for computed retry delays.
     mean_hold_seconds: Mapped[float | None]
+    # Distinct blocks the tenant's pins hold (they count against max_pinned_blocks).
+    pinned_blocks: Mapped[Count]
     # Secret: passed to vLLM as cache_salt; never logged.
     cache_salt: Mapped[str] = mapped_column(String(128))
+    # A tenant in a shared namespace hashes (and so shares) its prefixes under the namespace's salt.
+    namespace: Mapped[str | None] = mapped_column(ForeignKey("namespaces.namespace"))
+    # Offboarding report, accumulated batch by batch so a resumed offboarding adds up.
+    offboard_freed_blocks: Mapped[Count]
+    offboard_shared_blocks: Mapped[Count]
+    offboard_pinned_by_others: Mapped[Count]
     created_at: Mapped[CreatedAt]
     updated_at: Mapped[CreatedAt]
 
     __table_args__ = (
-        CheckConstraint("state IN ('ACTIVE', 'SUSPENDED')", name="state"),
+        CheckConstraint("state IN ('ACTIVE', 'SUSPENDED', 'DELETING', 'DELETED')", name="state"),
         CheckConstraint("weight >= 1", name="weight"),
         CheckConstraint(
             "max_blocks >= 0 AND max_tokens_in_flight >= 0 AND max_queued_requests >= 0 "
             "AND max_pinned_blocks >= 0 AND max_cpu_tier_bytes >= 0",
             name="quota_not_negative",
         ),
-        CheckConstraint("blocks_in_use >= 0 AND tokens_in_flight >= 0", name="usage_not_negative"),
+        CheckConstraint(
+            "blocks_in_use >= 0 AND tokens_in_flight >= 0 AND pinned_blocks >= 0",
+            name="usage_not_negative",
+        ),
     )
+
+
+class NamespaceRow(Base):
+    """A named prefix-sharing scope that tenants opt into (public system prompts)."""
+
+    __tablename__ = "namespaces"
+
+    namespace: Mapped[ResourceId] = mapped_column(primary_key=True)
+    cache_salt: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[CreatedAt]
 
 
 class InstanceRow(Base):
@@ -90,8 +130,13 @@ class InstanceRow(Base):
     block_size: Mapped[int] = mapped_column(Integer)
     capacity_blocks: Mapped[int] = mapped_column(BigInteger)
     max_model_len: Mapped[int] = mapped_column(Integer)
+    hash_algo: Mapped[str] = mapped_column(String(16), server_default="sha256")
     state: Mapped[str] = mapped_column(String(16), server_default="ACTIVE")
+    # Blocks per state (see BlockRow.state); CHECKed to add up to capacity (invariant 1).
+    free_blocks: Mapped[Count]
+    cached_blocks: Mapped[Count]
     blocks_in_use: Mapped[Count]
+    pinned_blocks: Mapped[Count]
     mean_hold_seconds: Mapped[float | None]
     created_at: Mapped[CreatedAt]
     updated_at: Mapped[CreatedAt]
@@ -101,8 +146,13 @@ class InstanceRow(Base):
         CheckConstraint(
             "block_size >= 1 AND capacity_blocks >= 1 AND max_model_len >= 1", name="pool"
         ),
-        # Invariant 1 (counts): never below zero, never above capacity.
-        CheckConstraint("blocks_in_use BETWEEN 0 AND capacity_blocks", name="blocks_in_use"),
+        CheckConstraint("hash_algo IN ('sha256', 'sha256_cbor')", name="hash_algo"),
+        # Invariant 1 (counts): every slot in exactly one state.
+        CheckConstraint(
+            "free_blocks >= 0 AND cached_blocks >= 0 AND blocks_in_use >= 0 AND pinned_blocks >= 0 "
+            "AND free_blocks + cached_blocks + blocks_in_use + pinned_blocks = capacity_blocks",
+            name="block_states",
+        ),
     )
 
 
@@ -111,6 +161,10 @@ class ReservationRow(Base):
 
     tenant: Mapped[ResourceId] = mapped_column(ForeignKey("tenants.tenant"), primary_key=True)
     request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # Names the reservation in block_refs (shared id space with pins).
+    holder_id: Mapped[int] = mapped_column(
+        BigInteger, HOLDER_IDS, server_default=HOLDER_IDS.next_value(), unique=True
+    )
     instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"))
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     max_output_tokens: Mapped[int] = mapped_column(Integer)
@@ -119,6 +173,7 @@ class ReservationRow(Base):
     state: Mapped[str] = mapped_column(String(16))
     reserved_blocks: Mapped[int] = mapped_column(BigInteger)
     reserved_tokens: Mapped[int] = mapped_column(BigInteger)
+    prefix_hit_blocks: Mapped[int] = mapped_column(Integer, server_default="0")
     lease_ttl_seconds: Mapped[float]
     lease_expires_at: Mapped[Timestamp]
     admitted_at: Mapped[Timestamp]
@@ -152,3 +207,124 @@ class ReservationRow(Base):
             postgresql_where=text("state = 'ADMITTED'"),
         ),
     )
+
+
+class BlockRow(Base):
+    """One KV block slot of an instance's pool: the durable shadow of vLLM's BlockPool."""
+
+    __tablename__ = "blocks"
+
+    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
+    block_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # Bumped whenever the slot's contents are dropped; a handle is (instance, block_id, generation).
+    generation: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # Live block-table entries naming the current handle, plus pins.
+    ref_count: Mapped[int] = mapped_column(Integer, server_default="0")
+    pin_count: Mapped[int] = mapped_column(Integer, server_default="0")
+    # vLLM's chained block hash; only full prompt blocks have one.
+    content_hash: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # Whose salt made the hash ("tenants/x" or "namespaces/y"); offboarding frees a tenant's own.
+    hash_scope: Mapped[str | None] = mapped_column(String(80))
+    tier: Mapped[str] = mapped_column(String(16), server_default="GPU")
+    # Cached blocks are evicted lowest first (least recently released, tail before head).
+    lru_seq: Mapped[int | None] = mapped_column(BigInteger)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    state: Mapped[str] = mapped_column(String(8), Computed(BLOCK_STATE, persisted=True))
+
+    __table_args__ = (
+        CheckConstraint("pin_count >= 0 AND ref_count >= pin_count", name="refs"),
+        CheckConstraint("tier IN ('GPU', 'CPU', 'COMPRESSED')", name="tier"),
+        Index("ix_blocks_free", "instance", "block_id", postgresql_where=text("state = 'FREE'")),
+        Index(
+            "ix_blocks_cached_lru", "instance", "lru_seq", postgresql_where=text("state = 'CACHED'")
+        ),
+        Index(
+            "ix_blocks_hash",
+            "instance",
+            "content_hash",
+            postgresql_where=text("content_hash IS NOT NULL"),
+        ),
+    )
+
+
+class BlockRefRow(Base):
+    """One entry of a block table (a reservation's, or a pin's): a reference to a block handle."""
+
+    __tablename__ = "block_refs"
+
+    holder_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"))
+    block_id: Mapped[int] = mapped_column(Integer)
+    generation: Mapped[int] = mapped_column(BigInteger)
+    # The tenant charged for it; None for a namespace's pins.
+    tenant: Mapped[str | None] = mapped_column(ForeignKey("tenants.tenant"))
+    pinned: Mapped[bool] = mapped_column(Boolean)
+    # Released by ReleaseBlocks while the reservation lives on (kept to answer repeats).
+    released: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+
+    __table_args__ = (
+        Index("ix_block_refs_block", "instance", "block_id", postgresql_where=text("NOT released")),
+    )
+
+
+class TenantBlockRow(Base):
+    """A block the tenant references: its blocks in use are these rows, so sharing within a
+    tenant is free and other tenants joining or leaving the block never change its count."""
+
+    __tablename__ = "tenant_blocks"
+
+    tenant: Mapped[ResourceId] = mapped_column(ForeignKey("tenants.tenant"), primary_key=True)
+    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
+    block_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    generation: Mapped[int] = mapped_column(BigInteger)
+    refs: Mapped[int] = mapped_column(Integer)
+    pin_refs: Mapped[int] = mapped_column(Integer)
+
+    __table_args__ = (CheckConstraint("refs > 0 AND pin_refs BETWEEN 0 AND refs", name="refs"),)
+
+
+class PinRow(Base):
+    """A pinned prefix: its blocks stay resident and are never reclaimed while pinned."""
+
+    __tablename__ = "pins"
+
+    holder_id: Mapped[int] = mapped_column(
+        BigInteger, HOLDER_IDS, server_default=HOLDER_IDS.next_value(), primary_key=True
+    )
+    # "tenants/{t}" or "namespaces/{n}"; the pin's name is {owner}/pins/{pin_id}.
+    owner: Mapped[str] = mapped_column(String(80))
+    pin_id: Mapped[str] = mapped_column(String(63))
+    tenant: Mapped[str | None] = mapped_column(ForeignKey("tenants.tenant"))
+    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    pinned_blocks: Mapped[int] = mapped_column(Integer)
+    # The last block's hash identifies the prefix (chained hashes cover every earlier token).
+    prefix_hash: Mapped[bytes] = mapped_column(LargeBinary)
+    state: Mapped[str] = mapped_column(String(16), server_default="ACTIVE")
+    created_at: Mapped[CreatedAt]
+    removed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        CheckConstraint("state IN ('ACTIVE', 'REMOVED')", name="state"),
+        Index("uq_pins_owner_pin_id", "owner", "pin_id", unique=True),
+    )
+
+
+class TombstoneRow(Base):
+    """What remains of a block handle whose contents were dropped, kept for a retention period
+    so a late release or lookup through it gets a precise answer."""
+
+    __tablename__ = "tombstones"
+
+    instance: Mapped[ResourceId] = mapped_column(primary_key=True)
+    block_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    generation: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    content_hash: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # FREED (last reference dropped), EVICTED (reused for other contents), OFFBOARDED.
+    reason: Mapped[str] = mapped_column(String(16))
+    # The tenant whose action dropped it.
+    tenant: Mapped[str | None] = mapped_column(String(63))
+    freed_at: Mapped[Timestamp]
+
+    __table_args__ = (Index("ix_tombstones_freed_at", "freed_at"),)

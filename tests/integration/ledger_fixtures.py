@@ -3,8 +3,6 @@ and a read of every counter straight from the database."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -48,74 +46,32 @@ def request(
     )
 
 
-@dataclass(frozen=True)
-class Books:
-    """Every counter and what the live reservations say it should be."""
-
-    instance_blocks: dict[str, int]
-    instance_capacity: dict[str, int]
-    live_instance_blocks: dict[str, int]
-    tenant_blocks: dict[str, int]
-    tenant_tokens: dict[str, int]
-    live_tenant_blocks: dict[str, int]
-    live_tenant_tokens: dict[str, int]
-    reservations: int
-
-    def assert_consistent(self) -> None:
-        """Invariants 1 and 3 for reservations without block tables: counters equal the sums
-        over live reservations, and no instance holds more than its capacity."""
-        for name, used in self.instance_blocks.items():
-            assert used == self.live_instance_blocks.get(name, 0), name
-            assert 0 <= used <= self.instance_capacity[name], name
-        for name, used in self.tenant_blocks.items():
-            assert used == self.live_tenant_blocks.get(name, 0), name
-            assert self.tenant_tokens[name] == self.live_tenant_tokens.get(name, 0), name
-
-
-async def read_books(engine: AsyncEngine) -> Books:
+async def counters(engine: AsyncEngine) -> dict[str, dict[str, int]]:
+    """Instance and tenant counters straight from the database: "instance:<name>" and
+    "tenant:<name>" map to their columns."""
+    found: dict[str, dict[str, int]] = {}
     async with engine.connect() as conn:
-        instances = (
-            await conn.execute(
-                text("SELECT instance, blocks_in_use, capacity_blocks FROM instances")
+        for row in await conn.execute(
+            text(
+                "SELECT instance, free_blocks, cached_blocks, blocks_in_use, pinned_blocks "
+                "FROM instances"
             )
-        ).all()
-        tenants = (
-            await conn.execute(text("SELECT tenant, blocks_in_use, tokens_in_flight FROM tenants"))
-        ).all()
-        live_i = (
-            await conn.execute(
-                text(
-                    "SELECT instance, sum(reserved_blocks) FROM reservations "
-                    "WHERE state = 'ADMITTED' GROUP BY instance"
-                )
-            )
-        ).all()
-        live_t = (
-            await conn.execute(
-                text(
-                    "SELECT tenant, sum(reserved_blocks), sum(reserved_tokens) FROM reservations "
-                    "WHERE state = 'ADMITTED' GROUP BY tenant"
-                )
-            )
-        ).all()
-        count = (await conn.execute(text("SELECT count(*) FROM reservations"))).scalar_one()
-    return Books(
-        instance_blocks={r[0]: r[1] for r in instances},
-        instance_capacity={r[0]: r[2] for r in instances},
-        live_instance_blocks={r[0]: int(r[1]) for r in live_i},
-        tenant_blocks={r[0]: r[1] for r in tenants},
-        tenant_tokens={r[0]: r[2] for r in tenants},
-        live_tenant_blocks={r[0]: int(r[1]) for r in live_t},
-        live_tenant_tokens={r[0]: int(r[2]) for r in live_t},
-        reservations=count,
-    )
+        ):
+            found[f"instance:{row.instance}"] = dict(row._mapping)
+        for row in await conn.execute(
+            text("SELECT tenant, blocks_in_use, tokens_in_flight, pinned_blocks FROM tenants")
+        ):
+            found[f"tenant:{row.tenant}"] = dict(row._mapping)
+        count = await conn.execute(text("SELECT count(*) FROM reservations"))
+        found["reservations"] = {"count": count.scalar_one()}
+    return found
 
 
 async def snapshot(engine: AsyncEngine) -> tuple[object, ...]:
     """Every row of every ledger table, to show that a refused request changed nothing."""
     async with engine.connect() as conn:
         rows = []
-        for table in ("tenants", "instances", "reservations"):
+        for table in ("tenants", "instances", "reservations", "blocks", "block_refs"):
             result = await conn.execute(text(f"SELECT * FROM {table} ORDER BY 1, 2"))
             rows.append(tuple(tuple(r) for r in result))
         return tuple(rows)

@@ -11,13 +11,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from quota_service.config import Settings
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.model import EndReason, ReservationState, TenantQuota, TenantState
-from quota_service.jobs.lease_reaper import reap_once
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
+from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import (
     add_instance,
     add_tenant,
-    read_books,
+    counters,
     request,
     snapshot,
 )
@@ -65,7 +65,7 @@ async def test_reference_scenario(ledger: Ledger, engine: AsyncEngine) -> None:
     assert second == first
     assert second.output_tokens == 10
     assert await free_blocks(engine) == 512
-    (await read_books(engine)).assert_consistent()
+    await assert_invariants(engine)
 
 
 async def test_ended_reservation_keeps_its_record(ledger: Ledger) -> None:
@@ -160,7 +160,7 @@ async def test_lease_expiry_is_reaped_and_renewal_refused(
     with pytest.raises(KvQuotaError) as lapsed:
         await ledger.renew("acme", "short", None)
     assert lapsed.value.reason == "LEASE_EXPIRED"
-    assert await reap_once(ledger, batch_size=1) == 1
+    assert await ledger.reap_expired(1) == 1
     short = await ledger.get("acme", "short")
     assert (short.state, short.end_reason) == (ReservationState.ENDED, EndReason.LEASE_EXPIRED)
     assert (await ledger.get("acme", "long")).state is ReservationState.ADMITTED
@@ -171,7 +171,7 @@ async def test_lease_expiry_is_reaped_and_renewal_refused(
     assert (
         await ledger.end("acme", "short", EndReason.RELEASED, 3)
     ).end_reason is EndReason.LEASE_EXPIRED
-    (await read_books(engine)).assert_consistent()
+    await assert_invariants(engine)
 
 
 async def test_renewing_an_ended_reservation_is_refused(ledger: Ledger) -> None:
@@ -197,7 +197,7 @@ async def test_two_transactions_racing_for_the_last_blocks(
     assert len(winners) == 1 and len(losers) == 1
     assert losers[0].reason == "INSTANCE_OVERLOADED"
     assert await free_blocks(engine) == 0
-    (await read_books(engine)).assert_consistent()
+    await assert_invariants(engine)
 
 
 async def test_concurrent_duplicates_make_one_reservation(
@@ -227,6 +227,5 @@ async def test_many_admits_and_releases_never_over_commit(
             await ledger.end(tenant, f"r{i}", EndReason.RELEASED, 1)
 
     await asyncio.gather(*(one(i) for i in range(120)))
-    books = await read_books(engine)
-    books.assert_consistent()
-    assert books.tenant_blocks["capped"] <= 200
+    await assert_invariants(engine)
+    assert (await counters(engine))["tenant:capped"]["blocks_in_use"] <= 200

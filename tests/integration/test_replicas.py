@@ -19,7 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from kvquota.v1 import admission_pb2, admission_pb2_grpc
 from quota_service.core.model import TenantQuota
 from tests.integration.grpc_helpers import rich_error
-from tests.integration.ledger_fixtures import add_instance, add_tenant, read_books
+from tests.integration.invariants import assert_invariants
+from tests.integration.ledger_fixtures import add_instance, add_tenant, counters
 
 CAPACITY = 300
 QUOTA = TenantQuota(
@@ -106,9 +107,8 @@ async def test_two_replicas_never_over_commit(engine: AsyncEngine, replicas: lis
     assert sum(outcomes.values()) - outcomes["RELEASED"] == 200
     assert set(outcomes) <= {"ADMITTED", "RELEASED", "INSTANCE_OVERLOADED", "TENANT_QUOTA_EXCEEDED"}
     assert outcomes["INSTANCE_OVERLOADED"] + outcomes["TENANT_QUOTA_EXCEEDED"] > 0
-    books = await read_books(engine)
-    books.assert_consistent()
-    assert books.reservations == outcomes["ADMITTED"]
-    assert books.instance_blocks["gpu-0"] <= CAPACITY
+    await assert_invariants(engine)
+    books = await counters(engine)
+    assert books["reservations"]["count"] == outcomes["ADMITTED"]
     for tenant in tenants:
-        assert books.tenant_blocks[tenant] <= QUOTA.max_blocks
+        assert books[f"tenant:{tenant}"]["blocks_in_use"] <= QUOTA.max_blocks

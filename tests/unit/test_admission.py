@@ -7,9 +7,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from quota_service.core import admission
+from quota_service.core import admission, block_table
 from quota_service.core.admission import AdmissionLimits, AdmissionPlan, AdmitRequest, Shortfall
+from quota_service.core.block_table import BlockHandle, CachedBlock, TableLayout
 from quota_service.core.errors import Code, KvQuotaError
+from quota_service.core.hashing import HashAlgo
 from quota_service.core.model import (
     AdmitParams,
     EndReason,
@@ -32,7 +34,7 @@ LIMITS = AdmissionLimits(
     max_retry_delay_seconds=300,
 )
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
-POOL = InstancePool("gpu-0", InstanceState.ACTIVE, 16, 512, 8192, 0, None)
+POOL = InstancePool("gpu-0", InstanceState.ACTIVE, 16, 512, 8192, 512, 0, HashAlgo.SHA256, None)
 ACCOUNT = TenantAccount("acme", TenantState.ACTIVE, TenantQuota(1000, 100_000, 1, 1, 1), 0, 0, None)
 
 
@@ -48,18 +50,34 @@ def req(prompt: int = 100, output: int = 50, n: int = 1, **kw: object) -> AdmitR
     return AdmitRequest(**fields)  # type: ignore[arg-type]
 
 
+def table(request: AdmitRequest, pool: InstancePool = POOL) -> TableLayout:
+    p = request.params
+    return block_table.layout(
+        p.prompt_tokens, p.max_output_tokens, p.n, pool.block_size, (), "salt", HashAlgo.SHA256
+    )
+
+
+def decide(
+    request: AdmitRequest,
+    pool: InstancePool = POOL,
+    account: TenantAccount = ACCOUNT,
+    hits: tuple[CachedBlock, ...] = (),
+) -> AdmissionPlan | Shortfall:
+    return admission.decide(request, pool, account, LIMITS, table(request, pool), hits)
+
+
 def refusal(
     request: AdmitRequest, pool: InstancePool = POOL, account: TenantAccount = ACCOUNT
 ) -> KvQuotaError:
     with pytest.raises(KvQuotaError) as error:
         admission.validate(request, LIMITS)
-        admission.decide(request, pool, account, LIMITS)
+        decide(request, pool, account)
     return error.value
 
 
 def test_plan_reserves_blocks_tokens_and_default_lease() -> None:
-    plan = admission.decide(req(4096, 2048), POOL, ACCOUNT, LIMITS)
-    assert plan == AdmissionPlan(blocks=384, tokens=6144, lease_ttl_seconds=60)
+    plan = decide(req(4096, 2048))
+    assert plan == AdmissionPlan(384, 6144, 60, (), (None,) * 384)
 
 
 def test_validation_lists_every_bad_field() -> None:
@@ -96,7 +114,7 @@ def test_context_cap() -> None:
     error = refusal(req(8000, 512))
     assert (error.code, error.reason) == (Code.INVALID_ARGUMENT, "CONTEXT_LENGTH_EXCEEDED")
     assert error.metadata == {"maxModelLen": "8192", "requestedTokens": "8512"}
-    assert isinstance(admission.decide(req(8000, 192), POOL, ACCOUNT, LIMITS), AdmissionPlan)
+    assert isinstance(decide(req(8000, 192)), AdmissionPlan)
 
 
 @pytest.mark.parametrize(
@@ -123,13 +141,9 @@ def test_suspended_and_draining_come_before_capacity() -> None:
 
 def test_shortfalls_name_their_scope() -> None:
     tenant_full = replace(ACCOUNT, blocks_in_use=995)
-    assert admission.decide(req(), POOL, tenant_full, LIMITS) == Shortfall(
-        "tenant", 10, 150, 5, 100_000
-    )
-    instance_full = replace(POOL, blocks_in_use=505)
-    assert admission.decide(req(), instance_full, ACCOUNT, LIMITS) == Shortfall(
-        "instance", 10, 150, 7, 0
-    )
+    assert decide(req(), account=tenant_full) == Shortfall("tenant", 10, 150, 5, 100_000)
+    instance_full = replace(POOL, free_blocks=7)
+    assert decide(req(), pool=instance_full) == Shortfall("instance", 10, 150, 7, 0)
 
 
 def test_replay_same_parameters_returns_the_reservation() -> None:
@@ -144,6 +158,7 @@ def test_replay_same_parameters_returns_the_reservation() -> None:
         ReservationState.ENDED,
         10,
         150,
+        0,
         60.0,
         NOW,
         NOW,
@@ -202,3 +217,26 @@ def test_shortfall_errors_carry_quota_failure_and_retry() -> None:
     instance = admission.shortfall_error(Shortfall("instance", 10, 150, 4, 0), 1.0, "acme", "gpu-0")
     assert (instance.code, instance.reason) == (Code.UNAVAILABLE, "INSTANCE_OVERLOADED")
     assert instance.metadata["freeBlocks"] == "4"
+
+
+def cached(block_id: int, evictable: bool, held: bool) -> CachedBlock:
+    return CachedBlock(bytes([block_id]) * 32, BlockHandle(block_id, 0), evictable, held)
+
+
+def test_prefix_hits_need_no_new_blocks_and_shared_ones_cost_the_tenant_nothing() -> None:
+    request = req(160, 16)  # 10 full prompt blocks + 1 tail
+    hits = tuple(cached(i, evictable=i < 4, held=i < 6) for i in range(10))
+    plan = decide(request, hits=hits)
+    assert isinstance(plan, AdmissionPlan)
+    assert (plan.blocks, len(plan.hits), plan.new_hashes) == (11, 10, (None,))
+    # Tenant: 1 new block + 4 hits it does not hold yet. Instance: only the 1 new block, but the
+    # 4 cached hits leave the evictable pool.
+    tight_tenant = replace(ACCOUNT, blocks_in_use=996)
+    assert decide(request, account=tight_tenant, hits=hits) == Shortfall(
+        "tenant", 5, 176, 4, 100_000
+    )
+    tight_pool = replace(POOL, free_blocks=0, cached_blocks=4)
+    assert decide(request, pool=tight_pool, hits=hits) == Shortfall("instance", 1, 176, 0, 0)
+    assert isinstance(
+        decide(request, pool=replace(tight_pool, cached_blocks=5), hits=hits), AdmissionPlan
+    )

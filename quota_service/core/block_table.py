@@ -1,0 +1,138 @@
+"""Block tables: which blocks a request needs, in order, and which of them a cached prefix covers.
+
+A reservation's table lists its full prompt blocks first (shared by its n sequences), then each
+sequence's private tail (the partial last prompt block plus the output). With prompt token ids,
+the full prompt blocks carry vLLM's chained hashes, so identical prefixes under the same salt
+land on the same blocks; without them every block is private.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from quota_service.core import geometry
+from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
+from quota_service.core.hashing import HashAlgo, block_hashes
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHandle:
+    """A reference to one slot's contents: stale once the slot's generation moves on."""
+
+    block_id: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    """A block that holds a hash the request's prefix may reuse."""
+
+    content_hash: bytes
+    handle: BlockHandle
+    # Cached and unreferenced: a hit takes it out of the evictable pool.
+    evictable: bool
+    # The requesting tenant already references it, so sharing costs it nothing more.
+    held_by_tenant: bool
+    # The requesting tenant already pins it, so pinning it again costs no pin budget.
+    pinned_by_tenant: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TableLayout:
+    prompt_blocks: int
+    tail_blocks_per_sequence: int
+    n: int
+    # One per full prompt block when the prompt's token ids are known, else empty.
+    hashes: tuple[bytes, ...]
+
+    @property
+    def total(self) -> int:
+        return self.prompt_blocks + self.n * self.tail_blocks_per_sequence
+
+
+def layout(
+    prompt_tokens: int,
+    max_output_tokens: int,
+    n: int,
+    block_size: int,
+    prompt_token_ids: Sequence[int],
+    cache_salt: str,
+    algo: HashAlgo,
+) -> TableLayout:
+    full = prompt_tokens // block_size
+    tail = geometry.blocks_for_tokens(prompt_tokens % block_size + max_output_tokens, block_size)
+    hashes = (
+        block_hashes(prompt_token_ids, block_size, cache_salt, algo) if prompt_token_ids else []
+    )
+    assert len(hashes) in (0, full)
+    # Total agrees with geometry.blocks_for_request by construction: floor(p/bs) + n*ceil(...).
+    return TableLayout(full, tail, n, tuple(hashes))
+
+
+def longest_cached_prefix(
+    hashes: Sequence[bytes], cached: Mapping[bytes, CachedBlock]
+) -> list[CachedBlock]:
+    """The cached blocks for hashes[0..j), j as large as possible. Chained hashes make a gap final:
+    a block past a missing one cannot be the same prefix."""
+    prefix = []
+    for content_hash in hashes:
+        block = cached.get(content_hash)
+        if block is None:
+            break
+        prefix.append(block)
+    return prefix
+
+
+def new_block_hashes(table: TableLayout, hits: int) -> list[bytes | None]:
+    """What each newly allocated block holds, in table order: the prompt blocks past the cached
+    prefix register their hashes (when known); tails are private."""
+    hashed = list(table.hashes[hits:])
+    return [*hashed, *([None] * (table.total - hits - len(hashed)))]
+
+
+@dataclass(frozen=True, slots=True)
+class EntryLookup:
+    """A handle a ReleaseBlocks names, and what the reservation's table and the pool say of it."""
+
+    handle: BlockHandle
+    # The table entry naming exactly this handle, if any, and whether it was released already.
+    position: int | None
+    released: bool | None
+    # The slot's generation now (None: no such slot on the instance).
+    current_generation: int | None
+
+
+def positions_to_release(reservation: str, lookups: Sequence[EntryLookup]) -> list[int]:
+    """The table positions to release for these handles, or the refusal that changes nothing.
+
+    An entry released before is skipped (releasing twice changes nothing). A handle no entry names
+    is stale when its slot has moved on to another generation (its contents were dropped, the slot
+    may hold someone else's data now), or simply not part of this table."""
+    positions: list[int] = []
+    stale: list[BlockHandle] = []
+    foreign: list[BlockHandle] = []
+    for lookup in lookups:
+        if lookup.position is not None:
+            if not lookup.released:
+                positions.append(lookup.position)
+        elif lookup.current_generation is not None and (
+            lookup.current_generation != lookup.handle.generation
+        ):
+            stale.append(lookup.handle)
+        else:
+            foreign.append(lookup.handle)
+    if stale:
+        handles = ", ".join(f"{h.block_id}@{h.generation}" for h in stale)
+        raise KvQuotaError(
+            Code.FAILED_PRECONDITION,
+            "STALE_BLOCK_HANDLE",
+            f"block handles {handles} are no longer current; their contents were dropped",
+            metadata={"name": reservation, "staleHandles": handles},
+        )
+    if foreign:
+        handles = ", ".join(f"{h.block_id}@{h.generation}" for h in foreign)
+        raise invalid_request(
+            [FieldViolation("handles", f"{handles} are not in the block table of {reservation}")]
+        )
+    return sorted(set(positions))

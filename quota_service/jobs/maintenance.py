@@ -1,0 +1,62 @@
+"""The background loop every replica runs: end lapsed leases, finish interrupted offboardings,
+purge old tombstones. Each step is safe to run in several replicas at once (conditional updates,
+one transaction per item), and a failing step is retried on the next sweep."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import suppress
+from dataclasses import dataclass
+
+from quota_service.config import Settings
+from quota_service.store.inspection import Inspection
+from quota_service.store.ledger import Ledger
+from quota_service.store.offboarding import Offboarding
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Maintenance:
+    ledger: Ledger
+    offboarding: Offboarding
+    inspection: Inspection
+    settings: Settings
+
+    async def reap_leases(self) -> int:
+        """End reservations whose lease ran out (reason LEASE_EXPIRED), until none is left."""
+        batch = self.settings.reaper_batch_size
+        total = 0
+        while True:
+            ended = await self.ledger.reap_expired(batch)
+            total += ended
+            if ended < batch:
+                return total
+
+    async def sweep(self) -> None:
+        steps = (
+            ("lease reaper", self.reap_leases),
+            ("offboarding", self.offboarding.resume_all),
+            (
+                "tombstone purge",
+                lambda: self.inspection.purge_tombstones(
+                    self.settings.tombstone_retention_seconds, self.settings.reaper_batch_size
+                ),
+            ),
+        )
+        for name, step in steps:
+            try:
+                done = await step()
+                if done:
+                    log.info("%s: %d done", name, done)
+            except Exception:
+                # The database may be restarting; the next sweep tries again.
+                log.warning("%s failed", name, exc_info=True)
+
+
+async def run(maintenance: Maintenance, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        await maintenance.sweep()
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), maintenance.settings.reaper_interval_seconds)

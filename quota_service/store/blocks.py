@@ -1,0 +1,199 @@
+"""The block pool in SQL: the pieces every operation on block tables is built from.
+
+Each operation is one statement made of these CTE fragments, set-based over all of its blocks.
+Callers hold the instance's row lock first, so block changes on one instance never interleave:
+a prefix hit and the eviction of the same cached block cannot race.
+
+- `ALLOCATE`: reference the cached prefix (`:hit_ids`), then take `:k` new blocks — never-hashed
+  free slots first, then the least recently used cached ones, whose old handles are tombstoned —
+  give them their contents (`:new_hashes`), and write the holder's entries and the tenant's refs.
+- `drop(...)`: remove entries; a block whose last reference goes stays cached when it has a hash
+  (evicted later, tail before head, as vLLM frees) or is freed and tombstoned.
+- `POOL_COUNTS`: move the instance's per-state counters by the transitions the statement made.
+"""
+
+from __future__ import annotations
+
+# Cached blocks are evicted in order of lru_seq: one sequence value per release, times this span,
+# plus the entry's distance from the table's end, so a table's tail goes before its head.
+LRU_SPAN = 1 << 20
+
+ALLOCATE = """
+    hit AS (
+        SELECT u.block_id, (u.ord - 1)::int AS position
+        FROM unnest(CAST(:hit_ids AS int[])) WITH ORDINALITY AS u(block_id, ord)
+    ), hit_before AS (
+        SELECT b.block_id, b.state FROM blocks b JOIN hit USING (block_id)
+        WHERE b.instance = :instance
+    ), hit_after AS (
+        UPDATE blocks b
+        SET ref_count = b.ref_count + 1, pin_count = b.pin_count + :pin, lru_seq = NULL,
+            last_used_at = now()
+        FROM hit WHERE b.instance = :instance AND b.block_id = hit.block_id
+        RETURNING b.block_id, b.generation, b.state
+    ), candidate AS (
+        SELECT block_id, generation, content_hash, state,
+               row_number() OVER (ORDER BY reuse, ord) AS rank
+        FROM (
+            (SELECT block_id, generation, content_hash, state, 0 AS reuse, block_id::bigint AS ord
+             FROM blocks WHERE instance = :instance AND state = 'FREE'
+             ORDER BY block_id LIMIT :k)
+            UNION ALL
+            (SELECT block_id, generation, content_hash, state, 1, lru_seq
+             FROM blocks WHERE instance = :instance AND state = 'CACHED'
+               AND block_id <> ALL (CAST(:hit_ids AS int[]))
+             ORDER BY lru_seq LIMIT :k)
+        ) c
+        ORDER BY reuse, ord LIMIT :k
+    ), evicted AS (
+        INSERT INTO tombstones (
+            instance, block_id, generation, content_hash, reason, tenant, freed_at)
+        SELECT :instance, block_id, generation, content_hash, 'EVICTED', :tenant, now()
+        FROM candidate WHERE state = 'CACHED'
+    ), allocated AS (
+        UPDATE blocks b
+        SET generation = b.generation + CASE WHEN c.state = 'CACHED' THEN 1 ELSE 0 END,
+            content_hash = n.content_hash,
+            hash_scope = CASE WHEN n.content_hash IS NULL THEN NULL ELSE :hash_scope END,
+            ref_count = 1, pin_count = :pin, lru_seq = NULL, last_used_at = now()
+        FROM candidate c
+        JOIN unnest(CAST(:new_hashes AS bytea[])) WITH ORDINALITY AS n(content_hash, rank)
+          USING (rank)
+        WHERE b.instance = :instance AND b.block_id = c.block_id
+        RETURNING b.block_id, b.generation, c.rank, c.state AS state_before, b.state
+    ), entries AS (
+        SELECT hit.position, a.block_id, a.generation FROM hit JOIN hit_after a USING (block_id)
+        UNION ALL
+        SELECT (:hit_count + rank - 1)::int, block_id, generation FROM allocated
+    ), refs AS (
+        INSERT INTO block_refs (holder_id, position, instance, block_id, generation, tenant, pinned)
+        SELECT :holder, position, :instance, block_id, generation, :tenant, :pin = 1 FROM entries
+        RETURNING position
+    ), tenant_refs AS (
+        INSERT INTO tenant_blocks AS t (tenant, instance, block_id, generation, refs, pin_refs)
+        SELECT :tenant, :instance, block_id, generation, 1, :pin FROM entries
+        WHERE :tenant IS NOT NULL
+        ON CONFLICT (tenant, instance, block_id) DO UPDATE
+        SET refs = t.refs + 1, pin_refs = t.pin_refs + :pin
+        RETURNING t.tenant, (t.refs = 1) AS added, (:pin = 1 AND t.pin_refs = 1) AS pinned
+    ), transitions AS (
+        SELECT b.state AS state_before, a.state FROM hit_before b JOIN hit_after a USING (block_id)
+        UNION ALL
+        SELECT state_before, state FROM allocated
+    )"""
+
+
+def drop(dropped: str) -> str:
+    """CTEs that remove the entries `dropped` deletes or marks released; it must return
+    block_id, position, pinned and tenant of each, all on :instance."""
+    return f"""
+    dropped AS ({dropped}),
+    per_block AS (
+        SELECT block_id, count(*) AS refs, count(*) FILTER (WHERE pinned) AS pins,
+               max(position) AS position
+        FROM dropped GROUP BY block_id
+    ), block_before AS (
+        SELECT b.block_id, b.state FROM blocks b JOIN per_block p USING (block_id)
+        WHERE b.instance = :instance
+    ), lru AS (
+        SELECT nextval('block_lru') AS base
+    ), block_after AS (
+        UPDATE blocks b
+        SET ref_count = b.ref_count - p.refs,
+            pin_count = b.pin_count - p.pins,
+            lru_seq = CASE WHEN b.ref_count = p.refs
+                THEN lru.base * {LRU_SPAN} + ({LRU_SPAN} - 1 - p.position) ELSE b.lru_seq END,
+            generation = CASE WHEN b.ref_count = p.refs AND b.content_hash IS NULL
+                THEN b.generation + 1 ELSE b.generation END,
+            last_used_at = now()
+        FROM per_block p, lru
+        WHERE b.instance = :instance AND b.block_id = p.block_id
+        RETURNING b.block_id, b.generation, b.state
+    ), freed AS (
+        INSERT INTO tombstones (
+            instance, block_id, generation, content_hash, reason, tenant, freed_at)
+        SELECT :instance, block_id, generation - 1, NULL, 'FREED', :tenant, now()
+        FROM block_after WHERE state = 'FREE'
+    ), transitions AS (
+        SELECT b.state AS state_before, a.state
+        FROM block_before b JOIN block_after a USING (block_id)
+    ), per_tenant AS (
+        SELECT tenant, block_id, count(*) AS refs, count(*) FILTER (WHERE pinned) AS pins
+        FROM dropped WHERE tenant IS NOT NULL GROUP BY tenant, block_id
+    ), tenant_kept AS (
+        UPDATE tenant_blocks t SET refs = t.refs - p.refs, pin_refs = t.pin_refs - p.pins
+        FROM per_tenant p
+        WHERE t.tenant = p.tenant AND t.instance = :instance AND t.block_id = p.block_id
+          AND t.refs > p.refs
+        RETURNING t.tenant, false AS removed, (t.pin_refs = 0 AND p.pins > 0) AS unpinned
+    ), tenant_gone AS (
+        DELETE FROM tenant_blocks t USING per_tenant p
+        WHERE t.tenant = p.tenant AND t.instance = :instance AND t.block_id = p.block_id
+          AND t.refs <= p.refs
+        RETURNING t.tenant, true AS removed, t.pin_refs > 0 AS unpinned
+    ), tenant_changes AS (
+        SELECT tenant, count(*) FILTER (WHERE removed) AS removed,
+               count(*) FILTER (WHERE unpinned) AS unpinned
+        FROM (SELECT * FROM tenant_kept UNION ALL SELECT * FROM tenant_gone) c
+        GROUP BY tenant
+    )"""
+
+
+def pool_counts(extra_set: str = "", extra_from: str = "") -> str:
+    """The instance update for a statement's `transitions`, plus any other column the statement
+    sets on the instance (a statement may update a row only once)."""
+    deltas = ",\n".join(
+        f"count(*) FILTER (WHERE state = '{state}') "
+        f"- count(*) FILTER (WHERE state_before = '{state}') AS {column}"
+        for state, column in _STATE_COLUMNS
+    )
+    sets = ", ".join(f"{column} = i.{column} + d.{column}" for _, column in _STATE_COLUMNS)
+    return f"""
+    pool AS (
+        UPDATE instances i SET {sets}{", " + extra_set if extra_set else ""}
+        FROM (SELECT {deltas} FROM transitions) d{", " + extra_from if extra_from else ""}
+        WHERE i.instance = :instance
+        RETURNING i.instance
+    )"""
+
+
+def tenant_additions(extra_set: str = "") -> str:
+    """The tenant update after ALLOCATE: blocks it newly references and newly pins."""
+    return f"""
+    account AS (
+        UPDATE tenants
+        SET blocks_in_use = blocks_in_use
+                + (SELECT count(*) FILTER (WHERE added) FROM tenant_refs),
+            pinned_blocks = pinned_blocks
+                + (SELECT count(*) FILTER (WHERE pinned) FROM tenant_refs){extra_set}
+        WHERE tenant = :tenant
+    )"""
+
+
+# The tenant update after drop(...) when nothing else of the tenant changes.
+TENANT_REMOVALS = """
+    account AS (
+        UPDATE tenants t
+        SET blocks_in_use = t.blocks_in_use - c.removed,
+            pinned_blocks = t.pinned_blocks - c.unpinned
+        FROM tenant_changes c WHERE t.tenant = c.tenant
+    )"""
+
+_STATE_COLUMNS = (
+    ("FREE", "free_blocks"),
+    ("CACHED", "cached_blocks"),
+    ("IN_USE", "blocks_in_use"),
+    ("PINNED", "pinned_blocks"),
+)
+
+# The cached blocks a prefix could reuse, with what the requesting tenant already holds of them.
+PREFIX_LOOKUP = """
+    SELECT DISTINCT ON (b.content_hash)
+           b.content_hash, b.block_id, b.generation, b.state = 'CACHED' AS evictable,
+           tb.tenant IS NOT NULL AS held_by_tenant, coalesce(tb.pin_refs, 0) > 0 AS pinned_by_tenant
+    FROM blocks b
+    LEFT JOIN tenant_blocks tb
+      ON tb.tenant = :tenant AND tb.instance = b.instance AND tb.block_id = b.block_id
+    WHERE b.instance = :instance AND b.content_hash = ANY (CAST(:hashes AS bytea[]))
+    ORDER BY b.content_hash, b.block_id
+"""

@@ -1,0 +1,92 @@
+"""Read-only views of the block pools for operators: blocks, and what a tenant holds where."""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.core.model import Block, BlockState, InstanceUsage
+from quota_service.core.pagination import Page
+
+_BLOCKS = text(
+    """
+    SELECT b.* FROM blocks b
+    WHERE b.instance = :instance AND b.block_id > :after
+      AND (CAST(:state AS text) IS NULL OR b.state = :state)
+      AND (CAST(:tenant AS text) IS NULL OR EXISTS (
+            SELECT 1 FROM tenant_blocks tb
+            WHERE tb.tenant = :tenant AND tb.instance = b.instance AND tb.block_id = b.block_id))
+    ORDER BY b.block_id LIMIT :size
+    """
+)
+
+_TENANT_USAGE = text(
+    """
+    WITH held AS (
+        SELECT tb.instance, count(*) AS blocks, count(*) FILTER (WHERE tb.pin_refs > 0) AS pinned,
+               count(*) FILTER (WHERE b.ref_count > tb.refs) AS shared
+        FROM tenant_blocks tb JOIN blocks b USING (instance, block_id)
+        WHERE tb.tenant = :tenant GROUP BY tb.instance
+    ), live AS (
+        SELECT instance, count(*) AS reservations, sum(reserved_tokens) AS tokens
+        FROM reservations WHERE tenant = :tenant AND state = 'ADMITTED' GROUP BY instance
+    )
+    SELECT instance, coalesce(h.blocks, 0) AS blocks, coalesce(h.pinned, 0) AS pinned,
+           coalesce(h.shared, 0) AS shared, coalesce(l.reservations, 0) AS reservations,
+           coalesce(l.tokens, 0) AS tokens
+    FROM held h FULL JOIN live l USING (instance)
+    ORDER BY instance
+    """
+)
+
+_PURGE_TOMBSTONES = text(
+    """
+    DELETE FROM tombstones WHERE (instance, block_id, generation) IN (
+        SELECT instance, block_id, generation FROM tombstones
+        WHERE freed_at < now() - make_interval(secs => :retention) LIMIT :batch)
+    """
+)
+
+
+class Inspection:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    async def list_blocks(
+        self, instance: str, tenant: str | None, state: BlockState | None, page: Page
+    ) -> list[Block]:
+        params = {
+            "instance": instance,
+            "tenant": tenant,
+            "state": state.value if state else None,
+            "after": int(page.after) if page.after else -1,
+            "size": page.size,
+        }
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(_BLOCKS, params)).mappings()
+            return [
+                Block(
+                    instance=r["instance"],
+                    block_id=r["block_id"],
+                    generation=r["generation"],
+                    state=BlockState(r["state"]),
+                    ref_count=r["ref_count"],
+                    pin_count=r["pin_count"],
+                    content_hash=r["content_hash"],
+                    hash_scope=r["hash_scope"],
+                    tier=r["tier"],
+                    last_used_at=r["last_used_at"],
+                )
+                for r in rows
+            ]
+
+    async def tenant_usage(self, tenant: str) -> list[InstanceUsage]:
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(_TENANT_USAGE, {"tenant": tenant})
+            return [InstanceUsage(*r) for r in rows]
+
+    async def purge_tombstones(self, retention_seconds: float, batch: int) -> int:
+        """Forget tombstones older than the retention period; returns how many went."""
+        async with self._engine.begin() as conn:
+            params = {"retention": retention_seconds, "batch": batch}
+            return (await conn.execute(_PURGE_TOMBSTONES, params)).rowcount

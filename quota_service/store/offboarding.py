@@ -1,0 +1,177 @@
+"""Offboarding a tenant (DeleteTenant): end its reservations, drop its pins, free the cached
+blocks only its salt could ever match, and report what that did. Every step is its own
+transaction and the tenant's state (DELETING) says where it is, so a crashed offboarding resumes
+by being called again, and calling it after it finished changes nothing."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from quota_service.core.errors import not_found
+from quota_service.core.model import EndReason
+from quota_service.core.names import tenant_name
+from quota_service.store import blocks
+from quota_service.store.catalog import new_salt
+from quota_service.store.database import in_transaction
+from quota_service.store.ledger import Ledger
+from quota_service.store.pins import Pins
+
+log = logging.getLogger(__name__)
+
+BATCH = 200
+
+# The report is taken once, when offboarding starts, from what the tenant holds then: a block
+# is freed when only this tenant references it and its contents are private or under the
+# tenant's own salt; otherwise others keep it (referenced, pinned, or cached for a namespace).
+_START = text(
+    """
+    WITH held AS (
+        SELECT b.ref_count = tb.refs
+               AND (b.hash_scope IS NULL OR b.hash_scope = :scope) AS exclusive,
+               b.pin_count > tb.pin_refs AS pinned_by_others
+        FROM tenant_blocks tb JOIN blocks b USING (instance, block_id)
+        WHERE tb.tenant = :tenant
+    ), cached AS (
+        SELECT count(*) AS own FROM blocks WHERE state = 'CACHED' AND hash_scope = :scope
+    )
+    UPDATE tenants SET
+        state = 'DELETING', updated_at = now(),
+        offboard_freed_blocks = (SELECT count(*) FILTER (WHERE exclusive) FROM held)
+                                + (SELECT own FROM cached),
+        offboard_shared_blocks = (SELECT count(*) FILTER (WHERE NOT exclusive) FROM held),
+        offboard_pinned_by_others = (SELECT count(*) FILTER (WHERE pinned_by_others) FROM held)
+    WHERE tenant = :tenant AND state IN ('ACTIVE', 'SUSPENDED')
+    """
+)
+
+_STATE = text("SELECT state FROM tenants WHERE tenant = :tenant")
+
+_LIVE_RESERVATIONS = text(
+    "SELECT request_id FROM reservations WHERE tenant = :tenant AND state = 'ADMITTED' LIMIT :batch"
+)
+
+_INSTANCES_WITH_OWN_CACHE = text(
+    "SELECT DISTINCT instance FROM blocks WHERE state = 'CACHED' AND hash_scope = :scope"
+)
+
+_LOCK_INSTANCE = text("SELECT 1 FROM instances WHERE instance = :instance FOR UPDATE")
+
+# Drop the contents of cached blocks under the tenant's salt: nobody else could match them.
+_FREE_OWN_CACHE = text(
+    f"""
+    WITH victim AS (
+        SELECT block_id, content_hash FROM blocks
+        WHERE instance = :instance AND state = 'CACHED' AND hash_scope = :scope
+        ORDER BY block_id LIMIT :batch
+    ), block_before AS (
+        SELECT b.block_id, b.state FROM blocks b JOIN victim USING (block_id)
+        WHERE b.instance = :instance
+    ), block_after AS (
+        UPDATE blocks b
+        SET generation = b.generation + 1, content_hash = NULL, hash_scope = NULL,
+            lru_seq = NULL
+        FROM victim v WHERE b.instance = :instance AND b.block_id = v.block_id
+        RETURNING b.block_id, b.generation, b.state
+    ), tombstoned AS (
+        INSERT INTO tombstones (
+            instance, block_id, generation, content_hash, reason, tenant, freed_at)
+        SELECT :instance, a.block_id, a.generation - 1, v.content_hash, 'OFFBOARDED', :tenant,
+               now()
+        FROM block_after a JOIN victim v USING (block_id)
+    ), transitions AS (
+        SELECT b.state AS state_before, a.state
+        FROM block_before b JOIN block_after a USING (block_id)
+    ), {blocks.pool_counts()}
+    SELECT count(*) FROM block_after
+    """
+)
+
+# Finished: the salt is replaced so the old secret is gone, and the tenant leaves its namespace.
+_FINISH = text(
+    """
+    UPDATE tenants SET state = 'DELETED', namespace = NULL, cache_salt = :salt, updated_at = now()
+    WHERE tenant = :tenant AND state = 'DELETING'
+      AND NOT EXISTS (SELECT 1 FROM tenant_blocks WHERE tenant = :tenant)
+      AND NOT EXISTS (SELECT 1 FROM reservations WHERE tenant = :tenant AND state = 'ADMITTED')
+    """
+)
+
+_REPORT = text(
+    "SELECT offboard_freed_blocks, offboard_shared_blocks, offboard_pinned_by_others "
+    "FROM tenants WHERE tenant = :tenant"
+)
+
+_DELETING = text("SELECT tenant FROM tenants WHERE state = 'DELETING' ORDER BY tenant")
+
+
+@dataclass(frozen=True, slots=True)
+class OffboardingReport:
+    freed_blocks: int
+    shared_blocks: int
+    pinned_by_others: int
+
+
+class Offboarding:
+    def __init__(self, engine: AsyncEngine, ledger: Ledger, pins: Pins) -> None:
+        self._engine = engine
+        self._ledger = ledger
+        self._pins = pins
+
+    async def delete_tenant(self, tenant: str) -> OffboardingReport:
+        scope = tenant_name(tenant)
+        keys = {"tenant": tenant, "scope": scope}
+
+        async def start(conn: AsyncConnection) -> None:
+            state = (await conn.execute(_STATE, keys)).scalar_one_or_none()
+            if state is None:
+                raise not_found("tenant", scope)
+            await conn.execute(_START, keys)
+
+        await in_transaction(self._engine, start)
+        while requests := await self._live_reservations(tenant):
+            for request_id in requests:
+                await self._ledger.end(tenant, request_id, EndReason.TENANT_DELETED)
+        while owned := await self._pins.active_of_tenant(tenant, BATCH):
+            for owner, pin_id in owned:
+                await self._pins.unpin(owner, pin_id)
+        async with self._engine.connect() as conn:
+            instances = [r[0] for r in await conn.execute(_INSTANCES_WITH_OWN_CACHE, keys)]
+        for instance in instances:
+            await self._free_own_cache(instance, tenant, scope)
+
+        async def finish(conn: AsyncConnection) -> OffboardingReport:
+            await conn.execute(_FINISH, {"tenant": tenant, "salt": new_salt()})
+            row = (await conn.execute(_REPORT, keys)).one()
+            return OffboardingReport(*row)
+
+        report = await in_transaction(self._engine, finish)
+        log.info("offboarded %s: %s", scope, report)
+        return report
+
+    async def resume_all(self) -> int:
+        """Finish every offboarding a crash interrupted; returns how many."""
+        async with self._engine.connect() as conn:
+            tenants = [r[0] for r in await conn.execute(_DELETING)]
+        for tenant in tenants:
+            await self.delete_tenant(tenant)
+        return len(tenants)
+
+    async def _live_reservations(self, tenant: str) -> list[str]:
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(_LIVE_RESERVATIONS, {"tenant": tenant, "batch": BATCH})
+            return [r[0] for r in rows]
+
+    async def _free_own_cache(self, instance: str, tenant: str, scope: str) -> None:
+        params = {"instance": instance, "tenant": tenant, "scope": scope, "batch": 10 * BATCH}
+        while True:
+
+            async def work(conn: AsyncConnection) -> int:
+                await conn.execute(_LOCK_INSTANCE, params)
+                return int((await conn.execute(_FREE_OWN_CACHE, params)).scalar_one())
+
+            if await in_transaction(self._engine, work) < 10 * BATCH:
+                return

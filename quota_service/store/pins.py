@@ -1,0 +1,228 @@
+"""Pins: system-prompt prefixes held resident on an instance, for a tenant or a namespace."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import RowMapping, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from quota_service.core import pins
+from quota_service.core.admission import AdmissionLimits, Shortfall
+from quota_service.core.block_table import BlockHandle
+from quota_service.core.errors import Code, KvQuotaError, not_found
+from quota_service.core.hashing import block_hashes
+from quota_service.core.model import Pin, PinState
+from quota_service.core.names import instance_name
+from quota_service.core.pagination import Page
+from quota_service.store import blocks
+from quota_service.store.database import in_transaction
+from quota_service.store.ledger import (
+    account_from_row,
+    allocation_params,
+    lookup_prefix,
+    pool_from_row,
+    refusal,
+)
+
+_LOCK_POOL = text(
+    """
+    SELECT now() AS now, nextval('holder_ids') AS holder_id,
+           state AS pool_state, block_size, capacity_blocks, max_model_len, free_blocks,
+           cached_blocks, hash_algo, mean_hold_seconds AS pool_hold
+    FROM instances WHERE instance = :instance FOR UPDATE
+    """
+)
+
+_LOCK_TENANT = text(
+    """
+    SELECT t.state AS account_state, t.max_blocks, t.max_tokens_in_flight,
+           t.max_queued_requests, t.max_pinned_blocks, t.max_cpu_tier_bytes,
+           t.blocks_in_use AS account_blocks, t.tokens_in_flight,
+           t.mean_hold_seconds AS account_hold, t.pinned_blocks AS account_pinned,
+           coalesce(ns.cache_salt, t.cache_salt) AS cache_salt,
+           CASE WHEN t.namespace IS NULL THEN 'tenants/' || t.tenant
+                ELSE 'namespaces/' || t.namespace END AS hash_scope
+    FROM tenants t LEFT JOIN namespaces ns ON ns.namespace = t.namespace
+    WHERE t.tenant = :tenant
+    FOR UPDATE OF t
+    """
+)
+
+_NAMESPACE_SALT = text("SELECT cache_salt FROM namespaces WHERE namespace = :namespace")
+
+_PIN = text(
+    """
+    SELECT p.*,
+           (SELECT array_agg(r.block_id ORDER BY r.position) FROM block_refs r
+            WHERE r.holder_id = p.holder_id AND NOT r.released) AS block_ids,
+           (SELECT array_agg(r.generation ORDER BY r.position) FROM block_refs r
+            WHERE r.holder_id = p.holder_id AND NOT r.released) AS generations
+    FROM pins p WHERE p.owner = :owner AND p.pin_id = :pin_id
+    """
+)
+
+_INSERT_PIN = text(
+    f"""
+    WITH pin AS (
+        INSERT INTO pins (
+            holder_id, owner, pin_id, tenant, instance, prompt_tokens, pinned_blocks, prefix_hash)
+        VALUES (:holder, :owner, :pin_id, :tenant, :instance, :prompt_tokens, :blocks, :prefix)
+        RETURNING holder_id
+    ), {blocks.ALLOCATE}, {blocks.pool_counts()}, {blocks.tenant_additions()}
+    SELECT (SELECT count(*) FROM allocated) AS allocated
+    """
+)
+
+_FORGET_REMOVED_PIN = text("DELETE FROM pins WHERE holder_id = :holder AND state = 'REMOVED'")
+
+_UNPIN = text(
+    f"""
+    WITH removed AS (
+        UPDATE pins SET state = 'REMOVED', removed_at = now()
+        WHERE holder_id = :holder AND state = 'ACTIVE'
+        RETURNING holder_id
+    ), {
+        blocks.drop(
+            "DELETE FROM block_refs r USING removed x WHERE r.holder_id = x.holder_id "
+            "RETURNING r.block_id, r.position, r.pinned, r.tenant"
+        )
+    }, {blocks.pool_counts()}, {blocks.TENANT_REMOVALS}
+    SELECT count(*) FROM removed
+    """
+)
+
+_LIST_PINS = text(
+    """
+    SELECT p.*, NULL AS block_ids, NULL AS generations FROM pins p
+    WHERE p.owner = :owner AND p.pin_id > :after ORDER BY p.pin_id LIMIT :size
+    """
+)
+
+_ACTIVE_PINS_OF_TENANT = text(
+    "SELECT owner, pin_id FROM pins WHERE tenant = :tenant AND state = 'ACTIVE' LIMIT :batch"
+)
+
+
+def pin_from_row(row: RowMapping) -> Pin:
+    block_ids = row["block_ids"] or []
+    generations = row["generations"] or []
+    return Pin(
+        owner=row["owner"],
+        pin_id=row["pin_id"],
+        instance=row["instance"],
+        prompt_tokens=row["prompt_tokens"],
+        pinned_blocks=row["pinned_blocks"],
+        state=PinState(row["state"]),
+        created_at=row["created_at"],
+        blocks=tuple(BlockHandle(b, g) for b, g in zip(block_ids, generations, strict=True)),
+    )
+
+
+class Pins:
+    def __init__(self, engine: AsyncEngine, limits: AdmissionLimits) -> None:
+        self._engine = engine
+        self._limits = limits
+
+    async def pin(self, owner: str, pin_id: str, instance: str, token_ids: Sequence[int]) -> Pin:
+        """Pin the full blocks of token_ids on the instance for owner (tenants/{t} or
+        namespaces/{n}). The same pin again returns it; another prefix under its id is refused."""
+        collection, owner_id = owner.split("/", 1)
+        tenant = owner_id if collection == "tenants" else None
+
+        async def work(conn: AsyncConnection) -> Pin:
+            locked = (await conn.execute(_LOCK_POOL, {"instance": instance})).mappings().first()
+            if locked is None:
+                raise not_found("instance", instance_name(instance))
+            pool = pool_from_row(instance, locked)
+            pins.check_prefix(token_ids, pool.block_size)
+            account = None
+            if tenant is not None:
+                row = (await conn.execute(_LOCK_TENANT, {"tenant": tenant})).mappings().first()
+                if row is None:
+                    raise not_found("tenant", owner)
+                account = account_from_row(tenant, row)
+                salt, scope = row["cache_salt"], row["hash_scope"]
+            else:
+                salt = (
+                    await conn.execute(_NAMESPACE_SALT, {"namespace": owner_id})
+                ).scalar_one_or_none()
+                if salt is None:
+                    raise not_found("namespace", owner)
+                scope = owner
+            hashes = block_hashes(token_ids, pool.block_size, salt, pool.hash_algo)
+            existing = await self._find(conn, owner, pin_id)
+            if existing is not None:
+                same = existing[1] == hashes[-1] and existing[0].instance == instance
+                if existing[0].state is PinState.ACTIVE:
+                    if not same:
+                        raise KvQuotaError(
+                            Code.ALREADY_EXISTS,
+                            "PIN_ID_REUSED",
+                            f"{owner}/pins/{pin_id} already pins another prefix",
+                            metadata={"name": f"{owner}/pins/{pin_id}"},
+                        )
+                    return existing[0]
+                await conn.execute(_FORGET_REMOVED_PIN, {"holder": existing[2]})
+            hits = await lookup_prefix(conn, instance, tenant, hashes)
+            plan = pins.decide(hashes, hits, pool, account)
+            if isinstance(plan, Shortfall):
+                raise await refusal(conn, plan, pool, account, locked["now"], self._limits)
+            params = {
+                "holder": locked["holder_id"],
+                "owner": owner,
+                "pin_id": pin_id,
+                "tenant": tenant,
+                "instance": instance,
+                "prompt_tokens": len(token_ids),
+                "blocks": len(hashes),
+                "prefix": hashes[-1],
+                **allocation_params(plan.hits, plan.new_hashes, scope, pinned=True),
+            }
+            allocated = (await conn.execute(_INSERT_PIN, params)).scalar_one()
+            assert allocated == len(plan.new_hashes), "block pool counters out of step"
+            found = await self._find(conn, owner, pin_id)
+            assert found is not None
+            return found[0]
+
+        return await in_transaction(self._engine, work)
+
+    async def unpin(self, owner: str, pin_id: str) -> Pin:
+        """Release a pin's blocks (they stay cached until evicted). Idempotent."""
+
+        async def work(conn: AsyncConnection) -> Pin:
+            found = await self._find(conn, owner, pin_id)
+            if found is None:
+                raise not_found("pin", f"{owner}/pins/{pin_id}")
+            pin, _, holder = found
+            if pin.state is PinState.ACTIVE:
+                collection, owner_id = owner.split("/", 1)
+                tenant = owner_id if collection == "tenants" else None
+                await conn.execute(_LOCK_POOL, {"instance": pin.instance})
+                if tenant is not None:
+                    await conn.execute(_LOCK_TENANT, {"tenant": tenant})
+                params = {"holder": holder, "instance": pin.instance, "tenant": tenant}
+                await conn.execute(_UNPIN, params)
+            after = await self._find(conn, owner, pin_id)
+            assert after is not None
+            return after[0]
+
+        return await in_transaction(self._engine, work)
+
+    async def list_pins(self, owner: str, page: Page) -> list[Pin]:
+        params = {"owner": owner, "after": page.after or "", "size": page.size}
+        async with self._engine.connect() as conn:
+            return [pin_from_row(r) for r in (await conn.execute(_LIST_PINS, params)).mappings()]
+
+    async def active_of_tenant(self, tenant: str, batch: int) -> list[tuple[str, str]]:
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(_ACTIVE_PINS_OF_TENANT, {"tenant": tenant, "batch": batch})
+            return [(r.owner, r.pin_id) for r in rows]
+
+    async def _find(
+        self, conn: AsyncConnection, owner: str, pin_id: str
+    ) -> tuple[Pin, bytes, int] | None:
+        row = (await conn.execute(_PIN, {"owner": owner, "pin_id": pin_id})).mappings().first()
+        if row is None:
+            return None
+        return pin_from_row(row), row["prefix_hash"], row["holder_id"]
