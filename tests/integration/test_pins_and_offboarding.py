@@ -85,6 +85,7 @@ async def test_pinned_blocks_survive_eviction_and_count_against_the_pin_budget(
     with pytest.raises(KvQuotaError) as reused:
         await pins.pin("tenants/acme", "system", "gpu-0", tokens(2, 4))
     assert reused.value.reason == "PIN_ID_REUSED"
+    assert await snapshot(engine) == before
     await ledger.end("acme", "fits", EndReason.RELEASED, 1)
     before = await snapshot(engine)
     with pytest.raises(KvQuotaError) as over:
