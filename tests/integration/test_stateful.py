@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
@@ -93,9 +94,8 @@ class LedgerMachine(RuleBasedStateMachine):
             for name in SHARED:
                 await catalog.update_tenant(name, {"namespace": "pub"})
             async with self.engine.connect() as conn:
-                salts = dict(
-                    (await conn.execute(text("SELECT tenant, cache_salt FROM tenants"))).all()
-                )
+                rows = await conn.execute(text("SELECT tenant, cache_salt FROM tenants"))
+                salts: dict[str, str] = {t: salt for t, salt in rows.all()}
                 ns = await conn.execute(text("SELECT cache_salt FROM namespaces"))
                 self.model.namespaces["pub"] = ns.scalar_one()
             for name, quota in TENANTS.items():
@@ -217,7 +217,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if not self.model.slots:
             return
 
-        async def read() -> tuple[list[Any], list[Any], list[str]]:
+        async def read() -> tuple[Sequence[Any], Sequence[Any], list[str]]:
             async with self.engine.connect() as conn:
                 blocks = (
                     await conn.execute(
