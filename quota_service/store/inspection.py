@@ -28,7 +28,7 @@ _TENANT_USAGE = text(
         FROM tenant_blocks tb JOIN blocks b USING (instance, block_id)
         WHERE tb.tenant = :tenant GROUP BY tb.instance
     ), live AS (
-        SELECT instance, count(*) AS reservations, sum(reserved_tokens) AS tokens
+        SELECT instance, count(*) AS reservations, sum(reserved_tokens)::bigint AS tokens
         FROM reservations WHERE tenant = :tenant AND state = 'ADMITTED' GROUP BY instance
     )
     SELECT instance, coalesce(h.blocks, 0) AS blocks, coalesce(h.pinned, 0) AS pinned,

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
+import pytest
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 
+from kvquota.v1 import admission_pb2
+from kvquota.v1 import resources_pb2 as pb
+
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+GIB = 1024**3
 
 
 @dataclass
@@ -40,3 +47,34 @@ def rich_error(error: grpc.aio.AioRpcError) -> RichError:
                 if isinstance(message, error_details_pb2.ErrorInfo):
                     info = message
     return RichError(error.code(), info.reason, info.domain, dict(info.metadata), details)
+
+
+async def refused(call: Awaitable[Any]) -> RichError:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await call
+    rich = rich_error(error.value)
+    assert rich.domain == "kvquota"
+    return rich
+
+
+def quota(max_blocks: int = 10**6, max_tokens: int = 10**9) -> pb.TenantQuota:
+    return pb.TenantQuota(
+        max_blocks=max_blocks,
+        max_tokens_in_flight=max_tokens,
+        max_queued_requests=10,
+        max_pinned_blocks=10,
+        max_cpu_tier_bytes=GIB,
+    )
+
+
+def admit(
+    request_id: str, prompt: int, output: int, tenant: str = "acme", **extra: Any
+) -> admission_pb2.AdmitRequest:
+    return admission_pb2.AdmitRequest(
+        tenant=f"tenants/{tenant}",
+        request_id=request_id,
+        instance="instances/gpu-0",
+        prompt_tokens=prompt,
+        max_output_tokens=output,
+        **extra,
+    )

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any
 
 import grpc
 import pytest
@@ -17,61 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
-from quota_service.api import server
-from quota_service.config import Settings
-from tests.integration.grpc_helpers import RichError, rich_error
+from tests.integration.grpc_helpers import GIB, admit, quota, refused
 from tests.integration.ledger_fixtures import snapshot
-
-GIB = 1024**3
-
-
-@pytest.fixture
-async def channel(database_url: str, settings: Settings) -> AsyncIterator[grpc.aio.Channel]:
-    running = await server.start(settings, database_url)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as chan:
-        yield chan
-    await running.stop(0)
-
-
-@pytest.fixture
-def admin(channel: grpc.aio.Channel) -> admin_pb2_grpc.AdminServiceAsyncStub:
-    return admin_pb2_grpc.AdminServiceStub(channel)
-
-
-@pytest.fixture
-def gateway(channel: grpc.aio.Channel) -> admission_pb2_grpc.AdmissionServiceAsyncStub:
-    return admission_pb2_grpc.AdmissionServiceStub(channel)
-
-
-async def refused(call: Awaitable[Any]) -> RichError:
-    with pytest.raises(grpc.aio.AioRpcError) as error:
-        await call
-    rich = rich_error(error.value)
-    assert rich.domain == "kvquota"
-    return rich
-
-
-def quota(max_blocks: int = 10**6, max_tokens: int = 10**9) -> pb.TenantQuota:
-    return pb.TenantQuota(
-        max_blocks=max_blocks,
-        max_tokens_in_flight=max_tokens,
-        max_queued_requests=10,
-        max_pinned_blocks=10,
-        max_cpu_tier_bytes=GIB,
-    )
-
-
-def admit(
-    request_id: str, prompt: int, output: int, tenant: str = "acme", **extra: Any
-) -> admission_pb2.AdmitRequest:
-    return admission_pb2.AdmitRequest(
-        tenant=f"tenants/{tenant}",
-        request_id=request_id,
-        instance="instances/gpu-0",
-        prompt_tokens=prompt,
-        max_output_tokens=output,
-        **extra,
-    )
 
 
 @pytest.fixture
