@@ -2,7 +2,8 @@
 
 Starts one kvquota server process on a throwaway database (KVQUOTA_DATABASE_URL's server, else
 127.0.0.1:5432, else an embedded PostgreSQL), then this process drives it with concurrent gRPC
-clients doing Admit then Release of 1536-token requests (96 blocks at 16 tokens per block).
+clients doing Admit then Release of 1536-token requests (96 blocks at 16 tokens per block), on
+pools of each --capacity, without and with a shared prompt prefix (--prefix-tokens).
 Prints a table, or JSON with --json. The full benchmark suite (pgbench reference, scenarios)
 belongs to a later issue.
 """
@@ -45,14 +46,20 @@ def server_url() -> str:
         return embedded.start(Path(tempfile.mkdtemp(prefix="kvquota-bench-")))
 
 
-async def setup(address: str, capacity: int) -> None:
+async def setup(address: str, capacities: list[int]) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         admin = admin_pb2_grpc.AdminServiceStub(channel)
-        await admin.RegisterInstance(
-            admin_pb2.RegisterInstanceRequest(
-                instance_id="bench", block_size=16, max_model_len=8192, num_gpu_blocks=capacity
+        for capacity in capacities:
+            print(f"registering an instance of {capacity} slots", file=sys.stderr)
+            await admin.RegisterInstance(
+                admin_pb2.RegisterInstanceRequest(
+                    instance_id=f"bench-{capacity}",
+                    block_size=16,
+                    max_model_len=8192,
+                    num_gpu_blocks=capacity,
+                ),
+                timeout=600,
             )
-        )
         big = 10**12
         quota = pb.TenantQuota(
             max_blocks=big,
@@ -67,7 +74,9 @@ async def setup(address: str, capacity: int) -> None:
             )
 
 
-async def drive(address: str, concurrency: int, seconds: float) -> dict[str, float]:
+async def drive(
+    address: str, capacity: int, prefix_tokens: int, concurrency: int, seconds: float
+) -> dict[str, float]:
     latencies: list[float] = []
     pairs = 0
     refused = 0
@@ -80,18 +89,24 @@ async def drive(address: str, concurrency: int, seconds: float) -> dict[str, flo
             i = 0
             while time.perf_counter() < deadline:
                 i += 1
+                # 1536 tokens = 96 blocks of 16: 1024 of prompt, 512 of output.
                 request = admission_pb2.AdmitRequest(
                     tenant=f"tenants/t{c % 4}",
-                    request_id=f"c{c}-{i}",
-                    instance="instances/bench",
+                    request_id=f"{capacity}-{prefix_tokens}-{concurrency}-c{c}-{i}",
+                    instance=f"instances/bench-{capacity}",
                     prompt_tokens=1024,
                     max_output_tokens=512,
                 )
+                if prefix_tokens:
+                    suffix = [100_000 + c * 1000 + i % 1000] * (1024 - prefix_tokens)
+                    request.prompt_token_ids.extend([*range(prefix_tokens), *suffix])
                 start = time.perf_counter()
                 try:
                     admitted = await stub.Admit(request)
-                except grpc.aio.AioRpcError:
+                except grpc.aio.AioRpcError as error:
                     refused += 1
+                    if refused == 1:
+                        print(f"first refusal: {error.details()}", file=sys.stderr)
                     continue
                 latencies.append(time.perf_counter() - start)
                 await stub.Release(admission_pb2.ReleaseRequest(name=admitted.reservation.name))
@@ -106,8 +121,12 @@ async def drive(address: str, concurrency: int, seconds: float) -> dict[str, flo
         began = time.perf_counter()
         await asyncio.gather(progress(), *(client(c) for c in range(concurrency)))
         elapsed = time.perf_counter() - began
+    if len(latencies) < 2:
+        raise SystemExit(f"nothing was admitted ({refused} refused): see the first refusal above")
     quantiles = statistics.quantiles(latencies, n=100)
     return {
+        "pool_slots": capacity,
+        "prefix_tokens": prefix_tokens,
         "concurrency": concurrency,
         "seconds": round(elapsed, 2),
         "pairs_per_second": round(pairs / elapsed, 1),
@@ -120,8 +139,9 @@ async def drive(address: str, concurrency: int, seconds: float) -> dict[str, flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--capacity", type=int, default=1_000_000)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--capacity", type=int, nargs="+", default=[1000, 1_000_000])
+    parser.add_argument("--prefix-tokens", type=int, nargs="+", default=[0, 1024])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -145,9 +165,16 @@ def main() -> None:
         address = next(m.group(1) for line in server.stdout if (m := ADDRESS.search(line)))
         asyncio.run(setup(address, args.capacity))
         results = []
-        for concurrency in args.concurrency:
-            print(f"concurrency {concurrency}, {args.seconds:g} s", file=sys.stderr)
-            results.append(asyncio.run(drive(address, concurrency, args.seconds)))
+        for capacity in args.capacity:
+            for prefix in args.prefix_tokens:
+                for concurrency in args.concurrency:
+                    print(
+                        f"{capacity} slots, {prefix}-token shared prefix, "
+                        f"concurrency {concurrency}, {args.seconds:g} s",
+                        file=sys.stderr,
+                    )
+                    run = drive(address, capacity, prefix, concurrency, args.seconds)
+                    results.append(asyncio.run(run))
     finally:
         if server is not None:
             server.terminate()
@@ -158,9 +185,9 @@ def main() -> None:
         print(json.dumps(results, indent=2))
         return
     columns = list(results[0])
-    print("  ".join(f"{c:>17}" for c in columns))
+    print("  ".join(f"{c:>16}" for c in columns))
     for row in results:
-        print("  ".join(f"{row[c]!s:>17}" for c in columns))
+        print("  ".join(f"{row[c]!s:>16}" for c in columns))
 
 
 if __name__ == "__main__":
