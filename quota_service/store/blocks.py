@@ -14,6 +14,10 @@ a prefix hit and the eviction of the same cached block cannot race.
 
 from __future__ import annotations
 
+from sqlalchemy import RowMapping
+
+from quota_service.core.block_table import BlockHandle
+
 # Cached blocks are evicted in order of lru_seq: one sequence value per release, times this span,
 # plus the entry's distance from the table's end, so a table's tail goes before its head.
 LRU_SPAN = 1 << 20
@@ -197,3 +201,30 @@ PREFIX_LOOKUP = """
     WHERE b.instance = :instance AND b.content_hash = ANY (CAST(:hashes AS bytea[]))
     ORDER BY b.content_hash, b.block_id
 """
+
+
+def live_table(holder_id: str) -> str:
+    """Select-list items for a holder's live block table, in position order; read them back
+    with `table_from_row`."""
+    return f"""
+           (SELECT array_agg(t.block_id ORDER BY t.position) FROM block_refs t
+            WHERE t.holder_id = {holder_id} AND NOT t.released) AS table_block_ids,
+           (SELECT array_agg(t.generation ORDER BY t.position) FROM block_refs t
+            WHERE t.holder_id = {holder_id} AND NOT t.released) AS table_generations"""
+
+
+def table_from_row(row: RowMapping) -> tuple[BlockHandle, ...]:
+    block_ids = row["table_block_ids"] or []
+    generations = row["table_generations"] or []
+    return tuple(BlockHandle(b, g) for b, g in zip(block_ids, generations, strict=True))
+
+
+# A tenant as an admission or a pin sees it, under its row lock (the instance is locked first).
+TENANT_ACCOUNT_COLUMNS = """
+           t.state AS account_state, t.max_blocks, t.max_tokens_in_flight,
+           t.max_queued_requests, t.max_pinned_blocks, t.max_cpu_tier_bytes,
+           t.blocks_in_use AS account_blocks, t.tokens_in_flight,
+           t.mean_hold_seconds AS account_hold, t.pinned_blocks AS account_pinned,
+           coalesce(ns.cache_salt, t.cache_salt) AS cache_salt,
+           CASE WHEN t.namespace IS NULL THEN 'tenants/' || t.tenant
+                ELSE 'namespaces/' || t.namespace END AS hash_scope"""

@@ -45,17 +45,11 @@ HOLDINGS_LIMIT = 1000
 # Locks the instance, then the tenant (the order every transaction here takes them), and draws
 # the holder id the new reservation's block references will carry.
 _LOCK_POOL_AND_ACCOUNT = text(
-    """
+    f"""
     SELECT now() AS now, nextval('holder_ids') AS holder_id,
            i.state AS pool_state, i.block_size, i.capacity_blocks, i.max_model_len,
            i.free_blocks, i.cached_blocks, i.hash_algo, i.mean_hold_seconds AS pool_hold,
-           t.state AS account_state, t.max_blocks, t.max_tokens_in_flight,
-           t.max_queued_requests, t.max_pinned_blocks, t.max_cpu_tier_bytes,
-           t.blocks_in_use AS account_blocks, t.tokens_in_flight,
-           t.mean_hold_seconds AS account_hold, t.pinned_blocks AS account_pinned,
-           coalesce(ns.cache_salt, t.cache_salt) AS cache_salt,
-           CASE WHEN t.namespace IS NULL THEN 'tenants/' || t.tenant
-                ELSE 'namespaces/' || t.namespace END AS hash_scope,
+           {blocks.TENANT_ACCOUNT_COLUMNS},
            r.request_id AS existing
     FROM instances i
     CROSS JOIN tenants t
@@ -84,6 +78,7 @@ _INSERT_RESERVATION = text(
     ), {blocks.ALLOCATE}, {blocks.pool_counts()},
     {blocks.tenant_additions(", tokens_in_flight = tokens_in_flight + :tokens")}
     SELECT r.*, (SELECT count(*) FROM allocated) AS allocated,
+           -- From the CTE: this statement's own inserts are invisible to a subquery on the table.
            (SELECT array_agg(block_id ORDER BY position) FROM entries) AS table_block_ids,
            (SELECT array_agg(generation ORDER BY position) FROM entries) AS table_generations
     FROM reservation r
@@ -181,12 +176,8 @@ _RENEW_LEASE = text(
 )
 
 _GET_RESERVATION = text(
-    """
-    SELECT r.*,
-           (SELECT array_agg(b.block_id ORDER BY b.position) FROM block_refs b
-            WHERE b.holder_id = r.holder_id AND NOT b.released) AS table_block_ids,
-           (SELECT array_agg(b.generation ORDER BY b.position) FROM block_refs b
-            WHERE b.holder_id = r.holder_id AND NOT b.released) AS table_generations
+    f"""
+    SELECT r.*, {blocks.live_table("r.holder_id")}
     FROM reservations r WHERE r.tenant = :tenant AND r.request_id = :request_id
     """
 )
@@ -220,8 +211,6 @@ class _DuplicateRace(Exception):
 
 
 def reservation_from_row(row: RowMapping) -> Reservation:
-    block_ids = row["table_block_ids"] or []
-    generations = row["table_generations"] or []
     return Reservation(
         tenant=row["tenant"],
         request_id=row["request_id"],
@@ -240,7 +229,7 @@ def reservation_from_row(row: RowMapping) -> Reservation:
         ended_at=row["ended_at"],
         end_reason=EndReason(row["end_reason"]) if row["end_reason"] else None,
         output_tokens=row["output_tokens"],
-        block_table=tuple(BlockHandle(b, g) for b, g in zip(block_ids, generations, strict=True)),
+        block_table=blocks.table_from_row(row),
     )
 
 

@@ -9,7 +9,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core import pins
 from quota_service.core.admission import AdmissionLimits, Shortfall
-from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import Code, KvQuotaError, not_found
 from quota_service.core.hashing import block_hashes
 from quota_service.core.model import Pin, PinState
@@ -35,14 +34,8 @@ _LOCK_POOL = text(
 )
 
 _LOCK_TENANT = text(
-    """
-    SELECT t.state AS account_state, t.max_blocks, t.max_tokens_in_flight,
-           t.max_queued_requests, t.max_pinned_blocks, t.max_cpu_tier_bytes,
-           t.blocks_in_use AS account_blocks, t.tokens_in_flight,
-           t.mean_hold_seconds AS account_hold, t.pinned_blocks AS account_pinned,
-           coalesce(ns.cache_salt, t.cache_salt) AS cache_salt,
-           CASE WHEN t.namespace IS NULL THEN 'tenants/' || t.tenant
-                ELSE 'namespaces/' || t.namespace END AS hash_scope
+    f"""
+    SELECT {blocks.TENANT_ACCOUNT_COLUMNS}
     FROM tenants t LEFT JOIN namespaces ns ON ns.namespace = t.namespace
     WHERE t.tenant = :tenant
     FOR UPDATE OF t
@@ -52,12 +45,8 @@ _LOCK_TENANT = text(
 _NAMESPACE_SALT = text("SELECT cache_salt FROM namespaces WHERE namespace = :namespace")
 
 _PIN = text(
-    """
-    SELECT p.*,
-           (SELECT array_agg(r.block_id ORDER BY r.position) FROM block_refs r
-            WHERE r.holder_id = p.holder_id AND NOT r.released) AS block_ids,
-           (SELECT array_agg(r.generation ORDER BY r.position) FROM block_refs r
-            WHERE r.holder_id = p.holder_id AND NOT r.released) AS generations
+    f"""
+    SELECT p.*, {blocks.live_table("p.holder_id")}
     FROM pins p WHERE p.owner = :owner AND p.pin_id = :pin_id
     """
 )
@@ -94,7 +83,7 @@ _UNPIN = text(
 
 _LIST_PINS = text(
     """
-    SELECT p.*, NULL AS block_ids, NULL AS generations FROM pins p
+    SELECT p.*, NULL AS table_block_ids, NULL AS table_generations FROM pins p
     WHERE p.owner = :owner AND p.pin_id > :after ORDER BY p.pin_id LIMIT :size
     """
 )
@@ -105,8 +94,6 @@ _ACTIVE_PINS_OF_TENANT = text(
 
 
 def pin_from_row(row: RowMapping) -> Pin:
-    block_ids = row["block_ids"] or []
-    generations = row["generations"] or []
     return Pin(
         owner=row["owner"],
         pin_id=row["pin_id"],
@@ -115,7 +102,7 @@ def pin_from_row(row: RowMapping) -> Pin:
         pinned_blocks=row["pinned_blocks"],
         state=PinState(row["state"]),
         created_at=row["created_at"],
-        blocks=tuple(BlockHandle(b, g) for b, g in zip(block_ids, generations, strict=True)),
+        blocks=blocks.table_from_row(row),
     )
 
 
