@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from quota_service.core.admission import AdmissionLimits
+from quota_service.core.queueing import QueuePolicy
 
 ENV_PREFIX = "KVQUOTA_"
 
@@ -36,6 +37,11 @@ class Settings:
     max_retry_delay_seconds: float = 300.0
     reaper_interval_seconds: float = 1.0
     reaper_batch_size: int = 500
+    # The wait queue: see core/queueing.py.
+    max_bypass_wait_seconds: float = 5.0
+    dispatch_batch: int = 32
+    # Waiting callers re-read their reservation this often even without a notification.
+    queue_poll_seconds: float = 1.0
     # Tombstones answer late releases through freed handles; after this they are purged.
     tombstone_retention_seconds: float = 86400.0
     shutdown_grace_seconds: float = 10.0
@@ -51,6 +57,8 @@ class Settings:
             "reaper_interval_seconds",
             "reaper_batch_size",
             "tombstone_retention_seconds",
+            "dispatch_batch",
+            "queue_poll_seconds",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -68,6 +76,10 @@ class Settings:
             raise SettingsError("min_retry_delay_seconds must not exceed max_retry_delay_seconds")
         if self.shutdown_grace_seconds < 0:
             raise SettingsError(f"{ENV_PREFIX}SHUTDOWN_GRACE_SECONDS must not be negative")
+
+    @property
+    def queue_policy(self) -> QueuePolicy:
+        return QueuePolicy(self.max_bypass_wait_seconds, self.dispatch_batch)
 
     @property
     def admission_limits(self) -> AdmissionLimits:

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import field_mask_pb2 as _field_mask_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
@@ -193,6 +194,9 @@ class RegisterInstanceRequest(_message.Message):
     MEMORY_BUDGET_FIELD_NUMBER: _builtins.int
     NUM_GPU_BLOCKS_FIELD_NUMBER: _builtins.int
     HASH_ALGO_FIELD_NUMBER: _builtins.int
+    MAX_QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    TARGET_TTFT_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The final component of the name: [a-z][a-z0-9-]{0,62}."""
     model: _builtins.str
@@ -202,11 +206,18 @@ class RegisterInstanceRequest(_message.Message):
     """The engine's reported block count (vllm:cache_config_info num_gpu_blocks)."""
     hash_algo: _resources_pb2.PrefixHashAlgo.ValueType
     """The engine's --prefix-caching-hash-algo; unset means sha256 (vLLM's default)."""
+    max_queued_requests: _builtins.int
+    """Unset means the server's default (1024)."""
+    prefill_tokens_per_second: _builtins.float
     @_builtins.property
     def geometry(self) -> _resources_pb2.KvGeometry: ...
     @_builtins.property
     def memory_budget(self) -> _resources_pb2.MemoryBudget:
         """Capacity follows from the geometry and this budget."""
+
+    @_builtins.property
+    def target_ttft(self) -> _duration_pb2.Duration:
+        """TTFT guard; both unset means none."""
 
     def __init__(
         self,
@@ -219,10 +230,13 @@ class RegisterInstanceRequest(_message.Message):
         memory_budget: _resources_pb2.MemoryBudget | None = ...,
         num_gpu_blocks: _builtins.int = ...,
         hash_algo: _resources_pb2.PrefixHashAlgo.ValueType = ...,
+        max_queued_requests: _builtins.int = ...,
+        target_ttft: _duration_pb2.Duration | None = ...,
+        prefill_tokens_per_second: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "geometry", b"geometry", "memory_budget", b"memory_budget", "num_gpu_blocks", b"num_gpu_blocks"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "geometry", b"geometry", "memory_budget", b"memory_budget", "num_gpu_blocks", b"num_gpu_blocks", "target_ttft", b"target_ttft"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "capacity", b"capacity", "geometry", b"geometry", "hash_algo", b"hash_algo", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "memory_budget", b"memory_budget", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "capacity", b"capacity", "geometry", b"geometry", "hash_algo", b"hash_algo", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "max_queued_requests", b"max_queued_requests", "memory_budget", b"memory_budget", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "prefill_tokens_per_second", b"prefill_tokens_per_second", "target_ttft", b"target_ttft"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_capacity: _TypeAlias = _typing.Literal["memory_budget", "num_gpu_blocks"]  # noqa: Y015
     _WhichOneofArgType_capacity: _TypeAlias = _typing.Literal["capacity", b"capacity"]  # noqa: Y015

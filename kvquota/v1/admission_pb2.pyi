@@ -52,7 +52,10 @@ class AdmitRequest(_message.Message):
 
     @_builtins.property
     def wait_timeout(self) -> _duration_pb2.Duration:
-        """How long the caller will queue; unset or zero fails fast."""
+        """How long the caller will wait in the instance's queue when it cannot be admitted now; unset
+        or zero fails fast. The call returns when admitted, or fails with QUEUE_TIMEOUT; retrying
+        with the same request_id finds the queued request where it was.
+        """
 
     @_builtins.property
     def lease_ttl(self) -> _duration_pb2.Duration:
@@ -193,6 +196,26 @@ class GetReservationRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetReservationRequest: _TypeAlias = GetReservationRequest  # noqa: Y015
+
+@_typing.final
+class WatchReservationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """tenants/{tenant}/reservations/{request_id}"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchReservationRequest: _TypeAlias = WatchReservationRequest  # noqa: Y015
 
 @_typing.final
 class ReleaseBlocksRequest(_message.Message):

@@ -66,6 +66,11 @@ class AdmissionServiceStub:
                 request_serializer=kvquota_dot_v1_dot_admission__pb2.ReleaseBlocksRequest.SerializeToString,
                 response_deserializer=kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
                 _registered_method=True)
+        self.WatchReservation = channel.unary_stream(
+                '/kvquota.v1.AdmissionService/WatchReservation',
+                request_serializer=kvquota_dot_v1_dot_admission__pb2.WatchReservationRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
+                _registered_method=True)
 
 
 class AdmissionServiceServicer:
@@ -114,6 +119,14 @@ class AdmissionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchReservation(self, request, context):
+        """Streams the reservation now and after each change of state (queued, admitted, ended with
+        its reason), ending once it ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdmissionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +158,11 @@ def add_AdmissionServiceServicer_to_server(servicer, server):
             'ReleaseBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseBlocks,
                     request_deserializer=kvquota_dot_v1_dot_admission__pb2.ReleaseBlocksRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_resources__pb2.Reservation.SerializeToString,
+            ),
+            'WatchReservation': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchReservation,
+                    request_deserializer=kvquota_dot_v1_dot_admission__pb2.WatchReservationRequest.FromString,
                     response_serializer=kvquota_dot_v1_dot_resources__pb2.Reservation.SerializeToString,
             ),
     }
@@ -310,6 +328,33 @@ class AdmissionService:
             target,
             '/kvquota.v1.AdmissionService/ReleaseBlocks',
             kvquota_dot_v1_dot_admission__pb2.ReleaseBlocksRequest.SerializeToString,
+            kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchReservation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvquota.v1.AdmissionService/WatchReservation',
+            kvquota_dot_v1_dot_admission__pb2.WatchReservationRequest.SerializeToString,
             kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
             options,
             channel_credentials,

@@ -47,6 +47,10 @@ class AdmissionServiceStub:
     """Releases chosen entries of a live reservation's block table (a sliding window, a tail the
     engine dropped); releasing an entry twice changes nothing.
     """
+    WatchReservation: _grpc.UnaryStreamMultiCallable[_admission_pb2.WatchReservationRequest, _resources_pb2.Reservation]
+    """Streams the reservation now and after each change of state (queued, admitted, ended with
+    its reason), ending once it ended.
+    """
 
 @_typing.type_check_only
 class AdmissionServiceAsyncStub(AdmissionServiceStub):
@@ -65,6 +69,10 @@ class AdmissionServiceAsyncStub(AdmissionServiceStub):
     ReleaseBlocks: _aio.UnaryUnaryMultiCallable[_admission_pb2.ReleaseBlocksRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
     """Releases chosen entries of a live reservation's block table (a sliding window, a tail the
     engine dropped); releasing an entry twice changes nothing.
+    """
+    WatchReservation: _aio.UnaryStreamMultiCallable[_admission_pb2.WatchReservationRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
+    """Streams the reservation now and after each change of state (queued, admitted, ended with
+    its reason), ending once it ended.
     """
 
 class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -117,6 +125,16 @@ class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_resources_pb2.Reservation, _abc.Awaitable[_resources_pb2.Reservation]]:
         """Releases chosen entries of a live reservation's block table (a sliding window, a tail the
         engine dropped); releasing an entry twice changes nothing.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchReservation(
+        self,
+        request: _admission_pb2.WatchReservationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_resources_pb2.Reservation], _abc.AsyncIterator[_resources_pb2.Reservation]]:
+        """Streams the reservation now and after each change of state (queued, admitted, ended with
+        its reason), ending once it ended.
         """
 
 def add_AdmissionServiceServicer_to_server(servicer: AdmissionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -177,12 +177,16 @@ class _ReservationStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Rese
     RESERVATION_STATE_UNSPECIFIED: _ReservationState.ValueType  # 0
     RESERVATION_STATE_ADMITTED: _ReservationState.ValueType  # 1
     RESERVATION_STATE_ENDED: _ReservationState.ValueType  # 2
+    RESERVATION_STATE_QUEUED: _ReservationState.ValueType  # 3
+    """Waiting in the instance's queue, within its wait budget."""
 
 class ReservationState(_ReservationState, metaclass=_ReservationStateEnumTypeWrapper): ...
 
 RESERVATION_STATE_UNSPECIFIED: ReservationState.ValueType  # 0
 RESERVATION_STATE_ADMITTED: ReservationState.ValueType  # 1
 RESERVATION_STATE_ENDED: ReservationState.ValueType  # 2
+RESERVATION_STATE_QUEUED: ReservationState.ValueType  # 3
+"""Waiting in the instance's queue, within its wait budget."""
 Global___ReservationState: _TypeAlias = ReservationState  # noqa: Y015
 
 class _EndReason:
@@ -200,6 +204,8 @@ class _EndReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EndReason.V
     """Nobody renewed the lease in time."""
     END_REASON_TENANT_DELETED: _EndReason.ValueType  # 4
     """Its tenant was offboarded."""
+    END_REASON_QUEUE_TIMEOUT: _EndReason.ValueType  # 5
+    """It waited its whole wait budget in the queue."""
 
 class EndReason(_EndReason, metaclass=_EndReasonEnumTypeWrapper): ...
 
@@ -212,6 +218,8 @@ END_REASON_LEASE_EXPIRED: EndReason.ValueType  # 3
 """Nobody renewed the lease in time."""
 END_REASON_TENANT_DELETED: EndReason.ValueType  # 4
 """Its tenant was offboarded."""
+END_REASON_QUEUE_TIMEOUT: EndReason.ValueType  # 5
+"""It waited its whole wait budget in the queue."""
 Global___EndReason: _TypeAlias = EndReason  # noqa: Y015
 
 @_typing.final
@@ -327,12 +335,14 @@ class TenantUsage(_message.Message):
     TOKENS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     LIVE_RESERVATIONS_FIELD_NUMBER: _builtins.int
     PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
+    QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
     blocks_in_use: _builtins.int
     """Distinct blocks its live reservations and pins reference (sharing within a tenant is free)."""
     tokens_in_flight: _builtins.int
     live_reservations: _builtins.int
     pinned_blocks: _builtins.int
     """Distinct blocks its pins hold."""
+    queued_requests: _builtins.int
     def __init__(
         self,
         *,
@@ -340,10 +350,11 @@ class TenantUsage(_message.Message):
         tokens_in_flight: _builtins.int = ...,
         live_reservations: _builtins.int = ...,
         pinned_blocks: _builtins.int = ...,
+        queued_requests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_in_use", b"blocks_in_use", "live_reservations", b"live_reservations", "pinned_blocks", b"pinned_blocks", "tokens_in_flight", b"tokens_in_flight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_in_use", b"blocks_in_use", "live_reservations", b"live_reservations", "pinned_blocks", b"pinned_blocks", "queued_requests", b"queued_requests", "tokens_in_flight", b"tokens_in_flight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -451,6 +462,11 @@ class Instance(_message.Message):
     CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
     HASH_ALGO_FIELD_NUMBER: _builtins.int
+    MAX_QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    TARGET_TTFT_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """instances/{instance}"""
     model: _builtins.str
@@ -475,12 +491,23 @@ class Instance(_message.Message):
     pinned_blocks: _builtins.int
     """Output only: blocks held by pins alone."""
     hash_algo: Global___PrefixHashAlgo.ValueType
+    max_queued_requests: _builtins.int
+    """The wait queue's bounds; beyond them Admit answers QUEUE_FULL."""
+    prefill_tokens_per_second: _builtins.float
+    queued_requests: _builtins.int
+    """Output only."""
+    queued_prompt_tokens: _builtins.int
+    """Output only."""
     @_builtins.property
     def geometry(self) -> Global___KvGeometry: ...
     @_builtins.property
     def create_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def target_ttft(self) -> _duration_pb2.Duration:
+        """TTFT guard: queued prompt tokens <= target_ttft x prefill_tokens_per_second (unset: none)."""
+
     def __init__(
         self,
         *,
@@ -500,10 +527,15 @@ class Instance(_message.Message):
         cached_blocks: _builtins.int = ...,
         pinned_blocks: _builtins.int = ...,
         hash_algo: Global___PrefixHashAlgo.ValueType = ...,
+        max_queued_requests: _builtins.int = ...,
+        target_ttft: _duration_pb2.Duration | None = ...,
+        prefill_tokens_per_second: _builtins.float = ...,
+        queued_requests: _builtins.int = ...,
+        queued_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "geometry", b"geometry", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "geometry", b"geometry", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "blocks_in_use", b"blocks_in_use", "bytes_per_block", b"bytes_per_block", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "create_time", b"create_time", "free_blocks", b"free_blocks", "geometry", b"geometry", "hash_algo", b"hash_algo", "live_reservations", b"live_reservations", "max_model_len", b"max_model_len", "model", b"model", "name", b"name", "pinned_blocks", b"pinned_blocks", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "blocks_in_use", b"blocks_in_use", "bytes_per_block", b"bytes_per_block", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "create_time", b"create_time", "free_blocks", b"free_blocks", "geometry", b"geometry", "hash_algo", b"hash_algo", "live_reservations", b"live_reservations", "max_model_len", b"max_model_len", "max_queued_requests", b"max_queued_requests", "model", b"model", "name", b"name", "pinned_blocks", b"pinned_blocks", "prefill_tokens_per_second", b"prefill_tokens_per_second", "queued_prompt_tokens", b"queued_prompt_tokens", "queued_requests", b"queued_requests", "state", b"state", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -654,6 +686,9 @@ class Reservation(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     LEASE_TTL_FIELD_NUMBER: _builtins.int
     BLOCK_TABLE_FIELD_NUMBER: _builtins.int
+    QUEUE_POSITION_FIELD_NUMBER: _builtins.int
+    QUEUE_TIME_FIELD_NUMBER: _builtins.int
+    WAIT_DEADLINE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """tenants/{tenant}/reservations/{request_id}"""
     tenant: _builtins.str
@@ -672,6 +707,8 @@ class Reservation(_message.Message):
     end_reason: Global___EndReason.ValueType
     output_tokens: _builtins.int
     """Output tokens the gateway reported at release."""
+    queue_position: _builtins.int
+    """While queued: how many queued requests on the instance are ahead of it."""
     @_builtins.property
     def lease_expire_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -685,6 +722,12 @@ class Reservation(_message.Message):
         """Its live block table: full prompt blocks (shared by its n sequences), then each sequence's
         tail. Empty once it ended.
         """
+
+    @_builtins.property
+    def queue_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def wait_deadline(self) -> _timestamp_pb2.Timestamp:
+        """When it stops waiting (QUEUE_TIMEOUT) unless admitted first."""
 
     def __init__(
         self,
@@ -708,10 +751,13 @@ class Reservation(_message.Message):
         output_tokens: _builtins.int = ...,
         lease_ttl: _duration_pb2.Duration | None = ...,
         block_table: _abc.Iterable[Global___BlockHandle] | None = ...,
+        queue_position: _builtins.int = ...,
+        queue_time: _timestamp_pb2.Timestamp | None = ...,
+        wait_deadline: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "end_time", b"end_time", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "end_time", b"end_time", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "queue_time", b"queue_time", "wait_deadline", b"wait_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "block_table", b"block_table", "end_reason", b"end_reason", "end_time", b"end_time", "instance", b"instance", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "name", b"name", "output_tokens", b"output_tokens", "prefix_hit_blocks", b"prefix_hit_blocks", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "reserved_tokens", b"reserved_tokens", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "block_table", b"block_table", "end_reason", b"end_reason", "end_time", b"end_time", "instance", b"instance", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "name", b"name", "output_tokens", b"output_tokens", "prefix_hit_blocks", b"prefix_hit_blocks", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "queue_position", b"queue_position", "queue_time", b"queue_time", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "reserved_tokens", b"reserved_tokens", "state", b"state", "tenant", b"tenant", "wait_deadline", b"wait_deadline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

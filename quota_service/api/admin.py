@@ -11,7 +11,7 @@ from kvquota.v1 import admin_pb2_grpc, resources_pb2
 from quota_service.api import convert
 from quota_service.core import catalog, names, pagination
 from quota_service.core.errors import FieldViolation, invalid_request
-from quota_service.core.model import TenantState
+from quota_service.core.model import DEFAULT_MAX_QUEUED_REQUESTS, QueueBounds, TenantState
 from quota_service.core.names import instance_id, tenant_id
 from quota_service.store.catalog import Catalog
 from quota_service.store.inspection import Inspection
@@ -105,6 +105,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             ),
             num_gpu_blocks=request.num_gpu_blocks if capacity == "num_gpu_blocks" else None,
             hash_algo=convert.hash_algo(request.hash_algo),
+            queue=QueueBounds(
+                max_queued_requests=request.max_queued_requests or DEFAULT_MAX_QUEUED_REQUESTS,
+                target_ttft_seconds=request.target_ttft.ToTimedelta().total_seconds(),
+                prefill_tokens_per_second=request.prefill_tokens_per_second,
+            ),
         )
         return convert.instance(await self._catalog.register_instance(spec))
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -9,22 +12,84 @@ import grpc
 from kvquota.v1 import admission_pb2 as pb
 from kvquota.v1 import admission_pb2_grpc, resources_pb2
 from quota_service.api import convert
+from quota_service.api.waiting import Waiters
+from quota_service.core import queueing
 from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import FieldViolation, invalid_request
-from quota_service.core.model import EndReason
-from quota_service.core.names import reservation_key
+from quota_service.core.model import EndReason, Reservation, ReservationState
+from quota_service.core.names import reservation_key, reservation_name
 from quota_service.store.ledger import Ledger
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, waiters: Waiters) -> None:
         self._ledger = ledger
+        self._waiters = waiters
 
     async def Admit(self, request: pb.AdmitRequest, context: Context) -> pb.AdmitResponse:
-        reservation, salt = await self._ledger.admit(convert.admit_request(request))
+        admit = convert.admit_request(request)
+        reservation, salt = await self._ledger.admit(admit)
+        if reservation.state is ReservationState.QUEUED:
+            try:
+                reservation = await self._until_admitted(reservation, admit.wait_timeout_seconds)
+            except asyncio.CancelledError:
+                # The caller went away: its request leaves the queue (or, admitted just now,
+                # gives its blocks back), whatever becomes of this task.
+                await asyncio.shield(self._abandon(reservation))
+                raise
         return pb.AdmitResponse(reservation=convert.reservation(reservation), cache_salt=salt)
+
+    async def _until_admitted(self, reservation: Reservation, budget_seconds: float) -> Reservation:
+        """Wait while it is queued; a timeout or a cancellation ends the wait with an error."""
+        tenant, request_id = reservation.tenant, reservation.request_id
+        key = f"{tenant}/{request_id}"
+        deadline = time.monotonic() + budget_seconds
+        while reservation.state is ReservationState.QUEUED:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                reservation, delay = await self._ledger.stop_waiting(
+                    tenant, request_id, EndReason.QUEUE_TIMEOUT
+                )
+                if reservation.state is ReservationState.ADMITTED:
+                    return reservation  # admitted at the last moment
+                raise queueing.queue_timeout(
+                    reservation_name(tenant, request_id), budget_seconds, delay
+                )
+            await self._waiters.next_change(key, remaining)
+            reservation = await self._ledger.get(tenant, request_id)
+        if reservation.state is ReservationState.ENDED:
+            if reservation.end_reason is EndReason.QUEUE_TIMEOUT:
+                raise queueing.queue_timeout(
+                    reservation_name(tenant, request_id),
+                    budget_seconds,
+                    self._ledger.min_retry_delay_seconds,
+                )
+            raise queueing.cancelled(reservation_name(tenant, request_id))
+        return reservation
+
+    async def _abandon(self, reservation: Reservation) -> None:
+        tenant, request_id = reservation.tenant, reservation.request_id
+        current, _ = await self._ledger.stop_waiting(tenant, request_id, EndReason.CANCELLED)
+        if current.state is ReservationState.ADMITTED:
+            await self._ledger.end(tenant, request_id, EndReason.CANCELLED)
+
+    async def WatchReservation(
+        self, request: pb.WatchReservationRequest, context: Context
+    ) -> AsyncIterator[resources_pb2.Reservation]:
+        tenant, request_id = reservation_key(request.name)
+        key = f"{tenant}/{request_id}"
+        last: tuple[object, ...] | None = None
+        while True:
+            current = await self._ledger.get(tenant, request_id)
+            seen = (current.state, current.end_reason, current.queue_position)
+            if seen != last:
+                yield convert.reservation(current)
+                last = seen
+            if current.state is ReservationState.ENDED:
+                return
+            await self._waiters.next_change(key, float("inf"))
 
     async def RenewLease(
         self, request: pb.RenewLeaseRequest, context: Context

@@ -56,6 +56,7 @@ _HASH_ALGOS = {
     HashAlgo.SHA256_CBOR: pb.PREFIX_HASH_ALGO_SHA256_CBOR,
 }
 _RESERVATION_STATES = {
+    ReservationState.QUEUED: pb.RESERVATION_STATE_QUEUED,
     ReservationState.ADMITTED: pb.RESERVATION_STATE_ADMITTED,
     ReservationState.ENDED: pb.RESERVATION_STATE_ENDED,
 }
@@ -64,6 +65,7 @@ _END_REASONS = {
     EndReason.CANCELLED: pb.END_REASON_CANCELLED,
     EndReason.LEASE_EXPIRED: pb.END_REASON_LEASE_EXPIRED,
     EndReason.TENANT_DELETED: pb.END_REASON_TENANT_DELETED,
+    EndReason.QUEUE_TIMEOUT: pb.END_REASON_QUEUE_TIMEOUT,
 }
 
 
@@ -126,13 +128,20 @@ def reservation(value: Reservation) -> pb.Reservation:
         reserved_tokens=value.reserved_tokens,
         prefix_hit_blocks=value.prefix_hit_blocks,
         block_table=[block_handle(h) for h in value.block_table],
-        lease_expire_time=timestamp(value.lease_expires_at),
-        admit_time=timestamp(value.admitted_at),
         lease_ttl=duration(value.lease_ttl_seconds),
         output_tokens=value.output_tokens or 0,
     )
-    if value.ended_at is not None:
-        message.end_time.CopyFrom(timestamp(value.ended_at))
+    for field, when in (
+        ("lease_expire_time", value.lease_expires_at),
+        ("admit_time", value.admitted_at),
+        ("end_time", value.ended_at),
+        ("queue_time", value.queued_at),
+        ("wait_deadline", value.wait_deadline),
+    ):
+        if when is not None:
+            getattr(message, field).CopyFrom(timestamp(when))
+    if value.queue_position is not None:
+        message.queue_position = value.queue_position
     if value.end_reason is not None:
         message.end_reason = _END_REASONS[value.end_reason]
     return message
@@ -175,6 +184,7 @@ def tenant(value: Tenant) -> pb.Tenant:
             tokens_in_flight=value.tokens_in_flight,
             live_reservations=value.live_reservations,
             pinned_blocks=value.pinned_blocks,
+            queued_requests=value.queued_requests,
         ),
         shared_namespace=names.namespace_name(value.namespace) if value.namespace else "",
         weight=value.weight,
@@ -222,6 +232,11 @@ def instance(value: Instance) -> pb.Instance:
         cached_blocks=value.cached_blocks,
         pinned_blocks=value.pinned_blocks,
         hash_algo=_HASH_ALGOS[spec.hash_algo],
+        max_queued_requests=spec.queue.max_queued_requests,
+        target_ttft=duration(spec.queue.target_ttft_seconds),
+        prefill_tokens_per_second=spec.queue.prefill_tokens_per_second,
+        queued_requests=value.queued_requests,
+        queued_prompt_tokens=value.queued_prompt_tokens,
         live_reservations=value.live_reservations,
         create_time=timestamp(value.created_at),
         update_time=timestamp(value.updated_at),

@@ -5,7 +5,7 @@ no try/except ladders. Anything unexpected becomes INTERNAL without leaking its 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -103,6 +103,31 @@ def _guard(behavior: Behavior[Request, Response], method: str) -> Behavior[Reque
     return guarded
 
 
+StreamBehavior = Callable[
+    [Request, grpc.aio.ServicerContext[Request, Response]], AsyncIterator[Response]
+]
+
+
+def _guard_stream(
+    behavior: StreamBehavior[Request, Response], method: str
+) -> StreamBehavior[Request, Response]:
+    async def guarded(
+        request: Request, context: grpc.aio.ServicerContext[Request, Response]
+    ) -> AsyncIterator[Response]:
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except Exception as exc:
+            code, status = rich_status(domain_error(exc, method))
+            await context.abort(
+                code,
+                status.message,
+                trailing_metadata=((STATUS_DETAILS_KEY, status.SerializeToString()),),
+            )
+
+    return guarded
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self,
@@ -112,6 +137,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Request, Response] | None:
         handler = await continuation(handler_call_details)
+        if handler is not None and handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _guard_stream(handler.unary_stream, handler_call_details.method),  # type: ignore[arg-type]
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         if handler is None or handler.unary_unary is None:
             return handler
         return grpc.unary_unary_rpc_method_handler(

@@ -17,13 +17,16 @@ from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_g
 from quota_service.api.admin import AdminServicer
 from quota_service.api.admission import AdmissionServicer
 from quota_service.api.errors import ErrorInterceptor
+from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
 from quota_service.jobs import maintenance
+from quota_service.jobs.dispatcher import Dispatcher
 from quota_service.store import migrate
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
+from quota_service.store.notifications import Listener
 from quota_service.store.offboarding import Offboarding
 from quota_service.store.pins import Pins
 
@@ -35,6 +38,7 @@ SERVICE_NAMES = (
 )
 # Prompt token ids of a 128k-token context fit comfortably; anything larger is refused by gRPC.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+LISTEN_TIMEOUT_SECONDS = 30
 
 
 @dataclass
@@ -46,21 +50,31 @@ class RunningServer:
     _health: health.aio.HealthServicer
     _engine: AsyncEngine
     _stop: asyncio.Event
-    _reaper: asyncio.Task[None]
+    _maintenance: asyncio.Task[None]
+    _listener: Listener
+    _dispatcher: Dispatcher
 
     async def stop(self, grace_seconds: float) -> None:
         log.info("shutting down: draining in-flight RPCs for up to %ss", grace_seconds)
         await self._health.enter_graceful_shutdown()
         self._stop.set()
         await self._server.stop(grace_seconds)
-        await self._reaper
+        await self._maintenance
+        await self._listener.stop()
+        await self._dispatcher.stop()
         await self._engine.dispose()
 
 
 async def start(settings: Settings, database_url: str) -> RunningServer:
-    """Bind and start serving; health turns SERVING once the ledger is reachable and migrated."""
+    """Bind and start serving; health turns SERVING once the ledger is reachable and migrated
+    and this replica hears the others' notifications."""
     engine = connect(database_url, settings.db_pool_size)
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = Ledger(engine, settings.admission_limits, settings.queue_policy)
+    waiters = Waiters(settings.queue_poll_seconds)
+    dispatcher = Dispatcher(ledger)
+    listener = Listener(database_url)
+    listener.subscribe(waiters.on_notification)
+    listener.subscribe(dispatcher.on_notification)
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor()],
         options=[
@@ -68,7 +82,9 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    admission_pb2_grpc.add_AdmissionServiceServicer_to_server(AdmissionServicer(ledger), server)
+    admission_pb2_grpc.add_AdmissionServiceServicer_to_server(
+        AdmissionServicer(ledger, waiters), server
+    )
     pins = Pins(engine, settings.admission_limits)
     offboarding = Offboarding(engine, ledger, pins)
     inspection = Inspection(engine)
@@ -87,13 +103,14 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         await server.stop(0)
         await engine.dispose()
         raise SystemExit("the database is not migrated: run `kvquota migrate` (or serve --migrate)")
+    listener.start()
+    await asyncio.wait_for(listener.connected.wait(), LISTEN_TIMEOUT_SECONDS)
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
-    reaper = asyncio.create_task(
-        maintenance.run(maintenance.Maintenance(ledger, offboarding, inspection, settings), stop)
-    )
-    return RunningServer(port, server, health_servicer, engine, stop, reaper)
+    jobs = maintenance.Maintenance(ledger, offboarding, inspection, settings)
+    running = asyncio.create_task(maintenance.run(jobs, stop))
+    return RunningServer(port, server, health_servicer, engine, stop, running, listener, dispatcher)
 
 
 async def serve(settings: Settings, database_url: str) -> None:

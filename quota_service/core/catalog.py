@@ -8,7 +8,7 @@ from dataclasses import asdict
 from quota_service.core import geometry
 from quota_service.core.errors import FieldViolation, invalid_request
 from quota_service.core.hashing import HashAlgo
-from quota_service.core.model import InstanceSpec, TenantQuota
+from quota_service.core.model import InstanceSpec, QueueBounds, TenantQuota
 from quota_service.core.names import check_resource_id, parse_child
 
 MAX_DISPLAY_NAME = 200
@@ -101,6 +101,7 @@ def instance_spec(
     budget: geometry.MemoryBudget | None,
     num_gpu_blocks: int | None,
     hash_algo: HashAlgo = HashAlgo.SHA256,
+    queue: QueueBounds | None = None,
 ) -> InstanceSpec:
     """The pool an instance registers with: from its geometry and memory budget, or from the
     block count the engine itself reports (then the geometry is optional)."""
@@ -126,6 +127,11 @@ def instance_spec(
         capacity = num_gpu_blocks
     else:
         violations.append(FieldViolation("capacity", "give memory_budget or num_gpu_blocks"))
+    queue = queue or QueueBounds()
+    if queue.max_queued_requests < 0:
+        violations.append(FieldViolation("max_queued_requests", "must not be negative"))
+    if queue.target_ttft_seconds < 0 or queue.prefill_tokens_per_second < 0:
+        violations.append(FieldViolation("target_ttft", "TTFT guard values must not be negative"))
     if capacity > MAX_CAPACITY_BLOCKS:
         violations.append(
             FieldViolation("capacity", f"{capacity} blocks is more than {MAX_CAPACITY_BLOCKS}")
@@ -133,5 +139,5 @@ def instance_spec(
     if violations:
         raise invalid_request(violations)
     return InstanceSpec(
-        instance, model, kv_geometry, block_size, capacity, max_model_len, hash_algo
+        instance, model, kv_geometry, block_size, capacity, max_model_len, hash_algo, queue
     )

@@ -22,6 +22,7 @@ class Code(enum.Enum):
     NOT_FOUND = "NOT_FOUND"
     ABORTED = "ABORTED"
     INTERNAL = "INTERNAL"
+    CANCELLED = "CANCELLED"
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ class InstanceState(enum.Enum):
 
 
 class ReservationState(enum.Enum):
+    QUEUED = "QUEUED"
     ADMITTED = "ADMITTED"
     ENDED = "ENDED"
 
@@ -34,6 +35,8 @@ class EndReason(enum.Enum):
     CANCELLED = "CANCELLED"
     LEASE_EXPIRED = "LEASE_EXPIRED"
     TENANT_DELETED = "TENANT_DELETED"
+    # It waited its whole wait budget in the queue.
+    QUEUE_TIMEOUT = "QUEUE_TIMEOUT"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +108,18 @@ class Reservation:
     reserved_tokens: int
     prefix_hit_blocks: int
     lease_ttl_seconds: float
-    lease_expires_at: datetime
-    admitted_at: datetime
+    # Set once admitted.
+    lease_expires_at: datetime | None
+    admitted_at: datetime | None
     ended_at: datetime | None
     end_reason: EndReason | None
     output_tokens: int | None
     # The live entries of its block table, in order (empty once it ended).
     block_table: tuple[BlockHandle, ...] = ()
+    # Set while (and after) it waited in the queue; the position only while it waits.
+    queued_at: datetime | None = None
+    wait_deadline: datetime | None = None
+    queue_position: int | None = None
 
     @property
     def params(self) -> AdmitParams:
@@ -145,11 +153,25 @@ class Tenant:
     blocks_in_use: int
     tokens_in_flight: int
     pinned_blocks: int
+    queued_requests: int
     # The shared namespace it hashes its prefixes in, or None (isolated).
     namespace: str | None
     live_reservations: int
     created_at: datetime
     updated_at: datetime
+
+
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class QueueBounds:
+    """An instance's wait-queue bounds (vLLM's front-door valves)."""
+
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    # TTFT guard: queued prompt tokens <= target TTFT x prefill throughput; 0 turns it off.
+    target_ttft_seconds: float = 0.0
+    prefill_tokens_per_second: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +185,7 @@ class InstanceSpec:
     capacity_blocks: int
     max_model_len: int
     hash_algo: HashAlgo = HashAlgo.SHA256
+    queue: QueueBounds = QueueBounds()
 
     @property
     def bytes_per_block(self) -> int | None:
@@ -181,6 +204,8 @@ class Instance:
     live_reservations: int
     created_at: datetime
     updated_at: datetime
+    queued_requests: int = 0
+    queued_prompt_tokens: int = 0
 
 
 class PinState(enum.Enum):

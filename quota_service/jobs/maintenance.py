@@ -37,6 +37,8 @@ class Maintenance:
     async def sweep(self) -> None:
         steps = (
             ("lease reaper", self.reap_leases),
+            # Dispatch also on a timer: a notification may have been lost.
+            ("dispatch sweep", self.ledger.dispatch_all),
             ("offboarding", self.offboarding.resume_all),
             (
                 "tombstone purge",

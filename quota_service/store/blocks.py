@@ -157,8 +157,16 @@ def pool_counts(extra_set: str = "", extra_from: str = "") -> str:
         UPDATE instances i SET {sets}{", " + extra_set if extra_set else ""}
         FROM (SELECT {deltas} FROM transitions) d{", " + extra_from if extra_from else ""}
         WHERE i.instance = :instance
-        RETURNING i.instance
+        RETURNING i.instance, i.queued_requests
     )"""
+
+
+# Select-list item: wakes every replica's dispatcher when blocks came back on an instance that
+# has requests waiting (nothing is sent otherwise).
+NOTIFY_RELEASED = """
+    (SELECT count(*) FROM (
+        SELECT pg_notify('kvquota_events', 'released:' || instance) FROM pool
+        WHERE queued_requests > 0) n) AS dispatch_notified"""
 
 
 def tenant_additions(extra_set: str = "") -> str:

@@ -17,6 +17,7 @@ from quota_service.core.model import (
     Instance,
     InstanceSpec,
     InstanceState,
+    QueueBounds,
     Tenant,
     TenantQuota,
     TenantState,
@@ -66,6 +67,7 @@ def tenant_from_row(row: RowMapping) -> Tenant:
         blocks_in_use=row["blocks_in_use"],
         tokens_in_flight=row["tokens_in_flight"],
         pinned_blocks=row["pinned_blocks"],
+        queued_requests=row["queued_requests"],
         namespace=row["namespace"],
         live_reservations=row["live_reservations"],
         created_at=row["created_at"],
@@ -91,6 +93,9 @@ def instance_from_row(row: RowMapping) -> Instance:
         row["capacity_blocks"],
         row["max_model_len"],
         HashAlgo(row["hash_algo"]),
+        QueueBounds(
+            row["max_queued_requests"], row["target_ttft_seconds"], row["prefill_tokens_per_second"]
+        ),
     )
     return Instance(
         spec=spec,
@@ -102,6 +107,8 @@ def instance_from_row(row: RowMapping) -> Instance:
         live_reservations=row["live_reservations"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        queued_requests=row["queued_requests"],
+        queued_prompt_tokens=row["queued_prompt_tokens"],
     )
 
 
@@ -247,6 +254,9 @@ class Catalog:
                     free_blocks=spec.capacity_blocks,
                     max_model_len=spec.max_model_len,
                     hash_algo=spec.hash_algo.value,
+                    max_queued_requests=spec.queue.max_queued_requests,
+                    target_ttft_seconds=spec.queue.target_ttft_seconds,
+                    prefill_tokens_per_second=spec.queue.prefill_tokens_per_second,
                 )
                 .on_conflict_do_nothing()
                 .returning(InstanceRow.instance)

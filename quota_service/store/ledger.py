@@ -16,7 +16,7 @@ from datetime import datetime
 from sqlalchemy import RowMapping, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from quota_service.core import admission, block_table
+from quota_service.core import admission, block_table, geometry, queueing
 from quota_service.core.admission import AdmissionLimits, AdmissionPlan, AdmitRequest, Shortfall
 from quota_service.core.block_table import BlockHandle, CachedBlock
 from quota_service.core.errors import Code, KvQuotaError, invalid_request, not_found
@@ -33,6 +33,7 @@ from quota_service.core.model import (
     TenantState,
 )
 from quota_service.core.names import instance_name, reservation_name, tenant_name
+from quota_service.core.queueing import QueuePolicy
 from quota_service.store import blocks
 from quota_service.store.database import in_transaction
 
@@ -49,7 +50,10 @@ _LOCK_POOL_AND_ACCOUNT = text(
     SELECT now() AS now, nextval('holder_ids') AS holder_id,
            i.state AS pool_state, i.block_size, i.capacity_blocks, i.max_model_len,
            i.free_blocks, i.cached_blocks, i.hash_algo, i.mean_hold_seconds AS pool_hold,
+           i.queued_requests AS pool_queued, i.queued_prompt_tokens AS pool_queued_tokens,
+           i.max_queued_requests, i.target_ttft_seconds, i.prefill_tokens_per_second,
            {blocks.TENANT_ACCOUNT_COLUMNS},
+           t.queued_requests AS account_queued, t.weight,
            r.request_id AS existing
     FROM instances i
     CROSS JOIN tenants t
@@ -62,9 +66,29 @@ _LOCK_POOL_AND_ACCOUNT = text(
 
 _LOOKUP_PREFIX = text(blocks.PREFIX_LOOKUP)
 
+
+def _admitting(
+    reservation: str, pool_extra: str = "", tenant_extra: str = "", more_ctes: str = ""
+) -> str:
+    """One statement that admits: `reservation` (a CTE body returning the reservation row) gets
+    its block table, and the pool and tenant counters move, all at once."""
+    return f"""
+    WITH reservation AS ({reservation}),
+    {blocks.ALLOCATE}, {blocks.pool_counts(pool_extra)},
+    {blocks.tenant_additions(", tokens_in_flight = tokens_in_flight + :tokens" + tenant_extra)}
+    {more_ctes}
+    SELECT r.*, (SELECT count(*) FROM allocated) AS allocated,
+           -- From the CTE: this statement's own inserts are invisible to a subquery on the table.
+           (SELECT array_agg(block_id ORDER BY position) FROM entries) AS table_block_ids,
+           (SELECT array_agg(generation ORDER BY position) FROM entries) AS table_generations,
+           pg_notify('kvquota_events', 'changed:' || r.tenant || '/' || r.request_id)
+    FROM reservation r
+    """
+
+
 _INSERT_RESERVATION = text(
-    f"""
-    WITH reservation AS (
+    _admitting(
+        """
         INSERT INTO reservations (
             tenant, request_id, holder_id, instance, prompt_tokens, max_output_tokens, n,
             priority, state, reserved_blocks, reserved_tokens, prefix_hit_blocks,
@@ -75,20 +99,152 @@ _INSERT_RESERVATION = text(
             :ttl, now() + make_interval(secs => :ttl), now())
         ON CONFLICT DO NOTHING
         RETURNING *
-    ), {blocks.ALLOCATE}, {blocks.pool_counts()},
-    {blocks.tenant_additions(", tokens_in_flight = tokens_in_flight + :tokens")}
-    SELECT r.*, (SELECT count(*) FROM allocated) AS allocated,
-           -- From the CTE: this statement's own inserts are invisible to a subquery on the table.
-           (SELECT array_agg(block_id ORDER BY position) FROM entries) AS table_block_ids,
-           (SELECT array_agg(generation ORDER BY position) FROM entries) AS table_generations
-    FROM reservation r
+        """
+    )
+)
+
+# A queued request leaves the queue admitted; its class's virtual time moves to its start tag.
+_PROMOTE_RESERVATION = text(
+    _admitting(
+        """
+        UPDATE reservations
+        SET state = 'ADMITTED', reserved_blocks = :blocks, prefix_hit_blocks = :hit_count,
+            lease_ttl_seconds = :ttl, lease_expires_at = now() + make_interval(secs => :ttl),
+            admitted_at = now(), prompt_token_ids = NULL
+        WHERE tenant = :tenant AND request_id = :request_id AND state = 'QUEUED'
+        RETURNING *
+        """,
+        pool_extra="queued_requests = i.queued_requests - 1, "
+        "queued_prompt_tokens = i.queued_prompt_tokens - :prompt_tokens",
+        tenant_extra=", queued_requests = queued_requests - 1",
+        more_ctes="""
+        , clock AS (
+            INSERT INTO fair_clocks AS c (instance, priority, virtual_time)
+            SELECT instance, priority, :virtual_start FROM reservation
+            ON CONFLICT (instance, priority)
+            DO UPDATE SET virtual_time = greatest(c.virtual_time, EXCLUDED.virtual_time)
+        )""",
+    )
+)
+
+_FAIR_STATE = text(
     """
+    SELECT (SELECT virtual_time FROM fair_clocks
+            WHERE instance = :instance AND priority = :priority) AS virtual_time,
+           (SELECT last_finish FROM fair_tags
+            WHERE instance = :instance AND tenant = :tenant AND priority = :priority)
+               AS last_finish
+    """
+)
+
+_ENQUEUE = text(
+    """
+    WITH reservation AS (
+        INSERT INTO reservations (
+            tenant, request_id, holder_id, instance, prompt_tokens, max_output_tokens, n,
+            priority, state, reserved_blocks, reserved_tokens, lease_ttl_seconds,
+            queued_at, wait_deadline, virtual_start, virtual_finish, prompt_token_ids)
+        VALUES (
+            :tenant, :request_id, :holder, :instance, :prompt_tokens, :max_output_tokens, :n,
+            :priority, 'QUEUED', :blocks, :tokens, :ttl,
+            now(), now() + make_interval(secs => :wait), :virtual_start, :virtual_finish,
+            CAST(:prompt_token_ids AS int[]))
+        ON CONFLICT DO NOTHING
+        RETURNING *
+    ), pool AS (
+        UPDATE instances
+        SET queued_requests = queued_requests + 1,
+            queued_prompt_tokens = queued_prompt_tokens + :prompt_tokens
+        FROM reservation WHERE instances.instance = :instance
+    ), account AS (
+        UPDATE tenants SET queued_requests = queued_requests + 1
+        FROM reservation WHERE tenants.tenant = :tenant
+    ), tag AS (
+        INSERT INTO fair_tags AS f (instance, tenant, priority, last_finish)
+        SELECT instance, tenant, priority, :virtual_finish FROM reservation
+        ON CONFLICT (instance, tenant, priority) DO UPDATE SET last_finish = EXCLUDED.last_finish
+    )
+    SELECT request_id FROM reservation
+    """
+)
+
+# Leaving the queue without being admitted: cancelled, timed out, or its tenant offboarded.
+_DEQUEUE = text(
+    """
+    WITH ended AS (
+        UPDATE reservations
+        SET state = 'ENDED', ended_at = now(), end_reason = :reason, prompt_token_ids = NULL
+        WHERE tenant = :tenant AND request_id = :request_id AND state = 'QUEUED'
+          AND (NOT :lapsed_only OR wait_deadline <= now())
+        RETURNING *
+    ), pool AS (
+        UPDATE instances i
+        SET queued_requests = i.queued_requests - 1,
+            queued_prompt_tokens = i.queued_prompt_tokens - e.prompt_tokens
+        FROM ended e WHERE i.instance = e.instance
+    ), account AS (
+        UPDATE tenants t SET queued_requests = t.queued_requests - 1
+        FROM ended e WHERE t.tenant = e.tenant
+    )
+    SELECT request_id, pg_notify('kvquota_events', 'changed:' || tenant || '/' || request_id)
+    FROM ended
+    """
+)
+
+# The queue of one instance in dispatch order (the caller holds the instance's lock).
+_QUEUE_HEAD = text(
+    """
+    SELECT r.*, now() AS now, extract(epoch FROM now() - r.queued_at)::float8 AS waited
+    FROM reservations r
+    WHERE r.instance = :instance AND r.state = 'QUEUED'
+    ORDER BY r.priority DESC, r.virtual_start, r.queued_at
+    LIMIT :limit
+    """
+)
+
+_EXTEND_WAIT = text(
+    """
+    UPDATE reservations
+    SET wait_deadline = greatest(wait_deadline, now() + make_interval(secs => :wait))
+    WHERE tenant = :tenant AND request_id = :request_id AND state = 'QUEUED'
+    """
+)
+
+_QUEUED_AHEAD = text(
+    """
+    SELECT count(*) FROM reservations
+    WHERE instance = :instance AND state = 'QUEUED' AND priority >= :priority
+    """
+)
+
+_LOCK_POOL = text(
+    """
+    SELECT now() AS now, state AS pool_state, block_size, capacity_blocks, max_model_len,
+           free_blocks, cached_blocks, hash_algo, mean_hold_seconds AS pool_hold,
+           queued_requests AS pool_queued
+    FROM instances WHERE instance = :instance FOR UPDATE
+    """
+)
+
+# A queued request's tenant; SKIP LOCKED: a tenant busy in another transaction is passed over
+# this time (as if it did not fit) rather than waited for while holding the instance.
+_LOCK_QUEUED_TENANT = text(
+    f"""
+    SELECT {blocks.TENANT_ACCOUNT_COLUMNS}
+    FROM tenants t LEFT JOIN namespaces ns ON ns.namespace = t.namespace
+    WHERE t.tenant = :tenant
+    FOR UPDATE OF t SKIP LOCKED
+    """
+)
+
+_LIVE_ON_INSTANCE = text(
+    "SELECT count(*) FROM reservations WHERE instance = :instance AND state = 'ADMITTED'"
 )
 
 # Locks the reservation's instance, then its tenant, before anything touches their blocks.
 _LOCK_FOR_RESERVATION = text(
     """
-    SELECT r.instance, r.holder_id, r.state
+    SELECT r.instance, r.holder_id, r.state, r.priority
     FROM reservations r
     JOIN instances i ON i.instance = r.instance
     JOIN tenants t ON t.tenant = r.tenant
@@ -134,7 +290,9 @@ _END_RESERVATION = text(
         FROM ended e LEFT JOIN tenant_changes c ON c.tenant = e.tenant
         WHERE t.tenant = e.tenant
     )
-    SELECT * FROM ended
+    SELECT request_id, {blocks.NOTIFY_RELEASED},
+           pg_notify('kvquota_events', 'changed:' || tenant || '/' || request_id)
+    FROM ended
     """
 )
 
@@ -148,7 +306,7 @@ _RELEASE_BLOCKS = text(
             "RETURNING r.block_id, r.position, r.pinned, r.tenant"
         )
     }, {blocks.pool_counts()}, {blocks.TENANT_REMOVALS}
-    SELECT count(*) AS released FROM dropped
+    SELECT count(*) AS released, {blocks.NOTIFY_RELEASED} FROM dropped
     """
 )
 
@@ -177,7 +335,13 @@ _RENEW_LEASE = text(
 
 _GET_RESERVATION = text(
     f"""
-    SELECT r.*, {blocks.live_table("r.holder_id")}
+    SELECT r.*, {blocks.live_table("r.holder_id")},
+           CASE WHEN r.state = 'QUEUED' THEN (
+               SELECT count(*) FROM reservations q
+               WHERE q.instance = r.instance AND q.state = 'QUEUED'
+                 AND (q.priority > r.priority OR (q.priority = r.priority
+                      AND (q.virtual_start, q.queued_at) < (r.virtual_start, r.queued_at))))
+           END AS queue_position
     FROM reservations r WHERE r.tenant = :tenant AND r.request_id = :request_id
     """
 )
@@ -189,6 +353,16 @@ _LAPSED = text(
     ORDER BY lease_expires_at LIMIT :batch
     """
 )
+
+_LAPSED_QUEUED = text(
+    """
+    SELECT tenant, request_id FROM reservations
+    WHERE state = 'QUEUED' AND wait_deadline <= now()
+    ORDER BY wait_deadline LIMIT :batch
+    """
+)
+
+_QUEUED_INSTANCES = text("SELECT instance FROM instances WHERE queued_requests > 0")
 
 _HOLDINGS = {
     scope: text(
@@ -230,19 +404,31 @@ def reservation_from_row(row: RowMapping) -> Reservation:
         end_reason=EndReason(row["end_reason"]) if row["end_reason"] else None,
         output_tokens=row["output_tokens"],
         block_table=blocks.table_from_row(row),
+        queued_at=row["queued_at"],
+        wait_deadline=row["wait_deadline"],
+        queue_position=row.get("queue_position"),
     )
 
 
 class Ledger:
-    """Admit, renew, release and expire reservations against the shared PostgreSQL ledger."""
+    """Admit (or queue), dispatch, renew, release and expire reservations against the shared
+    PostgreSQL ledger."""
 
-    def __init__(self, engine: AsyncEngine, limits: AdmissionLimits) -> None:
+    def __init__(
+        self, engine: AsyncEngine, limits: AdmissionLimits, queue: QueuePolicy | None = None
+    ) -> None:
         self._engine = engine
         self._limits = limits
+        self._queue = queue or QueuePolicy()
+
+    @property
+    def min_retry_delay_seconds(self) -> float:
+        return self._limits.min_retry_delay_seconds
 
     async def admit(self, request: AdmitRequest) -> tuple[Reservation, str]:
-        """Reserve a block table for one request; returns it and the salt the gateway passes
-        to vLLM as cache_salt."""
+        """Reserve a block table for one request, or queue it when it has a wait budget and
+        cannot be admitted now (the reservation is then QUEUED). Returns the reservation and the
+        salt the gateway passes to vLLM as cache_salt."""
         admission.validate(request, self._limits)
         for _ in range(2):
             try:
@@ -259,8 +445,12 @@ class Ledger:
             raise await self._missing(conn, p.tenant, p.instance)
         salt: str = row["cache_salt"]
         if row["existing"] is not None:
-            existing = await self._get(conn, p.tenant, p.request_id)
-            return admission.check_replay(p, existing), salt
+            existing = admission.check_replay(p, await self._get(conn, p.tenant, p.request_id))
+            if existing.state is ReservationState.QUEUED and request.wait_timeout_seconds > 0:
+                # A retry keeps its place, and waits at least as long as this call will.
+                extend = {**keys, "wait": request.wait_timeout_seconds}
+                await conn.execute(_EXTEND_WAIT, extend)
+            return existing, salt
         pool = pool_from_row(p.instance, row)
         account = account_from_row(p.tenant, row)
         table = block_table.layout(
@@ -274,11 +464,36 @@ class Ledger:
         )
         hits = await lookup_prefix(conn, p.instance, p.tenant, table.hashes)
         decision = admission.decide(request, pool, account, self._limits, table, hits)
-        if isinstance(decision, Shortfall):
-            raise await refusal(conn, decision, pool, account, row["now"], self._limits)
-        return await self._insert(
-            conn, request, decision, row["holder_id"], row["hash_scope"]
-        ), salt
+        ahead = 0
+        if row["pool_queued"]:
+            place = {"instance": p.instance, "priority": p.priority}
+            ahead = (await conn.execute(_QUEUED_AHEAD, place)).scalar_one()
+        # Requests already waiting go first: nobody jumps the queue, however small.
+        if isinstance(decision, AdmissionPlan) and ahead == 0:
+            holder, scope = row["holder_id"], row["hash_scope"]
+            return await self._insert(conn, request, decision, holder, scope), salt
+        shortfall = (
+            decision
+            if isinstance(decision, Shortfall)
+            else Shortfall("instance", table.total, 0, 0, 0)
+        )
+        if request.wait_timeout_seconds <= 0:
+            raise await refusal(conn, shortfall, pool, account, row["now"], self._limits, ahead)
+        delay = await self._queue_delay(conn, pool, ahead)
+        load = queueing.QueueLoad(
+            queued_requests=row["pool_queued"],
+            queued_prompt_tokens=row["pool_queued_tokens"],
+            max_queued_requests=row["max_queued_requests"],
+            max_queued_prompt_tokens=queueing.max_queued_prompt_tokens(
+                row["target_ttft_seconds"], row["prefill_tokens_per_second"]
+            ),
+            tenant_queued_requests=row["account_queued"],
+            tenant_max_queued_requests=account.quota.max_queued_requests,
+        )
+        queueing.check_bounds(load, p.prompt_tokens, p.instance, p.tenant, delay)
+        await self._enqueue(conn, request, table.total, row["holder_id"], row["weight"])
+        await self._dispatch(conn, p.instance)
+        return await self._get(conn, p.tenant, p.request_id), salt
 
     async def _insert(
         self,
@@ -310,6 +525,158 @@ class Ledger:
         # would mean the counters and the block rows disagree.
         assert row["allocated"] == len(plan.new_hashes), "block pool counters out of step"
         return reservation_from_row(row)
+
+    async def _enqueue(
+        self,
+        conn: AsyncConnection,
+        request: AdmitRequest,
+        blocks_needed: int,
+        holder: int,
+        weight: int,
+    ) -> None:
+        p = request.params
+        place = {"instance": p.instance, "tenant": p.tenant, "priority": p.priority}
+        fair = (await conn.execute(_FAIR_STATE, place)).one()
+        tokens = geometry.tokens_in_flight(p.prompt_tokens, p.max_output_tokens, p.n)
+        tags = queueing.fair_tags(fair.virtual_time or 0.0, fair.last_finish or 0.0, tokens, weight)
+        params = {
+            **place,
+            "request_id": p.request_id,
+            "holder": holder,
+            "prompt_tokens": p.prompt_tokens,
+            "max_output_tokens": p.max_output_tokens,
+            "n": p.n,
+            "blocks": blocks_needed,
+            "tokens": tokens,
+            "ttl": request.lease_ttl_seconds or self._limits.default_lease_ttl_seconds,
+            "wait": request.wait_timeout_seconds,
+            "virtual_start": tags.start,
+            "virtual_finish": tags.finish,
+            "prompt_token_ids": list(request.prompt_token_ids) or None,
+        }
+        if (await conn.execute(_ENQUEUE, params)).first() is None:
+            raise _DuplicateRace()
+
+    async def dispatch(self, instance: str) -> int:
+        """Admit what fits from the head of an instance's queue, in order; returns how many.
+        Any replica may call it at any time: the instance's lock makes each pass exclusive."""
+
+        async def work(conn: AsyncConnection) -> int:
+            locked = (await conn.execute(_LOCK_POOL, {"instance": instance})).first()
+            if locked is None or not locked.pool_queued:
+                return 0
+            return await self._dispatch(conn, instance)
+
+        return await in_transaction(self._engine, work)
+
+    async def _dispatch(self, conn: AsyncConnection, instance: str) -> int:
+        """One dispatch pass under the instance's lock (see core.queueing for the rules)."""
+        head = await conn.execute(
+            _QUEUE_HEAD, {"instance": instance, "limit": self._queue.dispatch_batch}
+        )
+        admitted = 0
+        for queued in head.mappings().all():
+            step = await self._try_queued(conn, queued)
+            if step is queueing.Step.ADMIT:
+                admitted += 1
+            elif step is queueing.Step.HOLD:
+                break
+        return admitted
+
+    async def _try_queued(self, conn: AsyncConnection, queued: RowMapping) -> queueing.Step:
+        tenant, request_id = queued["tenant"], queued["request_id"]
+        if queued["wait_deadline"] <= queued["now"]:
+            await self._dequeue(conn, tenant, request_id, EndReason.QUEUE_TIMEOUT)
+            return queueing.Step.SKIP
+        lock = await conn.execute(_LOCK_QUEUED_TENANT, {"tenant": tenant})
+        account_row = lock.mappings().first()
+        waited = queued["waited"]
+        if account_row is None:  # its tenant is busy in another transaction: as if no room now
+            busy = Shortfall("instance", 0, 0, 0, 0)
+            return queueing.dispatch_step(busy, waited, self._queue.max_bypass_wait_seconds)
+        pool_row = await conn.execute(_LOCK_POOL, {"instance": queued["instance"]})
+        pool = pool_from_row(queued["instance"], pool_row.mappings().one())
+        account = account_from_row(tenant, account_row)
+        params = reservation_from_row(queued).params
+        token_ids = tuple(queued["prompt_token_ids"] or ())
+        request = AdmitRequest(params, token_ids, 0.0, queued["lease_ttl_seconds"])
+        table = block_table.layout(
+            params.prompt_tokens,
+            params.max_output_tokens,
+            params.n,
+            pool.block_size,
+            token_ids,
+            account_row["cache_salt"],
+            pool.hash_algo,
+        )
+        hits = await lookup_prefix(conn, params.instance, tenant, table.hashes)
+        try:
+            decision = admission.decide(request, pool, account, self._limits, table, hits)
+        except KvQuotaError:
+            # Suspended, draining, or a quota cut below it: it waits (or times out) in place.
+            return queueing.Step.SKIP
+        if isinstance(decision, AdmissionPlan):
+            promoted = await conn.execute(
+                _PROMOTE_RESERVATION,
+                {
+                    "tenant": tenant,
+                    "request_id": request_id,
+                    "holder": queued["holder_id"],
+                    "instance": params.instance,
+                    "prompt_tokens": params.prompt_tokens,
+                    "blocks": decision.blocks,
+                    "tokens": decision.tokens,
+                    "ttl": decision.lease_ttl_seconds,
+                    "virtual_start": queued["virtual_start"],
+                    **allocation_params(
+                        decision.hits, decision.new_hashes, account_row["hash_scope"], pinned=False
+                    ),
+                },
+            )
+            assert promoted.mappings().one()["allocated"] == len(decision.new_hashes)
+        return queueing.dispatch_step(decision, waited, self._queue.max_bypass_wait_seconds)
+
+    async def _dequeue(
+        self,
+        conn: AsyncConnection,
+        tenant: str,
+        request_id: str,
+        reason: EndReason,
+        *,
+        lapsed_only: bool = False,
+    ) -> None:
+        params = {
+            "tenant": tenant,
+            "request_id": request_id,
+            "reason": reason.value,
+            "lapsed_only": lapsed_only,
+        }
+        await conn.execute(_DEQUEUE, params)
+
+    async def stop_waiting(
+        self, tenant: str, request_id: str, reason: EndReason
+    ) -> tuple[Reservation, float]:
+        """Take a request out of the queue if it is still there (its caller's budget ran out, or
+        the caller went away); returns the reservation as it is then, which may have been
+        admitted meanwhile, and a retry delay for the caller from the queue it left."""
+
+        async def work(conn: AsyncConnection) -> tuple[Reservation, float]:
+            locked = await self._lock(conn, tenant, request_id)
+            if locked["state"] == ReservationState.QUEUED.value:
+                await self._dequeue(conn, tenant, request_id, reason)
+            pool_row = await conn.execute(_LOCK_POOL, {"instance": locked["instance"]})
+            pool = pool_from_row(locked["instance"], pool_row.mappings().one())
+            place = {"instance": locked["instance"], "priority": locked["priority"]}
+            ahead = (await conn.execute(_QUEUED_AHEAD, place)).scalar_one()
+            delay = await self._queue_delay(conn, pool, ahead)
+            return await self._get(conn, tenant, request_id), delay
+
+        return await in_transaction(self._engine, work)
+
+    async def _queue_delay(self, conn: AsyncConnection, pool: InstancePool, ahead: int) -> float:
+        live = (await conn.execute(_LIVE_ON_INSTANCE, {"instance": pool.instance})).scalar_one()
+        delay = queueing.queue_delay(ahead, pool.mean_hold_seconds, live, self._limits)
+        return delay if delay is not None else self._limits.min_retry_delay_seconds
 
     async def _missing(self, conn: AsyncConnection, tenant: str, instance: str) -> KvQuotaError:
         for kind, key, name in (
@@ -347,23 +714,27 @@ class Ledger:
         *,
         lapsed_only: bool = False,
     ) -> Reservation:
-        """End a live reservation and drop its block table, tail first. Idempotent: ending an
-        ended reservation returns it unchanged, whatever the reason given now. With lapsed_only,
-        only a reservation whose lease has run out is ended (a renewal may have won)."""
+        """End a live reservation: a queued one leaves the queue, an admitted one drops its block
+        table, tail first. Idempotent: ending an ended reservation returns it unchanged, whatever
+        the reason given now. With lapsed_only, only one whose lease (or, queued, whose wait
+        budget) has run out is ended: a renewal may have won."""
 
         async def work(conn: AsyncConnection) -> Reservation:
             locked = await self._lock(conn, tenant, request_id)
-            params = {
-                "tenant": tenant,
-                "request_id": request_id,
-                "instance": locked["instance"],
-                "reason": reason.value,
-                "output_tokens": output_tokens,
-                "lapsed_only": lapsed_only,
-                # Only work that ran to its end says how long requests really hold blocks.
-                "observed": reason is EndReason.RELEASED,
-            }
-            await conn.execute(_END_RESERVATION, params)
+            if locked["state"] == ReservationState.QUEUED.value:
+                await self._dequeue(conn, tenant, request_id, reason, lapsed_only=lapsed_only)
+            else:
+                params = {
+                    "tenant": tenant,
+                    "request_id": request_id,
+                    "instance": locked["instance"],
+                    "reason": reason.value,
+                    "output_tokens": output_tokens,
+                    "lapsed_only": lapsed_only,
+                    # Only work that ran to its end says how long requests really hold blocks.
+                    "observed": reason is EndReason.RELEASED,
+                }
+                await conn.execute(_END_RESERVATION, params)
             return await self._get(conn, tenant, request_id)
 
         return await in_transaction(self._engine, work)
@@ -424,6 +795,8 @@ class Ledger:
             if (await conn.execute(_RENEW_LEASE, params)).first() is not None:
                 return await self._get(conn, tenant, request_id)
             current = await self._get(conn, tenant, request_id)
+            if current.state is ReservationState.QUEUED:
+                return current  # no lease yet: its wait budget is what bounds it
             name = reservation_name(tenant, request_id)
             if current.state is ReservationState.ADMITTED or (
                 current.end_reason is EndReason.LEASE_EXPIRED
@@ -444,17 +817,29 @@ class Ledger:
         return await in_transaction(self._engine, work)
 
     async def reap_expired(self, batch: int) -> int:
-        """End up to `batch` reservations whose lease ran out; returns how many. Safe in every
-        replica at once: each is ended in its own transaction, only if still lapsed."""
+        """End up to `batch` reservations whose lease ran out (LEASE_EXPIRED) and as many queued
+        ones whose wait budget did (QUEUE_TIMEOUT: their waiting caller may have died with its
+        replica); returns how many. Safe in every replica at once: each is ended in its own
+        transaction, only if still lapsed."""
         async with self._engine.connect() as conn:
             lapsed = (await conn.execute(_LAPSED, {"batch": batch})).all()
+            timed_out = (await conn.execute(_LAPSED_QUEUED, {"batch": batch})).all()
         ended = 0
-        for tenant, request_id in lapsed:
-            reservation = await self.end(
-                tenant, request_id, EndReason.LEASE_EXPIRED, lapsed_only=True
-            )
-            ended += reservation.end_reason is EndReason.LEASE_EXPIRED
+        for rows, reason in (
+            (lapsed, EndReason.LEASE_EXPIRED),
+            (timed_out, EndReason.QUEUE_TIMEOUT),
+        ):
+            for tenant, request_id in rows:
+                reservation = await self.end(tenant, request_id, reason, lapsed_only=True)
+                ended += reservation.end_reason is reason
         return ended
+
+    async def dispatch_all(self) -> int:
+        """A dispatch pass on every instance with requests waiting (the periodic sweep that
+        backs up notifications)."""
+        async with self._engine.connect() as conn:
+            instances = [r[0] for r in await conn.execute(_QUEUED_INSTANCES)]
+        return sum([await self.dispatch(instance) for instance in instances])
 
 
 def pool_from_row(instance: str, row: RowMapping) -> InstancePool:
@@ -496,9 +881,12 @@ async def refusal(
     account: TenantAccount | None,
     now: datetime,
     limits: AdmissionLimits,
+    ahead: int = 0,
 ) -> KvQuotaError:
     """The refusal for a shortfall, with a retry delay computed from the live holdings (a
-    namespace's pin has no account and can only fall short on the instance)."""
+    namespace's pin has no account and can only fall short on the instance): the time until
+    enough of them are expected to end; with `ahead` requests queued in front, at least the
+    time Little's law gives for those to be served."""
     if shortfall.scope == "tenant":
         assert account is not None
         key, mean_hold = account.tenant, account.mean_hold_seconds
@@ -511,6 +899,9 @@ async def refusal(
         for admitted, expires, blocks, tokens in rows
     ]
     delay = admission.retry_delay(shortfall, holdings, now, limits)
+    if ahead:
+        by_queue = queueing.queue_delay(ahead, mean_hold, len(rows), limits)
+        delay = max(delay, by_queue) if by_queue is not None else delay
     tenant = account.tenant if account else ""
     return admission.shortfall_error(shortfall, delay, tenant, pool.instance)
 

@@ -51,7 +51,8 @@ _START = text(
 _STATE = text("SELECT state FROM tenants WHERE tenant = :tenant")
 
 _LIVE_RESERVATIONS = text(
-    "SELECT request_id FROM reservations WHERE tenant = :tenant AND state = 'ADMITTED' LIMIT :batch"
+    "SELECT request_id FROM reservations "
+    "WHERE tenant = :tenant AND state IN ('QUEUED', 'ADMITTED') LIMIT :batch"
 )
 
 _INSTANCES_WITH_OWN_CACHE = text(
@@ -96,7 +97,8 @@ _FINISH = text(
     UPDATE tenants SET state = 'DELETED', namespace = NULL, cache_salt = :salt, updated_at = now()
     WHERE tenant = :tenant AND state = 'DELETING'
       AND NOT EXISTS (SELECT 1 FROM tenant_blocks WHERE tenant = :tenant)
-      AND NOT EXISTS (SELECT 1 FROM reservations WHERE tenant = :tenant AND state = 'ADMITTED')
+      AND NOT EXISTS (SELECT 1 FROM reservations
+                      WHERE tenant = :tenant AND state IN ('QUEUED', 'ADMITTED'))
     """
 )
 

@@ -24,6 +24,7 @@ from sqlalchemy import (
     func,
     text,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -79,6 +80,7 @@ class TenantRow(Base):
     mean_hold_seconds: Mapped[float | None]
     # Distinct blocks the tenant's pins hold (they count against max_pinned_blocks).
     pinned_blocks: Mapped[Count]
+    queued_requests: Mapped[Count]
     # Secret: passed to vLLM as cache_salt; never logged.
     cache_salt: Mapped[str] = mapped_column(String(128))
     # A tenant in a shared namespace hashes (and so shares) its prefixes under the namespace's salt.
@@ -99,7 +101,8 @@ class TenantRow(Base):
             name="quota_not_negative",
         ),
         CheckConstraint(
-            "blocks_in_use >= 0 AND tokens_in_flight >= 0 AND pinned_blocks >= 0",
+            "blocks_in_use >= 0 AND tokens_in_flight >= 0 AND pinned_blocks >= 0 "
+            "AND queued_requests >= 0",
             name="usage_not_negative",
         ),
     )
@@ -138,11 +141,23 @@ class InstanceRow(Base):
     blocks_in_use: Mapped[Count]
     pinned_blocks: Mapped[Count]
     mean_hold_seconds: Mapped[float | None]
+    # The wait queue's bounds (vLLM's front-door valves) and what it holds now.
+    max_queued_requests: Mapped[int] = mapped_column(BigInteger, server_default="1024")
+    # TTFT guard: queued prompt tokens <= target TTFT x prefill throughput (0: no guard).
+    target_ttft_seconds: Mapped[float] = mapped_column(server_default="0")
+    prefill_tokens_per_second: Mapped[float] = mapped_column(server_default="0")
+    queued_requests: Mapped[Count]
+    queued_prompt_tokens: Mapped[Count]
     created_at: Mapped[CreatedAt]
     updated_at: Mapped[CreatedAt]
 
     __table_args__ = (
         CheckConstraint("state IN ('ACTIVE', 'DRAINING')", name="state"),
+        CheckConstraint(
+            "queued_requests >= 0 AND queued_prompt_tokens >= 0 AND max_queued_requests >= 0 "
+            "AND target_ttft_seconds >= 0 AND prefill_tokens_per_second >= 0",
+            name="queue",
+        ),
         CheckConstraint(
             "block_size >= 1 AND capacity_blocks >= 1 AND max_model_len >= 1", name="pool"
         ),
@@ -175,17 +190,50 @@ class ReservationRow(Base):
     reserved_tokens: Mapped[int] = mapped_column(BigInteger)
     prefix_hit_blocks: Mapped[int] = mapped_column(Integer, server_default="0")
     lease_ttl_seconds: Mapped[float]
-    lease_expires_at: Mapped[Timestamp]
-    admitted_at: Mapped[Timestamp]
+    # Set when admitted (a queued request has neither yet).
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    admitted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     end_reason: Mapped[str | None] = mapped_column(String(32))
     output_tokens: Mapped[int | None] = mapped_column(Integer)
+    # The wait queue: when it joined, until when it waits, its fair-queueing tags, and the prompt
+    # it will be admitted with (dropped once it leaves the queue).
+    queued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    wait_deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    virtual_start: Mapped[float | None]
+    virtual_finish: Mapped[float | None]
+    prompt_token_ids: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
 
     __table_args__ = (
-        CheckConstraint("state IN ('ADMITTED', 'ENDED')", name="state"),
-        # Invariant 7: every reservation is live, or ended with a time and a reason.
+        CheckConstraint("state IN ('QUEUED', 'ADMITTED', 'ENDED')", name="state"),
+        # Invariant 7: every reservation is live (queued or admitted), or ended with a time and
+        # a reason; an admitted one has a lease.
         CheckConstraint(
-            "(state = 'ADMITTED') = (ended_at IS NULL AND end_reason IS NULL)", name="ended"
+            "(state IN ('QUEUED', 'ADMITTED')) = (ended_at IS NULL AND end_reason IS NULL)",
+            name="ended",
+        ),
+        CheckConstraint(
+            "state <> 'ADMITTED' OR (admitted_at IS NOT NULL AND lease_expires_at IS NOT NULL)",
+            name="lease",
+        ),
+        CheckConstraint(
+            "state <> 'QUEUED' OR (queued_at IS NOT NULL AND wait_deadline IS NOT NULL "
+            "AND virtual_start IS NOT NULL)",
+            name="queued",
+        ),
+        # Dispatch order: strict priority, then fair-queueing start tag, then arrival.
+        Index(
+            "ix_reservations_queue",
+            "instance",
+            text("priority DESC"),
+            "virtual_start",
+            "queued_at",
+            postgresql_where=text("state = 'QUEUED'"),
+        ),
+        Index(
+            "ix_reservations_wait_deadline",
+            "wait_deadline",
+            postgresql_where=text("state = 'QUEUED'"),
         ),
         CheckConstraint("reserved_blocks >= 0 AND reserved_tokens >= 0", name="reserved"),
         # The reaper's scan and the retry-delay estimates read only live reservations.
@@ -328,3 +376,25 @@ class TombstoneRow(Base):
     freed_at: Mapped[Timestamp]
 
     __table_args__ = (Index("ix_tombstones_freed_at", "freed_at"),)
+
+
+class FairClockRow(Base):
+    """Start-time fair queueing: the virtual time of one priority class of one instance's queue
+    (the start tag of the request admitted last)."""
+
+    __tablename__ = "fair_clocks"
+
+    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
+    priority: Mapped[int] = mapped_column(Integer, primary_key=True)
+    virtual_time: Mapped[float] = mapped_column(server_default="0")
+
+
+class FairTagRow(Base):
+    """Start-time fair queueing: the finish tag of a tenant's last queued request in a class."""
+
+    __tablename__ = "fair_tags"
+
+    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
+    tenant: Mapped[ResourceId] = mapped_column(ForeignKey("tenants.tenant"), primary_key=True)
+    priority: Mapped[int] = mapped_column(Integer, primary_key=True)
+    last_finish: Mapped[float] = mapped_column(server_default="0")

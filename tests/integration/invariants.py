@@ -64,6 +64,18 @@ CHECKS = {
          AND r.generation = tb.generation
         WHERE tb.refs <> coalesce(r.refs, 0) OR tb.pin_refs <> coalesce(r.pins, 0)
     """,
+    "queue counters match the queued reservations": """
+        SELECT i.instance FROM instances i
+        LEFT JOIN (SELECT instance, count(*) AS n, sum(prompt_tokens) AS tokens
+                   FROM reservations WHERE state = 'QUEUED' GROUP BY instance) q USING (instance)
+        WHERE i.queued_requests <> coalesce(q.n, 0)
+           OR i.queued_prompt_tokens <> coalesce(q.tokens, 0)
+        UNION ALL
+        SELECT t.tenant FROM tenants t
+        LEFT JOIN (SELECT tenant, count(*) AS n FROM reservations WHERE state = 'QUEUED'
+                   GROUP BY tenant) q USING (tenant)
+        WHERE t.queued_requests <> coalesce(q.n, 0)
+    """,
     "4: no live entry names a tombstoned or outdated handle": """
         SELECT r.holder_id, r.position FROM block_refs r
         JOIN blocks b ON b.instance = r.instance AND b.block_id = r.block_id

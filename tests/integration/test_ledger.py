@@ -77,7 +77,8 @@ async def test_ended_reservation_keeps_its_record(ledger: Ledger) -> None:
     assert got.end_reason is EndReason.RELEASED
     assert (got.prompt_tokens, got.max_output_tokens, got.n, got.output_tokens) == (100, 50, 2, 42)
     assert got.reserved_tokens == 300
-    assert got.ended_at is not None and got.ended_at >= got.admitted_at
+    assert got.ended_at is not None and got.admitted_at is not None
+    assert got.ended_at >= got.admitted_at
 
 
 async def test_same_request_id_with_other_parameters_is_refused(
