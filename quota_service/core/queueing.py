@@ -10,15 +10,18 @@ request admitted last. So backlogged tenants are served tokens in proportion to 
 a tenant flooding short requests gains nothing over one sending long ones, an idle tenant earns
 no credit, and each tenant's own requests keep their arrival order (its tags only grow).
 
-A request that does not fit may be passed by later ones that do, but only until it has waited
-`max_bypass_wait`: then dispatch stops at it, so the capacity released from then on is held for
-it (a large request behind a stream of small ones is admitted within that wait plus one release).
+A request that does not fit may be passed by later ones that do, with two limits. Fairness:
+in its class, only requests whose start tag is below its finish tag may pass it, so a tenant
+sending small requests cannot fill every hole a large request of another tenant waits for and
+run ahead of its share by more than about one request. Starvation: once it has waited
+`max_bypass_wait`, dispatch stops at it, so the capacity released from then on is held for it
+(a large request behind a stream of small ones is admitted within that wait plus one release).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quota_service.core.admission import AdmissionLimits, AdmissionPlan, Shortfall
 from quota_service.core.errors import Code, KvQuotaError
@@ -108,14 +111,30 @@ class Step(enum.Enum):
     HOLD = "HOLD"
 
 
-def dispatch_step(
-    decision: AdmissionPlan | Shortfall, waited_seconds: float, max_bypass_wait_seconds: float
-) -> Step:
-    if isinstance(decision, AdmissionPlan):
-        return Step.ADMIT
-    if decision.scope == "tenant":
-        return Step.SKIP
-    return Step.HOLD if waited_seconds >= max_bypass_wait_seconds else Step.PASS
+@dataclass
+class DispatchPass:
+    """One pass over a queue in dispatch order: what to do with each request in turn."""
+
+    max_bypass_wait_seconds: float
+    # Per priority class: the lowest finish tag of a request passed over for want of room.
+    barriers: dict[int, float] = field(default_factory=dict)
+
+    def step(
+        self,
+        priority: int,
+        tags: FairTags,
+        decision: AdmissionPlan | Shortfall,
+        waited_seconds: float,
+    ) -> Step:
+        barrier = self.barriers.get(priority)
+        if isinstance(decision, AdmissionPlan):
+            return Step.ADMIT if barrier is None or tags.start < barrier else Step.PASS
+        if decision.scope == "tenant":
+            return Step.SKIP
+        if waited_seconds >= self.max_bypass_wait_seconds:
+            return Step.HOLD
+        self.barriers[priority] = tags.finish if barrier is None else min(barrier, tags.finish)
+        return Step.PASS
 
 
 def queue_delay(

@@ -222,8 +222,9 @@ def live_table(holder_id: str) -> str:
 
 
 def table_from_row(row: RowMapping) -> tuple[BlockHandle, ...]:
-    block_ids = row["table_block_ids"] or []
-    generations = row["table_generations"] or []
+    """The table `live_table` selected (none when the row was read without it)."""
+    block_ids = row.get("table_block_ids") or []
+    generations = row.get("table_generations") or []
     return tuple(BlockHandle(b, g) for b, g in zip(block_ids, generations, strict=True))
 
 

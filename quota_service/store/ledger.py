@@ -51,7 +51,8 @@ _LOCK_POOL_AND_ACCOUNT = text(
            i.state AS pool_state, i.block_size, i.capacity_blocks, i.max_model_len,
            i.free_blocks, i.cached_blocks, i.hash_algo, i.mean_hold_seconds AS pool_hold,
            i.queued_requests AS pool_queued, i.queued_prompt_tokens AS pool_queued_tokens,
-           i.max_queued_requests, i.target_ttft_seconds, i.prefill_tokens_per_second,
+           i.max_queued_requests AS pool_max_queued, i.target_ttft_seconds,
+           i.prefill_tokens_per_second,
            {blocks.TENANT_ACCOUNT_COLUMNS},
            t.queued_requests AS account_queued, t.weight,
            r.request_id AS existing
@@ -483,7 +484,7 @@ class Ledger:
         load = queueing.QueueLoad(
             queued_requests=row["pool_queued"],
             queued_prompt_tokens=row["pool_queued_tokens"],
-            max_queued_requests=row["max_queued_requests"],
+            max_queued_requests=row["pool_max_queued"],
             max_queued_prompt_tokens=queueing.max_queued_prompt_tokens(
                 row["target_ttft_seconds"], row["prefill_tokens_per_second"]
             ),
@@ -575,15 +576,18 @@ class Ledger:
             _QUEUE_HEAD, {"instance": instance, "limit": self._queue.dispatch_batch}
         )
         admitted = 0
+        rules = queueing.DispatchPass(self._queue.max_bypass_wait_seconds)
         for queued in head.mappings().all():
-            step = await self._try_queued(conn, queued)
+            step = await self._try_queued(conn, queued, rules)
             if step is queueing.Step.ADMIT:
                 admitted += 1
             elif step is queueing.Step.HOLD:
                 break
         return admitted
 
-    async def _try_queued(self, conn: AsyncConnection, queued: RowMapping) -> queueing.Step:
+    async def _try_queued(
+        self, conn: AsyncConnection, queued: RowMapping, rules: queueing.DispatchPass
+    ) -> queueing.Step:
         tenant, request_id = queued["tenant"], queued["request_id"]
         if queued["wait_deadline"] <= queued["now"]:
             await self._dequeue(conn, tenant, request_id, EndReason.QUEUE_TIMEOUT)
@@ -591,9 +595,11 @@ class Ledger:
         lock = await conn.execute(_LOCK_QUEUED_TENANT, {"tenant": tenant})
         account_row = lock.mappings().first()
         waited = queued["waited"]
+        priority = queued["priority"]
+        tags = queueing.FairTags(queued["virtual_start"], queued["virtual_finish"])
         if account_row is None:  # its tenant is busy in another transaction: as if no room now
             busy = Shortfall("instance", 0, 0, 0, 0)
-            return queueing.dispatch_step(busy, waited, self._queue.max_bypass_wait_seconds)
+            return rules.step(priority, tags, busy, waited)
         pool_row = await conn.execute(_LOCK_POOL, {"instance": queued["instance"]})
         pool = pool_from_row(queued["instance"], pool_row.mappings().one())
         account = account_from_row(tenant, account_row)
@@ -615,7 +621,9 @@ class Ledger:
         except KvQuotaError:
             # Suspended, draining, or a quota cut below it: it waits (or times out) in place.
             return queueing.Step.SKIP
-        if isinstance(decision, AdmissionPlan):
+        step = rules.step(priority, tags, decision, waited)
+        if step is queueing.Step.ADMIT:
+            assert isinstance(decision, AdmissionPlan)
             promoted = await conn.execute(
                 _PROMOTE_RESERVATION,
                 {
@@ -634,7 +642,7 @@ class Ledger:
                 },
             )
             assert promoted.mappings().one()["allocated"] == len(decision.new_hashes)
-        return queueing.dispatch_step(decision, waited, self._queue.max_bypass_wait_seconds)
+        return step
 
     async def _dequeue(
         self,

@@ -53,13 +53,16 @@ async def counters(engine: AsyncEngine) -> dict[str, dict[str, int]]:
     async with engine.connect() as conn:
         for row in await conn.execute(
             text(
-                "SELECT instance, free_blocks, cached_blocks, blocks_in_use, pinned_blocks "
-                "FROM instances"
+                "SELECT instance, free_blocks, cached_blocks, blocks_in_use, pinned_blocks, "
+                "queued_requests, queued_prompt_tokens FROM instances"
             )
         ):
             found[f"instance:{row.instance}"] = dict(row._mapping)
         for row in await conn.execute(
-            text("SELECT tenant, blocks_in_use, tokens_in_flight, pinned_blocks FROM tenants")
+            text(
+                "SELECT tenant, blocks_in_use, tokens_in_flight, pinned_blocks, queued_requests "
+                "FROM tenants"
+            )
         ):
             found[f"tenant:{row.tenant}"] = dict(row._mapping)
         count = await conn.execute(text("SELECT count(*) FROM reservations"))

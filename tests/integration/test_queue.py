@@ -1,0 +1,239 @@
+"""The wait queue against PostgreSQL: queueing, dispatch order, bounds, fairness, starvation,
+cancellation and deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.core import catalog
+from quota_service.core.admission import AdmitRequest
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.model import EndReason, QueueBounds, ReservationState, TenantQuota
+from quota_service.core.queueing import QueuePolicy
+from quota_service.store.catalog import Catalog
+from quota_service.store.ledger import Ledger
+from tests.integration.invariants import assert_invariants
+from tests.integration.ledger_fixtures import add_tenant, counters, request, snapshot
+
+BS = 16
+
+
+def waiting(
+    request_id: str, blocks: int, tenant: str = "acme", wait: float = 60.0, priority: int = 0
+) -> AdmitRequest:
+    """A private request of exactly `blocks` blocks that will wait `wait` seconds."""
+    base = request(request_id, blocks * BS - 1, 1, tenant=tenant)
+    return replace(base, params=replace(base.params, priority=priority), wait_timeout_seconds=wait)
+
+
+async def add_instance(engine: AsyncEngine, blocks: int, bounds: QueueBounds | None = None) -> None:
+    spec = catalog.instance_spec("gpu-0", "m", None, BS, 8192, None, blocks, queue=bounds)
+    await Catalog(engine).register_instance(spec)
+
+
+def make_ledger(engine: AsyncEngine, settings: Settings, bypass: float = 5.0) -> Ledger:
+    return Ledger(engine, settings.admission_limits, QueuePolicy(max_bypass_wait_seconds=bypass))
+
+
+async def test_queue_then_dispatch_in_order(engine: AsyncEngine, settings: Settings) -> None:
+    await add_instance(engine, 10)
+    await add_tenant(engine, "acme")
+    ledger = make_ledger(engine, settings)
+    first, _ = await ledger.admit(waiting("a", 8))
+    assert first.state is ReservationState.ADMITTED
+    queued = [(await ledger.admit(waiting(f"q{i}", 4)))[0] for i in range(3)]
+    assert [q.state for q in queued] == [ReservationState.QUEUED] * 3
+    assert [q.queue_position for q in queued] == [0, 1, 2]
+    assert (await counters(engine))["instance:gpu-0"]["blocks_in_use"] == 8
+    await assert_invariants(engine)
+
+    # A retry keeps its place; other parameters under its id are refused.
+    again, _ = await ledger.admit(waiting("q1", 4))
+    assert (again.state, again.queue_position) == (ReservationState.QUEUED, 1)
+    with pytest.raises(KvQuotaError) as reused:
+        await ledger.admit(waiting("q1", 5))
+    assert reused.value.reason == "REQUEST_ID_REUSED"
+    # Without a wait budget nobody jumps the queue, even a request that would fit.
+    with pytest.raises(KvQuotaError) as no_jump:
+        await ledger.admit(request("small", 10, 5))
+    assert no_jump.value.reason == "INSTANCE_OVERLOADED"
+
+    await ledger.end("acme", "a", EndReason.RELEASED, 1)
+    assert await ledger.dispatch("gpu-0") == 2  # q0 and q1 fit in the 10 blocks, q2 waits
+    states = [(await ledger.get("acme", f"q{i}")).state for i in range(3)]
+    assert states == [ReservationState.ADMITTED, ReservationState.ADMITTED, ReservationState.QUEUED]
+    assert (await ledger.get("acme", "q2")).queue_position == 0
+    await assert_invariants(engine)
+
+
+async def test_bounds_give_queue_full(engine: AsyncEngine, settings: Settings) -> None:
+    # Two queued requests at most, and a TTFT guard of 1 s x 100 tokens/s = 100 prompt tokens.
+    bounds = QueueBounds(
+        max_queued_requests=2, target_ttft_seconds=1, prefill_tokens_per_second=100
+    )
+    await add_instance(engine, 16, bounds)
+    await add_tenant(engine, "acme")
+    await add_tenant(engine, "small", TenantQuota(1000, 10**6, 1, 1, 1))
+    ledger = make_ledger(engine, settings)
+    await ledger.admit(waiting("fill", 16))
+    await ledger.admit(waiting("q0", 4))  # 63 prompt tokens queued
+
+    async def queue_full(refused: AdmitRequest, why: str) -> None:
+        before = await snapshot(engine)
+        with pytest.raises(KvQuotaError) as full:
+            await ledger.admit(refused)
+        assert (full.value.reason, full.value.code.name) == ("QUEUE_FULL", "UNAVAILABLE")
+        assert why in full.value.message
+        assert full.value.retry_delay_seconds is not None
+        assert await snapshot(engine) == before
+
+    await queue_full(waiting("long", 4), "TTFT guard")  # 63 + 63 > 100
+    await ledger.admit(waiting("s0", 2, tenant="small"))  # 63 + 31 = 94 tokens, 2 queued
+    await queue_full(waiting("q1", 1), "its limit")  # a third
+    await ledger.end("acme", "q0", EndReason.CANCELLED)
+    await queue_full(waiting("s1", 1, tenant="small"), "tenant small")  # its one place is taken
+    await assert_invariants(engine)
+
+
+async def test_cancel_and_deadline_free_the_queue(engine: AsyncEngine, settings: Settings) -> None:
+    await add_instance(engine, 4)
+    await add_tenant(engine, "acme")
+    ledger = make_ledger(engine, settings)
+    await ledger.admit(waiting("fill", 4))
+    await ledger.admit(waiting("c", 4))
+    await ledger.admit(waiting("t", 4, wait=0.5))
+    cancelled = await ledger.end("acme", "c", EndReason.CANCELLED)
+    assert (cancelled.state, cancelled.end_reason) == (ReservationState.ENDED, EndReason.CANCELLED)
+    assert await ledger.end("acme", "c", EndReason.CANCELLED) == cancelled
+    await asyncio.sleep(0.6)
+    assert await ledger.reap_expired(10) == 1
+    timed_out = await ledger.get("acme", "t")
+    assert timed_out.end_reason is EndReason.QUEUE_TIMEOUT
+    assert (await counters(engine))["instance:gpu-0"]["queued_requests"] == 0
+    await assert_invariants(engine)
+
+
+async def test_weighted_fair_share(engine: AsyncEngine, settings: Settings) -> None:
+    """Weights 1 and 3 flooding one instance: admitted tokens within 10% of 1:3 over 600
+    admissions; one tenant sends short requests, the other long ones."""
+    await add_instance(engine, 48)
+    await Catalog(engine).create_tenant("light", "Light", 1, TenantQuota(10**6, 10**9, 10**4, 1, 1))
+    await Catalog(engine).create_tenant("heavy", "Heavy", 3, TenantQuota(10**6, 10**9, 10**4, 1, 1))
+    ledger = make_ledger(engine, settings)
+    sizes = {"light": 2, "heavy": 6}  # short against long requests
+    sent = 0
+    seen: set[tuple[str, str]] = set()
+    admitted_tokens = Counter[str]()
+    read_state = text(
+        "SELECT tenant, request_id, state, reserved_tokens FROM reservations "
+        "WHERE state IN ('QUEUED', 'ADMITTED') ORDER BY admitted_at NULLS LAST"
+    )
+    while sum(1 for _ in seen) < 600:
+        async with engine.connect() as conn:
+            rows = (await conn.execute(read_state)).all()
+        queued = Counter(t for t, _, state, _ in rows if state == "QUEUED")
+        for tenant, blocks in sizes.items():  # keep both tenants backlogged
+            for _ in range(12 - queued[tenant]):
+                sent += 1
+                await ledger.admit(waiting(f"r{sent}", blocks, tenant=tenant))
+        async with engine.connect() as conn:
+            rows = (await conn.execute(read_state)).all()
+        admitted = [(t, rid, tokens) for t, rid, state, tokens in rows if state == "ADMITTED"]
+        for tenant, request_id, tokens in admitted:
+            if (tenant, request_id) not in seen:
+                seen.add((tenant, request_id))
+                admitted_tokens[tenant] += tokens
+        oldest_tenant, oldest, _ = admitted[0]
+        await ledger.end(oldest_tenant, oldest, EndReason.RELEASED, 1)
+        await ledger.dispatch("gpu-0")
+    ratio = admitted_tokens["heavy"] / admitted_tokens["light"]
+    print(f"fair share: {dict(admitted_tokens)} over {len(seen)} admissions, ratio {ratio:.3f}")
+    assert 3 * 0.9 <= ratio <= 3 * 1.1, (ratio, admitted_tokens)
+    await assert_invariants(engine)
+
+
+async def test_a_big_request_is_not_starved(engine: AsyncEngine, settings: Settings) -> None:
+    await add_instance(engine, 20)
+    await add_tenant(engine, "acme")
+    ledger = make_ledger(engine, settings, bypass=0.5)
+    live = [(await ledger.admit(waiting(f"s{i}", 2)))[0].request_id for i in range(10)]
+    big, _ = await ledger.admit(waiting("big", 10))  # half the instance
+    assert big.state is ReservationState.QUEUED
+    started = time.monotonic()
+    n = 10
+    while (await ledger.get("acme", "big")).state is ReservationState.QUEUED:
+        assert time.monotonic() - started < 3, "the big request starved"
+        await ledger.end("acme", live.pop(0), EndReason.RELEASED, 1)
+        n += 1
+        await ledger.admit(waiting(f"s{n}", 2))  # a stream of small ones
+        await ledger.dispatch("gpu-0")
+        async with engine.connect() as conn:
+            rows = await conn.execute(
+                text(
+                    "SELECT request_id FROM reservations "
+                    "WHERE state = 'ADMITTED' AND request_id <> 'big' ORDER BY admitted_at"
+                )
+            )
+            live = [r[0] for r in rows]
+        await asyncio.sleep(0.05)
+    waited = time.monotonic() - started
+    assert waited >= 0.5 * 0.5  # small ones did pass it for a while
+    await assert_invariants(engine)
+
+
+async def test_retry_delays_grow_with_the_queue_and_shrink_near_lease_expiry(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    await add_instance(engine, 8)
+    await add_tenant(engine, "acme")
+    ledger = make_ledger(engine, settings)
+    # Observe a holding time so Little's law has a service time to work with.
+    await ledger.admit(waiting("warm", 1))
+    await asyncio.sleep(0.2)
+    await ledger.end("acme", "warm", EndReason.RELEASED, 1)
+    await ledger.admit(replace(waiting("hold", 8), lease_ttl_seconds=30.0))
+
+    async def refused_delay() -> float:
+        with pytest.raises(KvQuotaError) as refused:
+            await ledger.admit(request("probe", 10, 5))
+        assert refused.value.retry_delay_seconds is not None
+        return refused.value.retry_delay_seconds
+
+    delays = []
+    for depth in range(4):
+        delays.append(await refused_delay())
+        await ledger.admit(waiting(f"q{depth}", 8))
+    assert delays == sorted(delays) and delays[-1] > delays[0], delays
+
+    # Shrinks as leases near their expiry: with nothing observed, the lease bounds the wait.
+    await add_tenant(engine, "fresh")
+    await add_instance_named(engine, "gpu-1", 4)
+    await ledger.admit(
+        replace(
+            request("lease", 4 * BS - 1, 1, tenant="fresh", instance="gpu-1"), lease_ttl_seconds=3.0
+        )
+    )
+    early = await probe_instance(ledger, "gpu-1")
+    await asyncio.sleep(1.0)
+    late = await probe_instance(ledger, "gpu-1")
+    assert late < early <= 3.0
+
+
+async def add_instance_named(engine: AsyncEngine, name: str, blocks: int) -> None:
+    spec = catalog.instance_spec(name, "m", None, BS, 8192, None, blocks)
+    await Catalog(engine).register_instance(spec)
+
+
+async def probe_instance(ledger: Ledger, instance: str) -> float:
+    with pytest.raises(KvQuotaError) as refused:
+        await ledger.admit(request("probe", 10, 5, tenant="fresh", instance=instance))
+    assert refused.value.retry_delay_seconds is not None
+    return refused.value.retry_delay_seconds
