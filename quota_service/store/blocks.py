@@ -207,7 +207,9 @@ PREFIX_LOOKUP = """
     LEFT JOIN tenant_blocks tb
       ON tb.tenant = :tenant AND tb.instance = b.instance AND tb.block_id = b.block_id
     WHERE b.instance = :instance AND b.content_hash = ANY (CAST(:hashes AS bytea[]))
-    ORDER BY b.content_hash, b.block_id
+    -- Where a hash is on several slots: the tenant's own copy (free to share), then one in use
+    -- (reusing it costs no evictable slot), then the lowest id.
+    ORDER BY b.content_hash, tb.tenant IS NULL, b.state = 'CACHED', b.block_id
 """
 
 
@@ -229,11 +231,18 @@ def table_from_row(row: RowMapping) -> tuple[BlockHandle, ...]:
 
 
 # A tenant as an admission or a pin sees it, under its row lock (the instance is locked first).
+# A locking statement selects only the rows it locks: rows it merely joins would be read from the
+# snapshot taken before it waited for the lock, so the salt is read by the next statement.
 TENANT_ACCOUNT_COLUMNS = """
            t.state AS account_state, t.max_blocks, t.max_tokens_in_flight,
            t.max_queued_requests, t.max_pinned_blocks, t.max_cpu_tier_bytes,
            t.blocks_in_use AS account_blocks, t.tokens_in_flight,
-           t.mean_hold_seconds AS account_hold, t.pinned_blocks AS account_pinned,
-           coalesce(ns.cache_salt, t.cache_salt) AS cache_salt,
-           CASE WHEN t.namespace IS NULL THEN 'tenants/' || t.tenant
-                ELSE 'namespaces/' || t.namespace END AS hash_scope"""
+           t.mean_hold_seconds AS account_hold, t.pinned_blocks AS account_pinned"""
+
+# The salt a tenant's prefixes are hashed under, and whose it is (its own, or its namespace's).
+TENANT_SALT = """
+    SELECT coalesce(ns.cache_salt, t.cache_salt) AS cache_salt,
+           CASE WHEN ns.namespace IS NULL THEN 'tenants/' || t.tenant
+                ELSE 'namespaces/' || ns.namespace END AS hash_scope
+    FROM tenants t LEFT JOIN namespaces ns ON ns.namespace = t.namespace
+    WHERE t.tenant = :tenant"""

@@ -10,7 +10,7 @@ from sqlalchemy import RowMapping, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from quota_service.core.errors import already_exists, not_found
+from quota_service.core.errors import Code, KvQuotaError, already_exists, not_found
 from quota_service.core.geometry import KvGeometry, parse_dtype
 from quota_service.core.hashing import HashAlgo
 from quota_service.core.model import (
@@ -172,12 +172,18 @@ class Catalog:
                 raise not_found("namespace", f"namespaces/{namespace}")
         statement = (
             update(TenantRow)
-            .where(TenantRow.tenant == tenant)
+            .where(TenantRow.tenant == tenant, TenantRow.state.in_(("ACTIVE", "SUSPENDED")))
             .values(**values, updated_at=func.now())
             .returning(TenantRow.tenant)
         )
         if (await conn.execute(statement)).first() is None:
-            raise not_found("tenant", tenant_name(tenant))
+            current = await self._tenant(conn, tenant)  # raises when there is no such tenant
+            raise KvQuotaError(
+                Code.FAILED_PRECONDITION,
+                "TENANT_OFFBOARDED",
+                f"{tenant_name(tenant)} is {current.state.value.lower()}; it cannot change",
+                metadata={"name": tenant_name(tenant)},
+            )
 
     async def _tenant(self, conn: AsyncConnection, tenant: str) -> Tenant:
         query = _TENANT_VIEW.where(TenantRow.tenant == tenant)

@@ -2,10 +2,11 @@
 statements, whatever the request; counters change in the same statement as the reservation row,
 so the ledger never shows one without the other.
 
-Lock order, everywhere: reservation rows, then instance rows, then tenant rows (Admit locks the
-instance and the tenant, then inserts a new reservation row nobody else can hold yet). PostgreSQL
-runs a statement's data-modifying CTEs in no fixed order, so each tenant update reads the rows the
-instance update returned: that dependency is what orders the two locks.
+Lock order, everywhere: the instance's row, then the tenant's, then reservation and block rows.
+PostgreSQL runs a statement's data-modifying CTEs in no fixed order, so each tenant update reads
+the rows the instance update returned: that dependency is what orders the two locks. A locking
+statement selects only the rows it locks; what else it needs is read by the next statement, which
+sees the world as it is once the locks are held.
 """
 
 from __future__ import annotations
@@ -54,16 +55,23 @@ _LOCK_POOL_AND_ACCOUNT = text(
            i.max_queued_requests AS pool_max_queued, i.target_ttft_seconds,
            i.prefill_tokens_per_second,
            {blocks.TENANT_ACCOUNT_COLUMNS},
-           t.queued_requests AS account_queued, t.weight,
-           r.request_id AS existing
-    FROM instances i
-    CROSS JOIN tenants t
-    LEFT JOIN namespaces ns ON ns.namespace = t.namespace
-    LEFT JOIN reservations r ON r.tenant = t.tenant AND r.request_id = :request_id
+           t.queued_requests AS account_queued, t.weight
+    FROM instances i CROSS JOIN tenants t
     WHERE i.instance = :instance AND t.tenant = :tenant
     FOR UPDATE OF i, t
     """
 )
+
+# Read once the locks are held: an Admit with the same id that committed meanwhile is seen.
+_ADMIT_CONTEXT = text(
+    f"""
+    SELECT salt.*, (SELECT request_id FROM reservations
+                    WHERE tenant = :tenant AND request_id = :request_id) AS existing
+    FROM ({blocks.TENANT_SALT}) salt
+    """
+)
+
+_TENANT_SALT = text(blocks.TENANT_SALT)
 
 _LOOKUP_PREFIX = text(blocks.PREFIX_LOOKUP)
 
@@ -231,8 +239,7 @@ _LOCK_POOL = text(
 # this time (as if it did not fit) rather than waited for while holding the instance.
 _LOCK_QUEUED_TENANT = text(
     f"""
-    SELECT {blocks.TENANT_ACCOUNT_COLUMNS}
-    FROM tenants t LEFT JOIN namespaces ns ON ns.namespace = t.namespace
+    SELECT {blocks.TENANT_ACCOUNT_COLUMNS} FROM tenants t
     WHERE t.tenant = :tenant
     FOR UPDATE OF t SKIP LOCKED
     """
@@ -242,16 +249,22 @@ _LIVE_ON_INSTANCE = text(
     "SELECT count(*) FROM reservations WHERE instance = :instance AND state = 'ADMITTED'"
 )
 
-# Locks the reservation's instance, then its tenant, before anything touches their blocks.
+# Locks the reservation's instance, then its tenant, before anything touches their blocks (a
+# reservation never changes instance or tenant, so reading them here is safe).
 _LOCK_FOR_RESERVATION = text(
     """
-    SELECT r.instance, r.holder_id, r.state, r.priority
+    SELECT r.instance
     FROM reservations r
     JOIN instances i ON i.instance = r.instance
     JOIN tenants t ON t.tenant = r.tenant
     WHERE r.tenant = :tenant AND r.request_id = :request_id
     FOR UPDATE OF i, t
     """
+)
+
+_RESERVATION_KEYS = text(
+    "SELECT instance, holder_id, state, priority FROM reservations "
+    "WHERE tenant = :tenant AND request_id = :request_id"
 )
 
 _HOLD = "extract(epoch FROM now() - e.admitted_at)::float8"
@@ -444,8 +457,9 @@ class Ledger:
         row = (await conn.execute(_LOCK_POOL_AND_ACCOUNT, keys)).mappings().first()
         if row is None:
             raise await self._missing(conn, p.tenant, p.instance)
-        salt: str = row["cache_salt"]
-        if row["existing"] is not None:
+        context = (await conn.execute(_ADMIT_CONTEXT, keys)).mappings().one()
+        salt: str = context["cache_salt"]
+        if context["existing"] is not None:
             existing = admission.check_replay(p, await self._get(conn, p.tenant, p.request_id))
             if existing.state is ReservationState.QUEUED and request.wait_timeout_seconds > 0:
                 # A retry keeps its place, and waits at least as long as this call will.
@@ -471,7 +485,7 @@ class Ledger:
             ahead = (await conn.execute(_QUEUED_AHEAD, place)).scalar_one()
         # Requests already waiting go first: nobody jumps the queue, however small.
         if isinstance(decision, AdmissionPlan) and ahead == 0:
-            holder, scope = row["holder_id"], row["hash_scope"]
+            holder, scope = row["holder_id"], context["hash_scope"]
             return await self._insert(conn, request, decision, holder, scope), salt
         shortfall = (
             decision
@@ -603,6 +617,7 @@ class Ledger:
         pool_row = await conn.execute(_LOCK_POOL, {"instance": queued["instance"]})
         pool = pool_from_row(queued["instance"], pool_row.mappings().one())
         account = account_from_row(tenant, account_row)
+        salt = (await conn.execute(_TENANT_SALT, {"tenant": tenant})).mappings().one()
         params = reservation_from_row(queued).params
         token_ids = tuple(queued["prompt_token_ids"] or ())
         request = AdmitRequest(params, token_ids, 0.0, queued["lease_ttl_seconds"])
@@ -612,7 +627,7 @@ class Ledger:
             params.n,
             pool.block_size,
             token_ids,
-            account_row["cache_salt"],
+            salt["cache_salt"],
             pool.hash_algo,
         )
         hits = await lookup_prefix(conn, params.instance, tenant, table.hashes)
@@ -637,7 +652,7 @@ class Ledger:
                     "ttl": decision.lease_ttl_seconds,
                     "virtual_start": queued["virtual_start"],
                     **allocation_params(
-                        decision.hits, decision.new_hashes, account_row["hash_scope"], pinned=False
+                        decision.hits, decision.new_hashes, salt["hash_scope"], pinned=False
                     ),
                 },
             )
@@ -708,10 +723,10 @@ class Ledger:
 
     async def _lock(self, conn: AsyncConnection, tenant: str, request_id: str) -> RowMapping:
         keys = {"tenant": tenant, "request_id": request_id}
-        row = (await conn.execute(_LOCK_FOR_RESERVATION, keys)).mappings().first()
-        if row is None:
+        if (await conn.execute(_LOCK_FOR_RESERVATION, keys)).first() is None:
             raise not_found("reservation", reservation_name(tenant, request_id))
-        return row
+        # Its state as it is now that the locks are held.
+        return (await conn.execute(_RESERVATION_KEYS, keys)).mappings().one()
 
     async def end(
         self,

@@ -35,14 +35,16 @@ _LOCK_POOL = text(
 
 _LOCK_TENANT = text(
     f"""
-    SELECT {blocks.TENANT_ACCOUNT_COLUMNS}
-    FROM tenants t LEFT JOIN namespaces ns ON ns.namespace = t.namespace
+    SELECT {blocks.TENANT_ACCOUNT_COLUMNS} FROM tenants t
     WHERE t.tenant = :tenant
     FOR UPDATE OF t
     """
 )
 
-_NAMESPACE_SALT = text("SELECT cache_salt FROM namespaces WHERE namespace = :namespace")
+_TENANT_SALT = text(blocks.TENANT_SALT)
+
+# Locked (after the instance) so two pins of one namespace are decided one after the other.
+_NAMESPACE_SALT = text("SELECT cache_salt FROM namespaces WHERE namespace = :namespace FOR UPDATE")
 
 _PIN = text(
     f"""
@@ -129,7 +131,8 @@ class Pins:
                 if row is None:
                     raise not_found("tenant", owner)
                 account = account_from_row(tenant, row)
-                salt, scope = row["cache_salt"], row["hash_scope"]
+                salted = (await conn.execute(_TENANT_SALT, {"tenant": tenant})).mappings().one()
+                salt, scope = salted["cache_salt"], salted["hash_scope"]
             else:
                 salt = (
                     await conn.execute(_NAMESPACE_SALT, {"namespace": owner_id})

@@ -230,3 +230,17 @@ async def test_many_admits_and_releases_never_over_commit(
     await asyncio.gather(*(one(i) for i in range(120)))
     await assert_invariants(engine)
     assert (await counters(engine))["tenant:capped"]["blocks_in_use"] <= 200
+
+
+async def test_racing_duplicates_at_the_quota_edge_both_get_the_reservation(
+    ledger: Ledger, engine: AsyncEngine
+) -> None:
+    """The loser of two identical Admits must see the winner's reservation (and replay it), not
+    the winner's usage (and refuse for quota)."""
+    await add_tenant(engine, "edge", TenantQuota(11, 10**6, 1, 1, 1))
+    for attempt in range(5):
+        same = request(f"dup{attempt}", 160, 16, tenant="edge")  # exactly 11 blocks
+        first, second = await asyncio.gather(ledger.admit(same), ledger.admit(same))
+        assert first[0] == second[0]
+        await ledger.end("edge", f"dup{attempt}", EndReason.RELEASED, 1)
+    await assert_invariants(engine)

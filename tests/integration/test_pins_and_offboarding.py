@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
@@ -11,7 +12,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from quota_service.config import Settings
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.errors import KvQuotaError
-from quota_service.core.model import EndReason, PinState, ReservationState, TenantQuota
+from quota_service.core.model import (
+    EndReason,
+    PinState,
+    ReservationState,
+    TenantQuota,
+    TenantState,
+)
 from quota_service.store.catalog import Catalog
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
@@ -222,3 +229,52 @@ async def test_tombstones_are_purged_after_retention(
     inspection = Inspection(engine)
     assert await inspection.purge_tombstones(3600, 100) == 0
     assert await inspection.purge_tombstones(0, 100) == 2
+
+
+async def test_an_offboarded_tenant_cannot_come_back(
+    engine: AsyncEngine, stores: tuple[Ledger, Pins, Catalog], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger, pins, catalog = stores
+    await add_instance(engine, blocks=50)
+    await add_tenant(engine, "gone")
+    await add_tenant(engine, "crashed")
+    await Offboarding(engine, ledger, pins).delete_tenant("gone")
+    for change in (
+        catalog.set_tenant_state("gone", TenantState.ACTIVE),
+        catalog.update_tenant("gone", {"weight": 2}),
+    ):
+        with pytest.raises(KvQuotaError) as refused:
+            await change
+        assert refused.value.reason == "TENANT_OFFBOARDED"
+    # An offboarding that crashed stays DELETING: suspending it cannot derail the resumption.
+    await ledger.admit(request("r", 10, 10, tenant="crashed"))
+
+    async def crash(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("process killed")
+
+    monkeypatch.setattr(ledger, "end", crash)
+    with pytest.raises(RuntimeError):
+        await Offboarding(engine, ledger, pins).delete_tenant("crashed")
+    monkeypatch.undo()
+    with pytest.raises(KvQuotaError):
+        await catalog.set_tenant_state("crashed", TenantState.SUSPENDED)
+    assert await Offboarding(engine, ledger, pins).resume_all() == 1
+    assert (await catalog.get_tenant("crashed")).state is TenantState.DELETED
+
+
+async def test_racing_namespace_pins_with_one_id(
+    engine: AsyncEngine, stores: tuple[Ledger, Pins, Catalog]
+) -> None:
+    _, pins, catalog = stores
+    await add_instance(engine, blocks=20)
+    await add_instance(engine, "gpu-1", blocks=20)
+    await catalog.create_namespace("pub")
+    results = await asyncio.gather(
+        pins.pin("namespaces/pub", "system", "gpu-0", tokens(1, 2)),
+        pins.pin("namespaces/pub", "system", "gpu-1", tokens(1, 2)),
+        return_exceptions=True,
+    )
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert len(refused) == 1
+    assert isinstance(refused[0], KvQuotaError) and refused[0].reason == "PIN_ID_REUSED"
+    await assert_invariants(engine)

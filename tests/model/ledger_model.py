@@ -277,7 +277,8 @@ class Model:
     def _prefix(
         self, instance: str, tenant: str | None, hashes: Sequence[bytes]
     ) -> list[CachedBlock]:
-        """The longest cached prefix; where a hash is on several slots, the lowest id wins."""
+        """The longest cached prefix. Where a hash is on several slots: the tenant's own copy,
+        then one in use, then the lowest id."""
         mine = [
             e
             for h in self._live_holders()
@@ -288,8 +289,15 @@ class Model:
         held = {e.block_id for e in mine}
         pinned_by = {e.block_id for e in mine if e.pinned}
         cached: dict[bytes, CachedBlock] = {}
-        for block_id, slot in enumerate(self.slots[instance]):
-            if slot.content_hash is not None and slot.content_hash not in cached:
+        slots = self.slots[instance]
+        candidates = sorted(
+            (i for i, slot in enumerate(slots) if slot.content_hash is not None),
+            key=lambda i: (i not in held, slots[i].state == "CACHED", i),
+        )
+        for block_id in candidates:
+            slot = slots[block_id]
+            if slot.content_hash not in cached:
+                assert slot.content_hash is not None
                 cached[slot.content_hash] = CachedBlock(
                     slot.content_hash,
                     BlockHandle(block_id, slot.generation),
