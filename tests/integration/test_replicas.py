@@ -7,6 +7,7 @@ import asyncio
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvquota.v1 import admission_pb2, admission_pb2_grpc
@@ -112,3 +114,67 @@ async def test_two_replicas_never_over_commit(engine: AsyncEngine, replicas: lis
     assert books["reservations"]["count"] == outcomes["ADMITTED"]
     for tenant in tenants:
         assert books[f"tenant:{tenant}"]["blocks_in_use"] <= QUOTA.max_blocks
+
+
+async def test_two_replicas_share_one_queue_and_a_killed_one_loses_nothing(
+    engine: AsyncEngine, database_url: str
+) -> None:
+    """Requests that each need the whole instance wait on both replicas; one replica is killed
+    while they wait; its callers retry on the other with the same request id. Every request is
+    admitted exactly once."""
+    await add_instance(engine, blocks=8)
+    await add_tenant(engine, "acme")
+    started = [start_replica(database_url, reaper_interval_seconds="0.2") for _ in range(2)]
+    (victim, victim_address), (survivor, survivor_address) = started
+    channels = [grpc.aio.insecure_channel(a) for a in (victim_address, survivor_address)]
+    stubs = [admission_pb2_grpc.AdmissionServiceStub(c) for c in channels]
+    admitted: list[str] = []
+    retried: list[str] = []
+
+    async def one(i: int) -> None:
+        request = admission_pb2.AdmitRequest(
+            tenant="tenants/acme",
+            request_id=f"w{i}",
+            instance="instances/gpu-0",
+            prompt_tokens=8 * 16 - 1,
+            max_output_tokens=1,
+        )
+        request.wait_timeout.FromSeconds(60)
+        stub = stubs[i % 2]
+        while True:
+            try:
+                reply = await stub.Admit(request)
+                break
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+                retried.append(request.request_id)
+                stub = stubs[1]  # its replica died: ask the other, same request id
+        admitted.append(reply.reservation.request_id)
+        await asyncio.sleep(0.05)  # the "generation"
+        await stubs[1].Release(admission_pb2.ReleaseRequest(name=reply.reservation.name))
+
+    try:
+        waiting = [asyncio.ensure_future(one(i)) for i in range(12)]
+        await asyncio.sleep(0.5)
+        assert victim.stdout is not None
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=10)
+        victim.stdout.close()
+        await asyncio.wait_for(asyncio.gather(*waiting), 60)
+    finally:
+        for channel in channels:
+            await channel.close()
+        survivor.terminate()
+        survivor.wait(timeout=30)
+        assert survivor.stdout is not None
+        survivor.stdout.close()
+    assert retried, "the killed replica had nobody waiting: the test proved nothing"
+    assert sorted(admitted) == sorted(f"w{i}" for i in range(12))
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text("SELECT request_id, state, end_reason, admitted_at IS NOT NULL FROM reservations")
+        )
+        assert sorted(tuple(r) for r in rows) == sorted(
+            (f"w{i}", "ENDED", "RELEASED", True) for i in range(12)
+        )
+    await assert_invariants(engine)
