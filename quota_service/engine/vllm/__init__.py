@@ -1,0 +1,1 @@
+"""The vLLM driver: KV-cache events over ZMQ, /metrics, and the dev-mode control endpoints."""

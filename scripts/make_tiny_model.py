@@ -1,0 +1,34 @@
+"""Write a tiny random Llama model (weights and config only) for the engine contract tests.
+
+Run with the engines' Python (it needs transformers and torch):
+    .venv-engines/bin/python scripts/make_tiny_model.py DIR
+vLLM serves it with --skip-tokenizer-init; prompts are token ids.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    LlamaForCausalLM(config).save_pretrained(out)
+    print(f"tiny model written to {out}")
+
+
+if __name__ == "__main__":
+    main()

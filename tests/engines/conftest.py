@@ -1,0 +1,126 @@
+"""Contract tests against a real vLLM on the CPU (`make test-engines`): a tiny random model made
+on the spot, served with KV events and a 64-block pool. The engine's Python is the one
+`make test-engines` builds (.venv-engines); without it the tests fail, they never skip."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINES_PYTHON = Path(
+    os.environ.get("KVQUOTA_ENGINES_PYTHON", ROOT / ".venv-engines" / "bin" / "python")
+)
+BLOCK_SIZE = 32
+NUM_GPU_BLOCKS = 64
+STARTUP_SECONDS = 300
+
+
+@dataclass(frozen=True)
+class Engine:
+    model: str
+    base_url: str
+    events: str
+    replay: str
+    python: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> Path:
+    if not ENGINES_PYTHON.exists():
+        pytest.fail(f"{ENGINES_PYTHON} is missing: run `make test-engines`, which builds it")
+    return ENGINES_PYTHON
+
+
+@pytest.fixture(scope="session")
+def vllm(engine_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    model = tmp_path_factory.mktemp("tiny-model")
+    subprocess.run([engine_python, ROOT / "scripts" / "make_tiny_model.py", model], check=True)
+    http_port, events_port, replay_port = _free_port(), _free_port(), _free_port()
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+        "topic": "kv",
+    }
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    env.pop("PYTHONHASHSEED", None)  # vLLM's root hash depends on it
+    log = (tmp_path_factory.mktemp("vllm-log") / "vllm.log").open("w")
+    process = subprocess.Popen(
+        [
+            engine_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "512",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--enforce-eager",
+            "--enable-prefix-caching",
+            "--num-gpu-blocks-override",
+            str(NUM_GPU_BLOCKS),
+            # On the CPU this is the share of host memory vLLM may take.
+            "--gpu-memory-utilization",
+            "0.3",
+            "--skip-tokenizer-init",
+            "--port",
+            str(http_port),
+            "--kv-events-config",
+            json.dumps(kv_events),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base_url = f"http://127.0.0.1:{http_port}"
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"vLLM exited with {process.returncode}; see {log.name}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"vLLM did not start within {STARTUP_SECONDS}s; see {log.name}")
+        time.sleep(1)
+    yield Engine(
+        str(model),
+        base_url,
+        f"tcp://127.0.0.1:{events_port}",
+        f"tcp://127.0.0.1:{replay_port}",
+        engine_python,
+    )
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    log.close()

@@ -1,0 +1,138 @@
+"""What kvquota assumes of vLLM, checked against the real engine (ENGINES.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+
+from quota_service.core.hashing import block_hashes, event_hash
+from quota_service.engine.vllm.events import BlockStored
+from quota_service.engine.vllm.http import VllmHttp
+from quota_service.engine.vllm.subscriber import Received, Subscriber
+from tests.engines.conftest import BLOCK_SIZE, NUM_GPU_BLOCKS, ROOT, Engine
+
+
+async def complete(
+    engine: Engine, prompt: list[int], max_tokens: int = 4, **extra: object
+) -> dict[str, object]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        response = await client.post(
+            f"{engine.base_url}/v1/completions",
+            json={"model": engine.model, "prompt": prompt, "max_tokens": max_tokens, **extra},
+        )
+        response.raise_for_status()
+        result: dict[str, object] = response.json()
+        return result
+
+
+async def collect(subscriber: Subscriber, seconds: float) -> list[Received]:
+    got: list[Received] = []
+
+    async def run() -> None:
+        async for item in subscriber.items():
+            assert isinstance(item, Received), item
+            got.append(item)
+
+    task = asyncio.create_task(run())
+    await asyncio.sleep(seconds)
+    task.cancel()
+    return got
+
+
+def stored_hashes(items: list[Received]) -> list[int]:
+    return [
+        h
+        for r in items
+        for e in r.batch.events
+        if isinstance(e, BlockStored)
+        for h in e.block_hashes
+    ]
+
+
+def test_hash_vectors_regenerate_identically(vllm: Engine, tmp_path: Path) -> None:
+    """The committed parity vectors are what vLLM's own hasher gives today."""
+    out = tmp_path / "vectors.json"
+    subprocess.run(
+        [vllm.python, ROOT / "scripts" / "vllm_hash_vectors.py", "--out", out], check=True
+    )
+    committed = json.loads((ROOT / "tests" / "data" / "vllm_block_hashes.json").read_text())
+    assert json.loads(out.read_text())["vectors"] == committed["vectors"]
+
+
+async def test_our_hashes_are_the_engines(vllm: Engine) -> None:
+    subscriber = Subscriber(vllm.events, vllm.replay)
+    subscriber.connect()
+    await asyncio.sleep(0.5)
+    prompts = {
+        "tenantA": list(range(1, 70)),
+        None: list(range(100, 200)),
+        "ZmFrZQ-salt_x": [5] * 96,
+    }
+    for salt, prompt in prompts.items():
+        extra = {"cache_salt": salt} if salt else {}
+        await complete(vllm, prompt, max_tokens=1, **extra)
+        items = await collect(subscriber, 1.0)
+        ours = [event_hash(h) for h in block_hashes(prompt, BLOCK_SIZE, salt)]
+        assert stored_hashes(items)[: len(ours)] == ours, salt
+    subscriber.close()
+
+
+async def test_every_event_decodes_and_replay_fills_a_gap(vllm: Engine) -> None:
+    subscriber = Subscriber(vllm.events, vllm.replay)
+    subscriber.connect()
+    await asyncio.sleep(0.5)
+    for i in range(6):  # enough long prompts to fill the 64-block pool and force evictions
+        await complete(vllm, [20 + i] * 400, max_tokens=60)
+    live = await collect(subscriber, 1.5)
+    assert live and all(r.batch.events for r in live)
+    kinds = {type(e).__name__ for r in live for e in r.batch.events}
+    assert "BlockStored" in kinds and "BlockRemoved" in kinds, kinds
+    # A subscriber that missed everything from the first of those batches on: the next live
+    # batch shows the gap, and the replay fills it with exactly the batches missed.
+    late = Subscriber(vllm.events, vllm.replay)
+    late.connect()
+    await asyncio.sleep(0.5)
+    late.expected = live[0].seq
+    await complete(vllm, [99] * 40, max_tokens=1)
+    filled = await collect(late, 1.5)
+    replayed = [r for r in filled if r.replayed]
+    assert [r.seq for r in replayed][: len(live)] == [r.seq for r in live]
+    assert [r.batch.events for r in replayed][: len(live)] == [r.batch.events for r in live]
+    subscriber.close()
+    late.close()
+
+
+async def test_metrics_tell_the_real_pool(vllm: Engine) -> None:
+    http = VllmHttp(vllm.base_url)
+    metrics = await http.metrics()
+    await http.close()
+    assert (metrics.num_gpu_blocks, metrics.block_size) == (NUM_GPU_BLOCKS, BLOCK_SIZE)
+    assert metrics.prefix_caching_hash_algo == "sha256"
+
+
+async def test_abort_by_request_id_stops_a_long_generation(vllm: Engine) -> None:
+    """The gateway sends kvquota's request_id; the driver aborts the ids vLLM derives from it."""
+    http = VllmHttp(vllm.base_url)
+    generation = asyncio.create_task(
+        complete(vllm, [3] * 32, max_tokens=400, request_id="long-1", ignore_eos=True)
+    )
+    for _ in range(100):
+        if (await http.metrics()).requests_running:
+            break
+        await asyncio.sleep(0.1)
+    await http.abort(["long-1"])
+    result = await asyncio.wait_for(generation, 60)
+    choices = result["choices"]
+    assert isinstance(choices, list) and choices[0]["finish_reason"] == "abort"
+    usage = result["usage"]
+    assert isinstance(usage, dict) and usage["completion_tokens"] < 400
+    for _ in range(100):  # the gauge follows a moment later
+        if not (await http.metrics()).requests_running:
+            break
+        await asyncio.sleep(0.1)
+    assert (await http.metrics()).requests_running == 0
+    await http.close()
