@@ -206,6 +206,8 @@ class _EndReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EndReason.V
     """Its tenant was offboarded."""
     END_REASON_QUEUE_TIMEOUT: _EndReason.ValueType  # 5
     """It waited its whole wait budget in the queue."""
+    END_REASON_ENGINE_RESTARTED: _EndReason.ValueType  # 6
+    """The engine restarted under it; its work was lost."""
 
 class EndReason(_EndReason, metaclass=_EndReasonEnumTypeWrapper): ...
 
@@ -220,6 +222,8 @@ END_REASON_TENANT_DELETED: EndReason.ValueType  # 4
 """Its tenant was offboarded."""
 END_REASON_QUEUE_TIMEOUT: EndReason.ValueType  # 5
 """It waited its whole wait budget in the queue."""
+END_REASON_ENGINE_RESTARTED: EndReason.ValueType  # 6
+"""The engine restarted under it; its work was lost."""
 Global___EndReason: _TypeAlias = EndReason  # noqa: Y015
 
 @_typing.final

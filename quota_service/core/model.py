@@ -37,6 +37,8 @@ class EndReason(enum.Enum):
     TENANT_DELETED = "TENANT_DELETED"
     # It waited its whole wait budget in the queue.
     QUEUE_TIMEOUT = "QUEUE_TIMEOUT"
+    # The engine restarted under it: its work is lost.
+    ENGINE_RESTARTED = "ENGINE_RESTARTED"
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,11 @@ HOLDER_IDS = Sequence("holder_ids", metadata=Base.metadata)
 # Eviction order of cached blocks: each release takes one value; see store/blocks.py.
 BLOCK_LRU = Sequence("block_lru", metadata=Base.metadata)
 
+EVENT_HASH = (
+    "CASE WHEN content_hash IS NULL THEN NULL "
+    "ELSE ('x' || encode(substring(content_hash FROM 25 FOR 8), 'hex'))::bit(64)::bigint END"
+)
+
 # A block's state follows from its counts, so no code can set it inconsistently:
 # FREE (no references, no contents), CACHED (no references, reusable contents),
 # PINNED (held by pins alone), IN_USE (referenced by a block table).
@@ -148,6 +153,15 @@ class InstanceRow(Base):
     prefill_tokens_per_second: Mapped[float] = mapped_column(server_default="0")
     queued_requests: Mapped[Count]
     queued_prompt_tokens: Mapped[Count]
+    # The engine behind it, when kvquota follows one (vLLM's HTTP server and KV-event sockets).
+    engine_url: Mapped[str | None] = mapped_column(String(200))
+    kv_events_endpoint: Mapped[str | None] = mapped_column(String(200))
+    kv_replay_endpoint: Mapped[str | None] = mapped_column(String(200))
+    # Reconciliation: the last event batch applied, resynchronisations, and drift (the engine
+    # evicted a block the ledger still counts as referenced).
+    last_event_seq: Mapped[int | None] = mapped_column(BigInteger)
+    engine_resyncs: Mapped[Count]
+    drift_blocks: Mapped[Count]
     created_at: Mapped[CreatedAt]
     updated_at: Mapped[CreatedAt]
 
@@ -278,6 +292,11 @@ class BlockRow(Base):
     lru_seq: Mapped[int | None] = mapped_column(BigInteger)
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     state: Mapped[str] = mapped_column(String(8), Computed(BLOCK_STATE, persisted=True))
+    # The hash as vLLM's KV events carry it (the digest's low 64 bits, as a signed bigint), to
+    # match events to blocks by index.
+    event_hash: Mapped[int | None] = mapped_column(BigInteger, Computed(EVENT_HASH, persisted=True))
+    # When the engine last reported holding these contents (BlockStored).
+    engine_confirmed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         CheckConstraint("pin_count >= 0 AND ref_count >= pin_count", name="refs"),
@@ -291,6 +310,12 @@ class BlockRow(Base):
             "instance",
             "content_hash",
             postgresql_where=text("content_hash IS NOT NULL"),
+        ),
+        Index(
+            "ix_blocks_event_hash",
+            "instance",
+            "event_hash",
+            postgresql_where=text("event_hash IS NOT NULL"),
         ),
     )
 

@@ -1,0 +1,164 @@
+"""Reconciliation: the ledger follows what the engine reports it holds.
+
+- BlockStored: the engine holds these contents; the ledger's blocks with those hashes are
+  confirmed (blocks the ledger does not know, such as full output blocks, are the engine's own).
+- BlockRemoved: the engine evicted them. A ledger block with such a hash and no references is
+  freed and tombstoned (ENGINE_EVICTED); one the ledger still references is drift, counted on the
+  instance and left alone (the reservation holding it still owns its budget).
+- AllBlocksCleared, and any resynchronisation: every cached, unreferenced block is freed
+  (ENGINE_CLEARED); after an engine restart the live reservations on it end (ENGINE_RESTARTED),
+  since the engine lost their work.
+Only GPU-medium events speak of the instance's pool; CPU and storage tiers come with reclaim.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from quota_service.core.model import EndReason
+from quota_service.engine.vllm.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
+from quota_service.store import blocks
+from quota_service.store.database import in_transaction
+from quota_service.store.ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+GPU = "GPU"
+
+_LOCK_INSTANCE = text("SELECT 1 FROM instances WHERE instance = :instance FOR UPDATE")
+
+_CONFIRM = text(
+    """
+    UPDATE blocks SET engine_confirmed_at = now()
+    WHERE instance = :instance AND event_hash = ANY (CAST(:hashes AS bigint[]))
+    """
+)
+
+
+def _drop_contents(victims: str, reason: str) -> str:
+    """Free the unreferenced cached blocks `victims` selects (block_id, state, content_hash),
+    tombstone their handles, count referenced ones as drift, and move the pool's counters."""
+    return f"""
+    WITH victim AS ({victims}), block_after AS (
+        UPDATE blocks b
+        SET generation = b.generation + 1, content_hash = NULL, hash_scope = NULL,
+            lru_seq = NULL, engine_confirmed_at = NULL
+        FROM victim v
+        WHERE b.instance = :instance AND b.block_id = v.block_id AND v.state = 'CACHED'
+        RETURNING b.block_id, b.generation, b.state
+    ), tombstoned AS (
+        INSERT INTO tombstones (
+            instance, block_id, generation, content_hash, reason, tenant, freed_at)
+        SELECT :instance, a.block_id, a.generation - 1, v.content_hash, '{reason}', NULL, now()
+        FROM block_after a JOIN victim v USING (block_id)
+    ), transitions AS (
+        SELECT v.state AS state_before, a.state
+        FROM block_after a JOIN victim v USING (block_id)
+    ), {
+        blocks.pool_counts(
+            "drift_blocks = i.drift_blocks + "
+            "(SELECT count(*) FROM victim WHERE state IN ('IN_USE', 'PINNED'))"
+        )
+    }
+    SELECT (SELECT count(*) FROM block_after) AS freed,
+           (SELECT count(*) FROM victim WHERE state IN ('IN_USE', 'PINNED')) AS drift,
+           {blocks.NOTIFY_RELEASED}
+    """
+
+
+_REMOVE = text(
+    _drop_contents(
+        "SELECT block_id, state, content_hash FROM blocks "
+        "WHERE instance = :instance AND event_hash = ANY (CAST(:hashes AS bigint[]))",
+        "ENGINE_EVICTED",
+    )
+)
+
+_CLEAR = text(
+    _drop_contents(
+        "SELECT block_id, state, content_hash FROM blocks "
+        "WHERE instance = :instance AND state = 'CACHED'",
+        "ENGINE_CLEARED",
+    )
+)
+
+_APPLIED = text("UPDATE instances SET last_event_seq = :seq WHERE instance = :instance")
+
+_RESYNCED = text(
+    "UPDATE instances SET engine_resyncs = engine_resyncs + 1, last_event_seq = :seq "
+    "WHERE instance = :instance"
+)
+
+_LIVE_ON_INSTANCE = text(
+    "SELECT tenant, request_id FROM reservations WHERE instance = :instance AND state = 'ADMITTED'"
+)
+
+
+def signed(event_hash: int) -> int:
+    """vLLM's unsigned 64-bit event hash as the bigint the blocks table keeps."""
+    return event_hash - (1 << 64) if event_hash >= 1 << 63 else event_hash
+
+
+class Reconciler:
+    def __init__(self, engine: AsyncEngine, ledger: Ledger) -> None:
+        self._engine = engine
+        self._ledger = ledger
+
+    async def apply(self, instance: str, seq: int, batch: EventBatch) -> tuple[int, int]:
+        """Apply one batch in order, in one transaction; returns (blocks freed, drift seen)."""
+
+        async def work(conn: AsyncConnection) -> tuple[int, int]:
+            await conn.execute(_LOCK_INSTANCE, {"instance": instance})
+            freed = drift = 0
+            for event in batch.events:
+                if isinstance(event, AllBlocksCleared):
+                    row = (await conn.execute(_CLEAR, {"instance": instance})).one()
+                    freed += row.freed
+                elif event.medium != GPU:
+                    continue
+                elif isinstance(event, BlockStored):
+                    await conn.execute(_CONFIRM, self._hashes(instance, event.block_hashes))
+                elif isinstance(event, BlockRemoved):
+                    row = (
+                        await conn.execute(_REMOVE, self._hashes(instance, event.block_hashes))
+                    ).one()
+                    freed, drift = freed + row.freed, drift + row.drift
+            await conn.execute(_APPLIED, {"instance": instance, "seq": seq})
+            return freed, drift
+
+        return await in_transaction(self._engine, work)
+
+    async def resynchronise(self, instance: str, seq: int, *, restarted: bool) -> int:
+        """Forget what the engine held. After a restart the reservations that were running on it
+        end first (their blocks come back), then every cached block is freed. Returns how many
+        reservations ended."""
+        lost: list[tuple[str, str]] = []
+        if restarted:
+            async with self._engine.connect() as conn:
+                rows = await conn.execute(_LIVE_ON_INSTANCE, {"instance": instance})
+                lost = [(r.tenant, r.request_id) for r in rows]
+            for tenant, request_id in lost:
+                await self._ledger.end(tenant, request_id, EndReason.ENGINE_RESTARTED)
+            if lost:
+                log.warning("engine of %s restarted: %d reservations ended", instance, len(lost))
+
+        async def forget(conn: AsyncConnection) -> None:
+            await conn.execute(_LOCK_INSTANCE, {"instance": instance})
+            await conn.execute(_CLEAR, {"instance": instance})
+            await conn.execute(_RESYNCED, {"instance": instance, "seq": seq})
+
+        await in_transaction(self._engine, forget)
+        return len(lost)
+
+    @staticmethod
+    def _hashes(instance: str, hashes: Sequence[int]) -> dict[str, object]:
+        return {"instance": instance, "hashes": [signed(h) for h in hashes]}

@@ -1,0 +1,113 @@
+"""The ledger following an engine's KV events (decoded batches, as the subscriber yields them)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.core.hashing import block_hashes, event_hash
+from quota_service.core.model import EndReason, ReservationState
+from quota_service.engine.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from quota_service.store.ledger import Ledger
+from quota_service.store.reconcile import Reconciler
+from tests.integration.invariants import assert_invariants
+from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
+
+BS = 16
+PROMPT = list(range(500, 500 + 4 * BS))
+
+
+def batch(*events: BlockStored | BlockRemoved | AllBlocksCleared) -> EventBatch:
+    return EventBatch(0.0, events, 0)
+
+
+async def states(engine: AsyncEngine) -> dict[int, tuple[str, bool]]:
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text("SELECT block_id, state, engine_confirmed_at IS NOT NULL FROM blocks ORDER BY 1")
+        )
+        return {r[0]: (r[1], r[2]) for r in rows}
+
+
+async def test_events_confirm_evict_and_count_drift(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    await add_instance(engine, blocks=16)
+    await add_tenant(engine, "acme")
+    ledger = Ledger(engine, settings.admission_limits)
+    reconciler = Reconciler(engine, ledger)
+    _, salt = await ledger.admit(
+        replace(request("a", len(PROMPT), 1), prompt_token_ids=tuple(PROMPT))
+    )
+    hashes = [event_hash(h) for h in block_hashes(PROMPT, BS, salt)]
+    stored = BlockStored(tuple(hashes), None, tuple(PROMPT), BS, "GPU")
+    await reconciler.apply("gpu-0", 0, batch(stored))
+    assert [states_ for _, states_ in sorted((await states(engine)).items())][:4] == [
+        ("IN_USE", True)
+    ] * 4
+
+    # The engine evicts two blocks the ledger still references: drift, nothing freed.
+    assert await reconciler.apply("gpu-0", 1, batch(BlockRemoved(tuple(hashes[2:]), "GPU"))) == (
+        0,
+        2,
+    )
+    assert (await counters(engine))["instance:gpu-0"]["blocks_in_use"] == 5
+    # Released, they are cached; when the engine evicts them they are freed and tombstoned.
+    await ledger.end("acme", "a", EndReason.RELEASED, 1)
+    assert await reconciler.apply("gpu-0", 2, batch(BlockRemoved(tuple(hashes[2:]), "GPU"))) == (
+        2,
+        0,
+    )
+    assert [(await states(engine))[i][0] for i in range(4)] == ["CACHED", "CACHED", "FREE", "FREE"]
+    async with engine.connect() as conn:
+        reasons = (
+            (await conn.execute(text("SELECT reason FROM tombstones ORDER BY block_id")))
+            .scalars()
+            .all()
+        )
+        drift = (
+            await conn.execute(text("SELECT drift_blocks, last_event_seq FROM instances"))
+        ).one()
+    assert reasons == ["ENGINE_EVICTED", "ENGINE_EVICTED", "FREED"]
+    assert tuple(drift) == (2, 2)
+    # Another medium's events are not about this pool.
+    assert await reconciler.apply("gpu-0", 3, batch(BlockRemoved(tuple(hashes[:2]), "CPU"))) == (
+        0,
+        0,
+    )
+    # AllBlocksCleared frees every cached block.
+    assert await reconciler.apply("gpu-0", 4, batch(AllBlocksCleared())) == (2, 0)
+    assert (await counters(engine))["instance:gpu-0"]["cached_blocks"] == 0
+    # A new request on the same prompt misses: the ledger no longer claims those contents.
+    again, _ = await ledger.admit(
+        replace(request("b", len(PROMPT), 1), prompt_token_ids=tuple(PROMPT))
+    )
+    assert again.prefix_hit_blocks == 0
+    await assert_invariants(engine)
+
+
+async def test_an_engine_restart_ends_its_reservations(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    await add_instance(engine, blocks=16)
+    await add_instance(engine, "gpu-1", blocks=16)
+    await add_tenant(engine, "acme")
+    ledger = Ledger(engine, settings.admission_limits)
+    await ledger.admit(replace(request("a", len(PROMPT), 1), prompt_token_ids=tuple(PROMPT)))
+    await ledger.admit(request("b", 40, 10))
+    await ledger.end("acme", "b", EndReason.RELEASED, 1)
+    await ledger.admit(request("other", 40, 10, instance="gpu-1"))
+    ended = await Reconciler(engine, ledger).resynchronise("gpu-0", 0, restarted=True)
+    assert ended == 1
+    a = await ledger.get("acme", "a")
+    assert (a.state, a.end_reason) == (ReservationState.ENDED, EndReason.ENGINE_RESTARTED)
+    assert (await ledger.get("acme", "other")).state is ReservationState.ADMITTED
+    books = await counters(engine)
+    assert (books["instance:gpu-0"]["blocks_in_use"], books["instance:gpu-0"]["cached_blocks"]) == (
+        0,
+        0,
+    )
+    await assert_invariants(engine)
