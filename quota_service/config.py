@@ -42,6 +42,10 @@ class Settings:
     dispatch_batch: int = 32
     # Waiting callers re-read their reservation this often even without a notification.
     queue_poll_seconds: float = 1.0
+    # Release follows the engine: each abort call's timeout, and how long a reservation keeps
+    # its blocks while its engine cannot be reached before it is released anyway.
+    engine_abort_timeout_seconds: float = 2.0
+    engine_abort_hard_timeout_seconds: float = 30.0
     # Tombstones answer late releases through freed handles; after this they are purged.
     tombstone_retention_seconds: float = 86400.0
     shutdown_grace_seconds: float = 10.0
@@ -59,6 +63,8 @@ class Settings:
             "tombstone_retention_seconds",
             "dispatch_batch",
             "queue_poll_seconds",
+            "engine_abort_timeout_seconds",
+            "engine_abort_hard_timeout_seconds",
         )
         for name in positive:
             if getattr(self, name) <= 0:

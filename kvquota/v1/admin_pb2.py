@@ -27,7 +27,7 @@ from google.protobuf import field_mask_pb2 as google_dot_protobuf_dot_field__mas
 from kvquota.v1 import resources_pb2 as kvquota_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvquota/v1/admin.proto\x12\nkvquota.v1\x1a\x1egoogle/protobuf/duration.proto\x1a google/protobuf/field_mask.proto\x1a\x1akvquota/v1/resources.proto\"L\n\x13\x43reateTenantRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\"\n\x06tenant\x18\x02 \x01(\x0b\x32\x12.kvquota.v1.Tenant\" \n\x10GetTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\";\n\x12ListTenantsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"S\n\x13ListTenantsResponse\x12#\n\x07tenants\x18\x01 \x03(\x0b\x32\x12.kvquota.v1.Tenant\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"j\n\x13UpdateTenantRequest\x12\"\n\x06tenant\x18\x01 \x01(\x0b\x32\x12.kvquota.v1.Tenant\x12/\n\x0bupdate_mask\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.FieldMask\"$\n\x14SuspendTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"#\n\x13ResumeTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x8a\x03\n\x17RegisterInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x08geometry\x18\x03 \x01(\x0b\x32\x16.kvquota.v1.KvGeometry\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x31\n\rmemory_budget\x18\x06 \x01(\x0b\x32\x18.kvquota.v1.MemoryBudgetH\x00\x12\x18\n\x0enum_gpu_blocks\x18\x07 \x01(\x03H\x00\x12-\n\thash_algo\x18\x08 \x01(\x0e\x32\x1a.kvquota.v1.PrefixHashAlgo\x12\x1b\n\x13max_queued_requests\x18\t \x01(\x03\x12.\n\x0btarget_ttft\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12!\n\x19prefill_tokens_per_second\x18\x0b \x01(\x01\x42\n\n\x08\x63\x61pacity\"\"\n\x12GetInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"=\n\x14ListInstancesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"Y\n\x15ListInstancesResponse\x12\'\n\tinstances\x18\x01 \x03(\x0b\x32\x14.kvquota.v1.Instance\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"$\n\x14\x44rainInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"#\n\x13\x44\x65leteTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Z\n\x11OffboardingReport\x12\x14\n\x0c\x66reed_blocks\x18\x01 \x01(\x03\x12\x15\n\rshared_blocks\x18\x02 \x01(\x03\x12\x18\n\x10pinned_by_others\x18\x03 \x01(\x03\"i\n\x14\x44\x65leteTenantResponse\x12\"\n\x06tenant\x18\x01 \x01(\x0b\x32\x12.kvquota.v1.Tenant\x12-\n\x06report\x18\x02 \x01(\x0b\x32\x1d.kvquota.v1.OffboardingReport\"&\n\x16RotateCacheSaltRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x19\n\x17RotateCacheSaltResponse\"%\n\x15GetTenantUsageRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x9b\x01\n\rInstanceUsage\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x15\n\rblocks_in_use\x18\x02 \x01(\x03\x12\x15\n\rpinned_blocks\x18\x03 \x01(\x03\x12\x15\n\rshared_blocks\x18\x04 \x01(\x03\x12\x19\n\x11live_reservations\x18\x05 \x01(\x03\x12\x18\n\x10tokens_in_flight\x18\x06 \x01(\x03\"\xa1\x01\n\x11TenantUsageReport\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.kvquota.v1.TenantUsage\x12&\n\x05quota\x18\x03 \x01(\x0b\x32\x17.kvquota.v1.TenantQuota\x12,\n\tinstances\x18\x04 \x03(\x0b\x32\x19.kvquota.v1.InstanceUsage\".\n\x16\x43reateNamespaceRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\">\n\x15ListNamespacesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"\\\n\x16ListNamespacesResponse\x12)\n\nnamespaces\x18\x01 \x03(\x0b\x32\x15.kvquota.v1.Namespace\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"W\n\x10PinPrefixRequest\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x0e\n\x06pin_id\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"\"\n\x12UnpinPrefixRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"H\n\x0fListPinsRequest\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"J\n\x10ListPinsResponse\x12\x1d\n\x04pins\x18\x01 \x03(\x0b\x32\x0f.kvquota.v1.Pin\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x81\x01\n\x11ListBlocksRequest\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.kvquota.v1.BlockState\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x12\n\npage_token\x18\x05 \x01(\t\"P\n\x12ListBlocksResponse\x12!\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x11.kvquota.v1.Block\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t2\xa0\x0b\n\x0c\x41\x64minService\x12\x43\n\x0c\x43reateTenant\x12\x1f.kvquota.v1.CreateTenantRequest\x1a\x12.kvquota.v1.Tenant\x12=\n\tGetTenant\x12\x1c.kvquota.v1.GetTenantRequest\x1a\x12.kvquota.v1.Tenant\x12N\n\x0bListTenants\x12\x1e.kvquota.v1.ListTenantsRequest\x1a\x1f.kvquota.v1.ListTenantsResponse\x12\x43\n\x0cUpdateTenant\x12\x1f.kvquota.v1.UpdateTenantRequest\x1a\x12.kvquota.v1.Tenant\x12\x45\n\rSuspendTenant\x12 .kvquota.v1.SuspendTenantRequest\x1a\x12.kvquota.v1.Tenant\x12\x43\n\x0cResumeTenant\x12\x1f.kvquota.v1.ResumeTenantRequest\x1a\x12.kvquota.v1.Tenant\x12Q\n\x0c\x44\x65leteTenant\x12\x1f.kvquota.v1.DeleteTenantRequest\x1a .kvquota.v1.DeleteTenantResponse\x12Z\n\x0fRotateCacheSalt\x12\".kvquota.v1.RotateCacheSaltRequest\x1a#.kvquota.v1.RotateCacheSaltResponse\x12R\n\x0eGetTenantUsage\x12!.kvquota.v1.GetTenantUsageRequest\x1a\x1d.kvquota.v1.TenantUsageReport\x12L\n\x0f\x43reateNamespace\x12\".kvquota.v1.CreateNamespaceRequest\x1a\x15.kvquota.v1.Namespace\x12W\n\x0eListNamespaces\x12!.kvquota.v1.ListNamespacesRequest\x1a\".kvquota.v1.ListNamespacesResponse\x12:\n\tPinPrefix\x12\x1c.kvquota.v1.PinPrefixRequest\x1a\x0f.kvquota.v1.Pin\x12>\n\x0bUnpinPrefix\x12\x1e.kvquota.v1.UnpinPrefixRequest\x1a\x0f.kvquota.v1.Pin\x12\x45\n\x08ListPins\x12\x1b.kvquota.v1.ListPinsRequest\x1a\x1c.kvquota.v1.ListPinsResponse\x12M\n\x10RegisterInstance\x12#.kvquota.v1.RegisterInstanceRequest\x1a\x14.kvquota.v1.Instance\x12\x43\n\x0bGetInstance\x12\x1e.kvquota.v1.GetInstanceRequest\x1a\x14.kvquota.v1.Instance\x12T\n\rListInstances\x12 .kvquota.v1.ListInstancesRequest\x1a!.kvquota.v1.ListInstancesResponse\x12G\n\rDrainInstance\x12 .kvquota.v1.DrainInstanceRequest\x1a\x14.kvquota.v1.Instance\x12K\n\nListBlocks\x12\x1d.kvquota.v1.ListBlocksRequest\x1a\x1e.kvquota.v1.ListBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvquota/v1/admin.proto\x12\nkvquota.v1\x1a\x1egoogle/protobuf/duration.proto\x1a google/protobuf/field_mask.proto\x1a\x1akvquota/v1/resources.proto\"L\n\x13\x43reateTenantRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\"\n\x06tenant\x18\x02 \x01(\x0b\x32\x12.kvquota.v1.Tenant\" \n\x10GetTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\";\n\x12ListTenantsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"S\n\x13ListTenantsResponse\x12#\n\x07tenants\x18\x01 \x03(\x0b\x32\x12.kvquota.v1.Tenant\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"j\n\x13UpdateTenantRequest\x12\"\n\x06tenant\x18\x01 \x01(\x0b\x32\x12.kvquota.v1.Tenant\x12/\n\x0bupdate_mask\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.FieldMask\"$\n\x14SuspendTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"#\n\x13ResumeTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xb7\x03\n\x17RegisterInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x08geometry\x18\x03 \x01(\x0b\x32\x16.kvquota.v1.KvGeometry\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x31\n\rmemory_budget\x18\x06 \x01(\x0b\x32\x18.kvquota.v1.MemoryBudgetH\x00\x12\x18\n\x0enum_gpu_blocks\x18\x07 \x01(\x03H\x00\x12-\n\thash_algo\x18\x08 \x01(\x0e\x32\x1a.kvquota.v1.PrefixHashAlgo\x12\x1b\n\x13max_queued_requests\x18\t \x01(\x03\x12.\n\x0btarget_ttft\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12!\n\x19prefill_tokens_per_second\x18\x0b \x01(\x01\x12+\n\x06\x65ngine\x18\x0c \x01(\x0b\x32\x1b.kvquota.v1.EngineEndpointsB\n\n\x08\x63\x61pacity\"\"\n\x12GetInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"=\n\x14ListInstancesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"Y\n\x15ListInstancesResponse\x12\'\n\tinstances\x18\x01 \x03(\x0b\x32\x14.kvquota.v1.Instance\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"$\n\x14\x44rainInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"#\n\x13\x44\x65leteTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Z\n\x11OffboardingReport\x12\x14\n\x0c\x66reed_blocks\x18\x01 \x01(\x03\x12\x15\n\rshared_blocks\x18\x02 \x01(\x03\x12\x18\n\x10pinned_by_others\x18\x03 \x01(\x03\"i\n\x14\x44\x65leteTenantResponse\x12\"\n\x06tenant\x18\x01 \x01(\x0b\x32\x12.kvquota.v1.Tenant\x12-\n\x06report\x18\x02 \x01(\x0b\x32\x1d.kvquota.v1.OffboardingReport\"&\n\x16RotateCacheSaltRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x19\n\x17RotateCacheSaltResponse\"%\n\x15GetTenantUsageRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x9b\x01\n\rInstanceUsage\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x15\n\rblocks_in_use\x18\x02 \x01(\x03\x12\x15\n\rpinned_blocks\x18\x03 \x01(\x03\x12\x15\n\rshared_blocks\x18\x04 \x01(\x03\x12\x19\n\x11live_reservations\x18\x05 \x01(\x03\x12\x18\n\x10tokens_in_flight\x18\x06 \x01(\x03\"\xa1\x01\n\x11TenantUsageReport\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.kvquota.v1.TenantUsage\x12&\n\x05quota\x18\x03 \x01(\x0b\x32\x17.kvquota.v1.TenantQuota\x12,\n\tinstances\x18\x04 \x03(\x0b\x32\x19.kvquota.v1.InstanceUsage\".\n\x16\x43reateNamespaceRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\">\n\x15ListNamespacesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"\\\n\x16ListNamespacesResponse\x12)\n\nnamespaces\x18\x01 \x03(\x0b\x32\x15.kvquota.v1.Namespace\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"W\n\x10PinPrefixRequest\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x0e\n\x06pin_id\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"\"\n\x12UnpinPrefixRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"H\n\x0fListPinsRequest\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"J\n\x10ListPinsResponse\x12\x1d\n\x04pins\x18\x01 \x03(\x0b\x32\x0f.kvquota.v1.Pin\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x81\x01\n\x11ListBlocksRequest\x12\x0e\n\x06parent\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.kvquota.v1.BlockState\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x12\n\npage_token\x18\x05 \x01(\t\"P\n\x12ListBlocksResponse\x12!\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x11.kvquota.v1.Block\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t2\xa0\x0b\n\x0c\x41\x64minService\x12\x43\n\x0c\x43reateTenant\x12\x1f.kvquota.v1.CreateTenantRequest\x1a\x12.kvquota.v1.Tenant\x12=\n\tGetTenant\x12\x1c.kvquota.v1.GetTenantRequest\x1a\x12.kvquota.v1.Tenant\x12N\n\x0bListTenants\x12\x1e.kvquota.v1.ListTenantsRequest\x1a\x1f.kvquota.v1.ListTenantsResponse\x12\x43\n\x0cUpdateTenant\x12\x1f.kvquota.v1.UpdateTenantRequest\x1a\x12.kvquota.v1.Tenant\x12\x45\n\rSuspendTenant\x12 .kvquota.v1.SuspendTenantRequest\x1a\x12.kvquota.v1.Tenant\x12\x43\n\x0cResumeTenant\x12\x1f.kvquota.v1.ResumeTenantRequest\x1a\x12.kvquota.v1.Tenant\x12Q\n\x0c\x44\x65leteTenant\x12\x1f.kvquota.v1.DeleteTenantRequest\x1a .kvquota.v1.DeleteTenantResponse\x12Z\n\x0fRotateCacheSalt\x12\".kvquota.v1.RotateCacheSaltRequest\x1a#.kvquota.v1.RotateCacheSaltResponse\x12R\n\x0eGetTenantUsage\x12!.kvquota.v1.GetTenantUsageRequest\x1a\x1d.kvquota.v1.TenantUsageReport\x12L\n\x0f\x43reateNamespace\x12\".kvquota.v1.CreateNamespaceRequest\x1a\x15.kvquota.v1.Namespace\x12W\n\x0eListNamespaces\x12!.kvquota.v1.ListNamespacesRequest\x1a\".kvquota.v1.ListNamespacesResponse\x12:\n\tPinPrefix\x12\x1c.kvquota.v1.PinPrefixRequest\x1a\x0f.kvquota.v1.Pin\x12>\n\x0bUnpinPrefix\x12\x1e.kvquota.v1.UnpinPrefixRequest\x1a\x0f.kvquota.v1.Pin\x12\x45\n\x08ListPins\x12\x1b.kvquota.v1.ListPinsRequest\x1a\x1c.kvquota.v1.ListPinsResponse\x12M\n\x10RegisterInstance\x12#.kvquota.v1.RegisterInstanceRequest\x1a\x14.kvquota.v1.Instance\x12\x43\n\x0bGetInstance\x12\x1e.kvquota.v1.GetInstanceRequest\x1a\x14.kvquota.v1.Instance\x12T\n\rListInstances\x12 .kvquota.v1.ListInstancesRequest\x1a!.kvquota.v1.ListInstancesResponse\x12G\n\rDrainInstance\x12 .kvquota.v1.DrainInstanceRequest\x1a\x14.kvquota.v1.Instance\x12K\n\nListBlocks\x12\x1d.kvquota.v1.ListBlocksRequest\x1a\x1e.kvquota.v1.ListBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,49 +49,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESUMETENANTREQUEST']._serialized_start=536
   _globals['_RESUMETENANTREQUEST']._serialized_end=571
   _globals['_REGISTERINSTANCEREQUEST']._serialized_start=574
-  _globals['_REGISTERINSTANCEREQUEST']._serialized_end=968
-  _globals['_GETINSTANCEREQUEST']._serialized_start=970
-  _globals['_GETINSTANCEREQUEST']._serialized_end=1004
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=1006
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=1067
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1069
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1158
-  _globals['_DRAININSTANCEREQUEST']._serialized_start=1160
-  _globals['_DRAININSTANCEREQUEST']._serialized_end=1196
-  _globals['_DELETETENANTREQUEST']._serialized_start=1198
-  _globals['_DELETETENANTREQUEST']._serialized_end=1233
-  _globals['_OFFBOARDINGREPORT']._serialized_start=1235
-  _globals['_OFFBOARDINGREPORT']._serialized_end=1325
-  _globals['_DELETETENANTRESPONSE']._serialized_start=1327
-  _globals['_DELETETENANTRESPONSE']._serialized_end=1432
-  _globals['_ROTATECACHESALTREQUEST']._serialized_start=1434
-  _globals['_ROTATECACHESALTREQUEST']._serialized_end=1472
-  _globals['_ROTATECACHESALTRESPONSE']._serialized_start=1474
-  _globals['_ROTATECACHESALTRESPONSE']._serialized_end=1499
-  _globals['_GETTENANTUSAGEREQUEST']._serialized_start=1501
-  _globals['_GETTENANTUSAGEREQUEST']._serialized_end=1538
-  _globals['_INSTANCEUSAGE']._serialized_start=1541
-  _globals['_INSTANCEUSAGE']._serialized_end=1696
-  _globals['_TENANTUSAGEREPORT']._serialized_start=1699
-  _globals['_TENANTUSAGEREPORT']._serialized_end=1860
-  _globals['_CREATENAMESPACEREQUEST']._serialized_start=1862
-  _globals['_CREATENAMESPACEREQUEST']._serialized_end=1908
-  _globals['_LISTNAMESPACESREQUEST']._serialized_start=1910
-  _globals['_LISTNAMESPACESREQUEST']._serialized_end=1972
-  _globals['_LISTNAMESPACESRESPONSE']._serialized_start=1974
-  _globals['_LISTNAMESPACESRESPONSE']._serialized_end=2066
-  _globals['_PINPREFIXREQUEST']._serialized_start=2068
-  _globals['_PINPREFIXREQUEST']._serialized_end=2155
-  _globals['_UNPINPREFIXREQUEST']._serialized_start=2157
-  _globals['_UNPINPREFIXREQUEST']._serialized_end=2191
-  _globals['_LISTPINSREQUEST']._serialized_start=2193
-  _globals['_LISTPINSREQUEST']._serialized_end=2265
-  _globals['_LISTPINSRESPONSE']._serialized_start=2267
-  _globals['_LISTPINSRESPONSE']._serialized_end=2341
-  _globals['_LISTBLOCKSREQUEST']._serialized_start=2344
-  _globals['_LISTBLOCKSREQUEST']._serialized_end=2473
-  _globals['_LISTBLOCKSRESPONSE']._serialized_start=2475
-  _globals['_LISTBLOCKSRESPONSE']._serialized_end=2555
-  _globals['_ADMINSERVICE']._serialized_start=2558
-  _globals['_ADMINSERVICE']._serialized_end=3998
+  _globals['_REGISTERINSTANCEREQUEST']._serialized_end=1013
+  _globals['_GETINSTANCEREQUEST']._serialized_start=1015
+  _globals['_GETINSTANCEREQUEST']._serialized_end=1049
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=1051
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=1112
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1114
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1203
+  _globals['_DRAININSTANCEREQUEST']._serialized_start=1205
+  _globals['_DRAININSTANCEREQUEST']._serialized_end=1241
+  _globals['_DELETETENANTREQUEST']._serialized_start=1243
+  _globals['_DELETETENANTREQUEST']._serialized_end=1278
+  _globals['_OFFBOARDINGREPORT']._serialized_start=1280
+  _globals['_OFFBOARDINGREPORT']._serialized_end=1370
+  _globals['_DELETETENANTRESPONSE']._serialized_start=1372
+  _globals['_DELETETENANTRESPONSE']._serialized_end=1477
+  _globals['_ROTATECACHESALTREQUEST']._serialized_start=1479
+  _globals['_ROTATECACHESALTREQUEST']._serialized_end=1517
+  _globals['_ROTATECACHESALTRESPONSE']._serialized_start=1519
+  _globals['_ROTATECACHESALTRESPONSE']._serialized_end=1544
+  _globals['_GETTENANTUSAGEREQUEST']._serialized_start=1546
+  _globals['_GETTENANTUSAGEREQUEST']._serialized_end=1583
+  _globals['_INSTANCEUSAGE']._serialized_start=1586
+  _globals['_INSTANCEUSAGE']._serialized_end=1741
+  _globals['_TENANTUSAGEREPORT']._serialized_start=1744
+  _globals['_TENANTUSAGEREPORT']._serialized_end=1905
+  _globals['_CREATENAMESPACEREQUEST']._serialized_start=1907
+  _globals['_CREATENAMESPACEREQUEST']._serialized_end=1953
+  _globals['_LISTNAMESPACESREQUEST']._serialized_start=1955
+  _globals['_LISTNAMESPACESREQUEST']._serialized_end=2017
+  _globals['_LISTNAMESPACESRESPONSE']._serialized_start=2019
+  _globals['_LISTNAMESPACESRESPONSE']._serialized_end=2111
+  _globals['_PINPREFIXREQUEST']._serialized_start=2113
+  _globals['_PINPREFIXREQUEST']._serialized_end=2200
+  _globals['_UNPINPREFIXREQUEST']._serialized_start=2202
+  _globals['_UNPINPREFIXREQUEST']._serialized_end=2236
+  _globals['_LISTPINSREQUEST']._serialized_start=2238
+  _globals['_LISTPINSREQUEST']._serialized_end=2310
+  _globals['_LISTPINSRESPONSE']._serialized_start=2312
+  _globals['_LISTPINSRESPONSE']._serialized_end=2386
+  _globals['_LISTBLOCKSREQUEST']._serialized_start=2389
+  _globals['_LISTBLOCKSREQUEST']._serialized_end=2518
+  _globals['_LISTBLOCKSRESPONSE']._serialized_start=2520
+  _globals['_LISTBLOCKSRESPONSE']._serialized_end=2600
+  _globals['_ADMINSERVICE']._serialized_start=2603
+  _globals['_ADMINSERVICE']._serialized_end=4043
 # @@protoc_insertion_point(module_scope)

@@ -197,6 +197,7 @@ class RegisterInstanceRequest(_message.Message):
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
     TARGET_TTFT_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    ENGINE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The final component of the name: [a-z][a-z0-9-]{0,62}."""
     model: _builtins.str
@@ -219,6 +220,12 @@ class RegisterInstanceRequest(_message.Message):
     def target_ttft(self) -> _duration_pb2.Duration:
         """TTFT guard; both unset means none."""
 
+    @_builtins.property
+    def engine(self) -> _resources_pb2.EngineEndpoints:
+        """A live engine: with no capacity given, its block count, block size, hash algorithm and
+        context length are read from it (/metrics and /v1/models).
+        """
+
     def __init__(
         self,
         *,
@@ -233,10 +240,11 @@ class RegisterInstanceRequest(_message.Message):
         max_queued_requests: _builtins.int = ...,
         target_ttft: _duration_pb2.Duration | None = ...,
         prefill_tokens_per_second: _builtins.float = ...,
+        engine: _resources_pb2.EngineEndpoints | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "geometry", b"geometry", "memory_budget", b"memory_budget", "num_gpu_blocks", b"num_gpu_blocks", "target_ttft", b"target_ttft"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "engine", b"engine", "geometry", b"geometry", "memory_budget", b"memory_budget", "num_gpu_blocks", b"num_gpu_blocks", "target_ttft", b"target_ttft"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "capacity", b"capacity", "geometry", b"geometry", "hash_algo", b"hash_algo", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "max_queued_requests", b"max_queued_requests", "memory_budget", b"memory_budget", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "prefill_tokens_per_second", b"prefill_tokens_per_second", "target_ttft", b"target_ttft"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "capacity", b"capacity", "engine", b"engine", "geometry", b"geometry", "hash_algo", b"hash_algo", "instance_id", b"instance_id", "max_model_len", b"max_model_len", "max_queued_requests", b"max_queued_requests", "memory_budget", b"memory_budget", "model", b"model", "num_gpu_blocks", b"num_gpu_blocks", "prefill_tokens_per_second", b"prefill_tokens_per_second", "target_ttft", b"target_ttft"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_capacity: _TypeAlias = _typing.Literal["memory_budget", "num_gpu_blocks"]  # noqa: Y015
     _WhichOneofArgType_capacity: _TypeAlias = _typing.Literal["capacity", b"capacity"]  # noqa: Y015

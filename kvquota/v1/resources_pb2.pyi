@@ -208,6 +208,8 @@ class _EndReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EndReason.V
     """It waited its whole wait budget in the queue."""
     END_REASON_ENGINE_RESTARTED: _EndReason.ValueType  # 6
     """The engine restarted under it; its work was lost."""
+    END_REASON_ENGINE_UNREACHABLE: _EndReason.ValueType  # 7
+    """Its engine could not be reached to abort it within the hard timeout."""
 
 class EndReason(_EndReason, metaclass=_EndReasonEnumTypeWrapper): ...
 
@@ -224,6 +226,8 @@ END_REASON_QUEUE_TIMEOUT: EndReason.ValueType  # 5
 """It waited its whole wait budget in the queue."""
 END_REASON_ENGINE_RESTARTED: EndReason.ValueType  # 6
 """The engine restarted under it; its work was lost."""
+END_REASON_ENGINE_UNREACHABLE: EndReason.ValueType  # 7
+"""Its engine could not be reached to abort it within the hard timeout."""
 Global___EndReason: _TypeAlias = EndReason  # noqa: Y015
 
 @_typing.final
@@ -471,6 +475,9 @@ class Instance(_message.Message):
     PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    ENGINE_FIELD_NUMBER: _builtins.int
+    DRIFT_BLOCKS_FIELD_NUMBER: _builtins.int
+    ENGINE_RESYNCS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """instances/{instance}"""
     model: _builtins.str
@@ -502,6 +509,10 @@ class Instance(_message.Message):
     """Output only."""
     queued_prompt_tokens: _builtins.int
     """Output only."""
+    drift_blocks: _builtins.int
+    """Output only: blocks the engine evicted while the ledger still referenced them."""
+    engine_resyncs: _builtins.int
+    """Output only: times the ledger started again from empty (engine restart, lost events)."""
     @_builtins.property
     def geometry(self) -> Global___KvGeometry: ...
     @_builtins.property
@@ -511,6 +522,12 @@ class Instance(_message.Message):
     @_builtins.property
     def target_ttft(self) -> _duration_pb2.Duration:
         """TTFT guard: queued prompt tokens <= target_ttft x prefill_tokens_per_second (unset: none)."""
+
+    @_builtins.property
+    def engine(self) -> Global___EngineEndpoints:
+        """The vLLM server kvquota follows and aborts requests in; unset for an instance it only
+        accounts for.
+        """
 
     def __init__(
         self,
@@ -536,14 +553,44 @@ class Instance(_message.Message):
         prefill_tokens_per_second: _builtins.float = ...,
         queued_requests: _builtins.int = ...,
         queued_prompt_tokens: _builtins.int = ...,
+        engine: Global___EngineEndpoints | None = ...,
+        drift_blocks: _builtins.int = ...,
+        engine_resyncs: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "geometry", b"geometry", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "engine", b"engine", "geometry", b"geometry", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "blocks_in_use", b"blocks_in_use", "bytes_per_block", b"bytes_per_block", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "create_time", b"create_time", "free_blocks", b"free_blocks", "geometry", b"geometry", "hash_algo", b"hash_algo", "live_reservations", b"live_reservations", "max_model_len", b"max_model_len", "max_queued_requests", b"max_queued_requests", "model", b"model", "name", b"name", "pinned_blocks", b"pinned_blocks", "prefill_tokens_per_second", b"prefill_tokens_per_second", "queued_prompt_tokens", b"queued_prompt_tokens", "queued_requests", b"queued_requests", "state", b"state", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "blocks_in_use", b"blocks_in_use", "bytes_per_block", b"bytes_per_block", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "create_time", b"create_time", "drift_blocks", b"drift_blocks", "engine", b"engine", "engine_resyncs", b"engine_resyncs", "free_blocks", b"free_blocks", "geometry", b"geometry", "hash_algo", b"hash_algo", "live_reservations", b"live_reservations", "max_model_len", b"max_model_len", "max_queued_requests", b"max_queued_requests", "model", b"model", "name", b"name", "pinned_blocks", b"pinned_blocks", "prefill_tokens_per_second", b"prefill_tokens_per_second", "queued_prompt_tokens", b"queued_prompt_tokens", "queued_requests", b"queued_requests", "state", b"state", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Instance: _TypeAlias = Instance  # noqa: Y015
+
+@_typing.final
+class EngineEndpoints(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    URL_FIELD_NUMBER: _builtins.int
+    KV_EVENTS_ENDPOINT_FIELD_NUMBER: _builtins.int
+    KV_REPLAY_ENDPOINT_FIELD_NUMBER: _builtins.int
+    url: _builtins.str
+    """vLLM's HTTP server, e.g. http://10.0.0.5:8000 (VLLM_SERVER_DEV_MODE=1 for aborts)."""
+    kv_events_endpoint: _builtins.str
+    """Its KV-event publisher and replay sockets, e.g. tcp://10.0.0.5:5557 and :5558."""
+    kv_replay_endpoint: _builtins.str
+    def __init__(
+        self,
+        *,
+        url: _builtins.str = ...,
+        kv_events_endpoint: _builtins.str = ...,
+        kv_replay_endpoint: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_events_endpoint", b"kv_events_endpoint", "kv_replay_endpoint", b"kv_replay_endpoint", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineEndpoints: _TypeAlias = EngineEndpoints  # noqa: Y015
 
 @_typing.final
 class BlockHandle(_message.Message):

@@ -5,20 +5,38 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+import httpx
 
 from kvquota.v1 import admin_pb2 as pb
 from kvquota.v1 import admin_pb2_grpc, resources_pb2
 from quota_service.api import convert
 from quota_service.core import catalog, names, pagination
-from quota_service.core.errors import FieldViolation, invalid_request
+from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
 from quota_service.core.model import DEFAULT_MAX_QUEUED_REQUESTS, QueueBounds, TenantState
 from quota_service.core.names import instance_id, tenant_id
+from quota_service.engine.vllm.http import EngineDescription, MetricsError, VllmHttp
 from quota_service.store.catalog import Catalog
 from quota_service.store.inspection import Inspection
 from quota_service.store.offboarding import Offboarding
 from quota_service.store.pins import Pins
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+async def describe_engine(url: str) -> EngineDescription:
+    http = VllmHttp(url)
+    try:
+        return await http.describe()
+    except (httpx.HTTPError, MetricsError, KeyError, IndexError, ValueError) as exc:
+        raise KvQuotaError(
+            Code.UNAVAILABLE,
+            "ENGINE_UNREACHABLE",
+            f"cannot read the engine at {url}: {exc}",
+            metadata={"engineUrl": url},
+            retry_delay_seconds=1.0,
+        ) from None
+    finally:
+        await http.close()
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
@@ -92,19 +110,32 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     ) -> resources_pb2.Instance:
         has_geometry = request.HasField("geometry")
         capacity = request.WhichOneof("capacity")
+        engine = convert.engine_endpoints(request.engine) if request.HasField("engine") else None
+        model, block_size, max_model_len = request.model, request.block_size, request.max_model_len
+        num_gpu_blocks = request.num_gpu_blocks if capacity == "num_gpu_blocks" else None
+        hash_algo = convert.hash_algo(request.hash_algo)
+        if capacity is None and engine is not None:
+            # A live engine: what it really has, rather than what the operator thinks it has.
+            described = await describe_engine(engine.url)
+            model = model or described.model
+            block_size = described.metrics.block_size
+            max_model_len = max_model_len or described.max_model_len
+            num_gpu_blocks = described.metrics.num_gpu_blocks
+            hash_algo = convert.engine_hash_algo(described.metrics.prefix_caching_hash_algo)
         spec = catalog.instance_spec(
             instance=request.instance_id,
-            model=request.model,
+            model=model,
             kv_geometry=convert.kv_geometry(request.geometry) if has_geometry else None,
-            block_size=request.block_size,
-            max_model_len=request.max_model_len,
+            block_size=block_size,
+            max_model_len=max_model_len,
             budget=(
                 convert.memory_budget(request.memory_budget)
                 if capacity == "memory_budget"
                 else None
             ),
-            num_gpu_blocks=request.num_gpu_blocks if capacity == "num_gpu_blocks" else None,
-            hash_algo=convert.hash_algo(request.hash_algo),
+            num_gpu_blocks=num_gpu_blocks,
+            hash_algo=hash_algo,
+            engine=engine,
             queue=QueueBounds(
                 max_queued_requests=request.max_queued_requests or DEFAULT_MAX_QUEUED_REQUESTS,
                 target_ttft_seconds=request.target_ttft.ToTimedelta().total_seconds(),

@@ -18,15 +18,17 @@ from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import FieldViolation, invalid_request
 from quota_service.core.model import EndReason, Reservation, ReservationState
 from quota_service.core.names import reservation_key, reservation_name
+from quota_service.jobs.termination import Termination
 from quota_service.store.ledger import Ledger
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
-    def __init__(self, ledger: Ledger, waiters: Waiters) -> None:
+    def __init__(self, ledger: Ledger, waiters: Waiters, termination: Termination) -> None:
         self._ledger = ledger
         self._waiters = waiters
+        self._termination = termination
 
     async def Admit(self, request: pb.AdmitRequest, context: Context) -> pb.AdmitResponse:
         admit = convert.admit_request(request)
@@ -73,7 +75,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         tenant, request_id = reservation.tenant, reservation.request_id
         current, _ = await self._ledger.stop_waiting(tenant, request_id, EndReason.CANCELLED)
         if current.state is ReservationState.ADMITTED:
-            await self._ledger.end(tenant, request_id, EndReason.CANCELLED)
+            await self._termination.end(tenant, request_id, EndReason.CANCELLED)
 
     async def WatchReservation(
         self, request: pb.WatchReservationRequest, context: Context
@@ -117,7 +119,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         self, request: pb.CancelRequest, context: Context
     ) -> resources_pb2.Reservation:
         tenant, request_id = reservation_key(request.name)
-        return convert.reservation(await self._ledger.end(tenant, request_id, EndReason.CANCELLED))
+        ended = await self._termination.end(tenant, request_id, EndReason.CANCELLED)
+        return convert.reservation(ended)
 
     async def GetReservation(
         self, request: pb.GetReservationRequest, context: Context

@@ -19,6 +19,7 @@ from quota_service.core.model import (
     Block,
     BlockState,
     EndReason,
+    EngineEndpoints,
     Instance,
     InstanceState,
     Pin,
@@ -67,6 +68,7 @@ _END_REASONS = {
     EndReason.TENANT_DELETED: pb.END_REASON_TENANT_DELETED,
     EndReason.QUEUE_TIMEOUT: pb.END_REASON_QUEUE_TIMEOUT,
     EndReason.ENGINE_RESTARTED: pb.END_REASON_ENGINE_RESTARTED,
+    EndReason.ENGINE_UNREACHABLE: pb.END_REASON_ENGINE_UNREACHABLE,
 }
 
 
@@ -157,6 +159,37 @@ def hash_algo(value: pb.PrefixHashAlgo.ValueType) -> HashAlgo:
     return {v: k for k, v in _HASH_ALGOS.items()}.get(value, HashAlgo.SHA256)
 
 
+def engine_endpoints(message: pb.EngineEndpoints) -> EngineEndpoints:
+    violations = []
+    if not message.url.startswith(("http://", "https://")):
+        violations.append(FieldViolation("engine.url", "must be an http(s) URL"))
+    for field, value in (
+        ("engine.kv_events_endpoint", message.kv_events_endpoint),
+        ("engine.kv_replay_endpoint", message.kv_replay_endpoint),
+    ):
+        if value and not value.startswith(("tcp://", "ipc://")):
+            violations.append(FieldViolation(field, "must be a tcp:// or ipc:// endpoint"))
+    if violations:
+        raise invalid_request(violations)
+    return EngineEndpoints(
+        message.url, message.kv_events_endpoint or None, message.kv_replay_endpoint or None
+    )
+
+
+def engine_hash_algo(name: str) -> HashAlgo:
+    """The engine's --prefix-caching-hash-algo; one kvquota cannot reproduce is refused."""
+    try:
+        return HashAlgo(name)
+    except ValueError:
+        raise invalid_request(
+            [
+                FieldViolation(
+                    "engine", f"prefix_caching_hash_algo {name!r}: use sha256 or sha256_cbor"
+                )
+            ]
+        ) from None
+
+
 def quota(message: pb.TenantQuota) -> TenantQuota:
     return TenantQuota(
         max_blocks=message.max_blocks,
@@ -238,10 +271,20 @@ def instance(value: Instance) -> pb.Instance:
         prefill_tokens_per_second=spec.queue.prefill_tokens_per_second,
         queued_requests=value.queued_requests,
         queued_prompt_tokens=value.queued_prompt_tokens,
+        drift_blocks=value.drift_blocks,
+        engine_resyncs=value.engine_resyncs,
         live_reservations=value.live_reservations,
         create_time=timestamp(value.created_at),
         update_time=timestamp(value.updated_at),
     )
+    if spec.engine is not None:
+        message.engine.CopyFrom(
+            pb.EngineEndpoints(
+                url=spec.engine.url,
+                kv_events_endpoint=spec.engine.kv_events or "",
+                kv_replay_endpoint=spec.engine.kv_replay or "",
+            )
+        )
     if spec.geometry is not None:
         g = spec.geometry
         message.geometry.CopyFrom(

@@ -21,6 +21,7 @@ from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
 from quota_service.jobs import maintenance
 from quota_service.jobs.dispatcher import Dispatcher
+from quota_service.jobs.termination import Termination
 from quota_service.store import migrate
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
@@ -53,6 +54,7 @@ class RunningServer:
     _maintenance: asyncio.Task[None]
     _listener: Listener
     _dispatcher: Dispatcher
+    _termination: Termination
 
     async def stop(self, grace_seconds: float) -> None:
         log.info("shutting down: draining in-flight RPCs for up to %ss", grace_seconds)
@@ -62,6 +64,7 @@ class RunningServer:
         await self._maintenance
         await self._listener.stop()
         await self._dispatcher.stop()
+        await self._termination.close()
         await self._engine.dispose()
 
 
@@ -82,8 +85,11 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
+    termination = Termination(
+        ledger, settings.engine_abort_timeout_seconds, settings.engine_abort_hard_timeout_seconds
+    )
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(
-        AdmissionServicer(ledger, waiters), server
+        AdmissionServicer(ledger, waiters, termination), server
     )
     pins = Pins(engine, settings.admission_limits)
     offboarding = Offboarding(engine, ledger, pins)
@@ -108,9 +114,11 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
-    jobs = maintenance.Maintenance(ledger, offboarding, inspection, settings)
+    jobs = maintenance.Maintenance(ledger, offboarding, inspection, termination, settings)
     running = asyncio.create_task(maintenance.run(jobs, stop))
-    return RunningServer(port, server, health_servicer, engine, stop, running, listener, dispatcher)
+    return RunningServer(
+        port, server, health_servicer, engine, stop, running, listener, dispatcher, termination
+    )
 
 
 async def serve(settings: Settings, database_url: str) -> None:

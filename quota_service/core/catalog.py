@@ -8,7 +8,7 @@ from dataclasses import asdict
 from quota_service.core import geometry
 from quota_service.core.errors import FieldViolation, invalid_request
 from quota_service.core.hashing import HashAlgo
-from quota_service.core.model import InstanceSpec, QueueBounds, TenantQuota
+from quota_service.core.model import EngineEndpoints, InstanceSpec, QueueBounds, TenantQuota
 from quota_service.core.names import check_resource_id, parse_child
 
 MAX_DISPLAY_NAME = 200
@@ -102,6 +102,7 @@ def instance_spec(
     num_gpu_blocks: int | None,
     hash_algo: HashAlgo = HashAlgo.SHA256,
     queue: QueueBounds | None = None,
+    engine: EngineEndpoints | None = None,
 ) -> InstanceSpec:
     """The pool an instance registers with: from its geometry and memory budget, or from the
     block count the engine itself reports (then the geometry is optional)."""
@@ -139,5 +140,5 @@ def instance_spec(
     if violations:
         raise invalid_request(violations)
     return InstanceSpec(
-        instance, model, kv_geometry, block_size, capacity, max_model_len, hash_algo, queue
+        instance, model, kv_geometry, block_size, capacity, max_model_len, hash_algo, queue, engine
     )

@@ -39,6 +39,8 @@ class EndReason(enum.Enum):
     QUEUE_TIMEOUT = "QUEUE_TIMEOUT"
     # The engine restarted under it: its work is lost.
     ENGINE_RESTARTED = "ENGINE_RESTARTED"
+    # Its engine could not be reached to abort it within the hard timeout.
+    ENGINE_UNREACHABLE = "ENGINE_UNREACHABLE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,15 @@ class QueueBounds:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineEndpoints:
+    """The vLLM server behind an instance: its HTTP URL and KV-event sockets."""
+
+    url: str
+    kv_events: str | None = None
+    kv_replay: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceSpec:
     """What registering an instance stores: its pool and, when known, its geometry."""
 
@@ -188,6 +199,7 @@ class InstanceSpec:
     max_model_len: int
     hash_algo: HashAlgo = HashAlgo.SHA256
     queue: QueueBounds = QueueBounds()
+    engine: EngineEndpoints | None = None
 
     @property
     def bytes_per_block(self) -> int | None:
@@ -208,6 +220,10 @@ class Instance:
     updated_at: datetime
     queued_requests: int = 0
     queued_prompt_tokens: int = 0
+    # Reconciliation with the engine: blocks it evicted that the ledger still references, and
+    # how often the ledger had to start again from empty.
+    drift_blocks: int = 0
+    engine_resyncs: int = 0
 
 
 class PinState(enum.Enum):

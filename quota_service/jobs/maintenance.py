@@ -10,6 +10,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from quota_service.config import Settings
+from quota_service.jobs.termination import Termination
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import Offboarding
@@ -22,6 +23,7 @@ class Maintenance:
     ledger: Ledger
     offboarding: Offboarding
     inspection: Inspection
+    termination: Termination
     settings: Settings
 
     async def reap_leases(self) -> int:
@@ -37,6 +39,7 @@ class Maintenance:
     async def sweep(self) -> None:
         steps = (
             ("lease reaper", self.reap_leases),
+            ("engine aborts", lambda: self.termination.sweep(self.settings.reaper_batch_size)),
             # Dispatch also on a timer: a notification may have been lost.
             ("dispatch sweep", self.ledger.dispatch_all),
             ("offboarding", self.offboarding.resume_all),

@@ -14,6 +14,7 @@ from quota_service.core.errors import Code, KvQuotaError, already_exists, not_fo
 from quota_service.core.geometry import KvGeometry, parse_dtype
 from quota_service.core.hashing import HashAlgo
 from quota_service.core.model import (
+    EngineEndpoints,
     Instance,
     InstanceSpec,
     InstanceState,
@@ -96,6 +97,9 @@ def instance_from_row(row: RowMapping) -> Instance:
         QueueBounds(
             row["max_queued_requests"], row["target_ttft_seconds"], row["prefill_tokens_per_second"]
         ),
+        EngineEndpoints(row["engine_url"], row["kv_events_endpoint"], row["kv_replay_endpoint"])
+        if row["engine_url"]
+        else None,
     )
     return Instance(
         spec=spec,
@@ -109,6 +113,8 @@ def instance_from_row(row: RowMapping) -> Instance:
         updated_at=row["updated_at"],
         queued_requests=row["queued_requests"],
         queued_prompt_tokens=row["queued_prompt_tokens"],
+        drift_blocks=row["drift_blocks"],
+        engine_resyncs=row["engine_resyncs"],
     )
 
 
@@ -263,6 +269,9 @@ class Catalog:
                     max_queued_requests=spec.queue.max_queued_requests,
                     target_ttft_seconds=spec.queue.target_ttft_seconds,
                     prefill_tokens_per_second=spec.queue.prefill_tokens_per_second,
+                    engine_url=spec.engine.url if spec.engine else None,
+                    kv_events_endpoint=spec.engine.kv_events if spec.engine else None,
+                    kv_replay_endpoint=spec.engine.kv_replay if spec.engine else None,
                 )
                 .on_conflict_do_nothing()
                 .returning(InstanceRow.instance)

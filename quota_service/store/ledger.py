@@ -360,12 +360,49 @@ _GET_RESERVATION = text(
     """
 )
 
+# Lapsed leases the ledger ends by itself: on instances with no engine to abort them in.
 _LAPSED = text(
     """
-    SELECT tenant, request_id FROM reservations
-    WHERE state = 'ADMITTED' AND lease_expires_at <= now()
-    ORDER BY lease_expires_at LIMIT :batch
+    SELECT r.tenant, r.request_id FROM reservations r
+    JOIN instances i ON i.instance = r.instance
+    WHERE r.state = 'ADMITTED' AND r.lease_expires_at <= now() AND i.engine_url IS NULL
+    ORDER BY r.lease_expires_at LIMIT :batch
     """
+)
+
+# Lapsed leases whose engine must abort the request first (see jobs/termination.py).
+_LAPSED_ON_ENGINES = text(
+    """
+    SELECT r.tenant, r.request_id FROM reservations r
+    JOIN instances i ON i.instance = r.instance
+    WHERE r.state = 'ADMITTED' AND r.lease_expires_at <= now() AND i.engine_url IS NOT NULL
+      AND r.abort_requested_at IS NULL
+    ORDER BY r.lease_expires_at LIMIT :batch
+    """
+)
+
+_PENDING_ABORTS = text(
+    """
+    SELECT r.tenant, r.request_id, r.abort_reason,
+           extract(epoch FROM now() - r.abort_requested_at)::float8 AS pending_seconds
+    FROM reservations r
+    WHERE r.state = 'ADMITTED' AND r.abort_requested_at IS NOT NULL
+    ORDER BY r.abort_requested_at LIMIT :batch
+    """
+)
+
+_REQUEST_ABORT = text(
+    """
+    UPDATE reservations
+    SET abort_requested_at = coalesce(abort_requested_at, now()),
+        abort_reason = coalesce(abort_reason, :reason)
+    WHERE tenant = :tenant AND request_id = :request_id AND state = 'ADMITTED'
+    """
+)
+
+_ENGINE_URL = text(
+    "SELECT i.engine_url FROM reservations r JOIN instances i ON i.instance = r.instance "
+    "WHERE r.tenant = :tenant AND r.request_id = :request_id"
 )
 
 _LAPSED_QUEUED = text(
@@ -856,6 +893,29 @@ class Ledger:
                 reservation = await self.end(tenant, request_id, reason, lapsed_only=True)
                 ended += reservation.end_reason is reason
         return ended
+
+    async def engine_url(self, tenant: str, request_id: str) -> str | None:
+        """The engine that runs this reservation's request, if kvquota follows one."""
+        async with self._engine.connect() as conn:
+            keys = {"tenant": tenant, "request_id": request_id}
+            return (await conn.execute(_ENGINE_URL, keys)).scalar_one_or_none()
+
+    async def request_abort(self, tenant: str, request_id: str, reason: EndReason) -> None:
+        """Remember that this reservation must end with `reason` once its engine confirms the
+        abort (it keeps its blocks until then)."""
+        async with self._engine.begin() as conn:
+            params = {"tenant": tenant, "request_id": request_id, "reason": reason.value}
+            await conn.execute(_REQUEST_ABORT, params)
+
+    async def lapsed_on_engines(self, batch: int) -> list[tuple[str, str]]:
+        async with self._engine.connect() as conn:
+            return [(t, r) for t, r in await conn.execute(_LAPSED_ON_ENGINES, {"batch": batch})]
+
+    async def pending_aborts(self, batch: int) -> list[tuple[str, str, EndReason, float]]:
+        """(tenant, request_id, reason to end with, seconds pending) of unconfirmed aborts."""
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(_PENDING_ABORTS, {"batch": batch})
+            return [(t, r, EndReason(reason), pending) for t, r, reason, pending in rows]
 
     async def dispatch_all(self) -> int:
         """A dispatch pass on every instance with requests waiting (the periodic sweep that

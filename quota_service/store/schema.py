@@ -217,6 +217,10 @@ class ReservationRow(Base):
     virtual_start: Mapped[float | None]
     virtual_finish: Mapped[float | None]
     prompt_token_ids: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    # Release follows the engine: when ending it needs an abort the engine has not confirmed
+    # yet, when that was first asked and the reason it will end with.
+    abort_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    abort_reason: Mapped[str | None] = mapped_column(String(32))
 
     __table_args__ = (
         CheckConstraint("state IN ('QUEUED', 'ADMITTED', 'ENDED')", name="state"),
@@ -243,6 +247,11 @@ class ReservationRow(Base):
             "virtual_start",
             "queued_at",
             postgresql_where=text("state = 'QUEUED'"),
+        ),
+        Index(
+            "ix_reservations_abort_pending",
+            "abort_requested_at",
+            postgresql_where=text("abort_requested_at IS NOT NULL AND state = 'ADMITTED'"),
         ),
         Index(
             "ix_reservations_wait_deadline",

@@ -8,11 +8,25 @@ import subprocess
 from pathlib import Path
 
 import httpx
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service.config import Settings
+from quota_service.core import catalog
+from quota_service.core.admission import AdmitRequest
 from quota_service.core.hashing import block_hashes, event_hash
+from quota_service.core.model import (
+    AdmitParams,
+    EndReason,
+    EngineEndpoints,
+    ReservationState,
+    TenantQuota,
+)
 from quota_service.engine.vllm.events import BlockStored
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
+from quota_service.jobs.termination import Termination
+from quota_service.store.catalog import Catalog
+from quota_service.store.ledger import Ledger
 from tests.engines.conftest import BLOCK_SIZE, NUM_GPU_BLOCKS, ROOT, Engine
 
 
@@ -135,4 +149,48 @@ async def test_abort_by_request_id_stops_a_long_generation(vllm: Engine) -> None
             break
         await asyncio.sleep(0.1)
     assert (await http.metrics()).requests_running == 0
+    await http.close()
+
+
+async def test_register_from_the_engine_and_release_only_after_the_abort(
+    vllm: Engine, engine: AsyncEngine
+) -> None:
+    """The instance is registered from what the engine reports; cancelling a reservation aborts
+    its generation in vLLM and only then gives its blocks back."""
+    http = VllmHttp(vllm.base_url)
+    described = await http.describe()
+    assert (described.max_model_len, described.metrics.num_gpu_blocks) == (512, NUM_GPU_BLOCKS)
+    spec = catalog.instance_spec(
+        "tiny",
+        described.model,
+        None,
+        described.metrics.block_size,
+        described.max_model_len,
+        None,
+        described.metrics.num_gpu_blocks,
+        engine=EngineEndpoints(vllm.base_url, vllm.events, vllm.replay),
+    )
+    await Catalog(engine).register_instance(spec)
+    await Catalog(engine).create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
+    ledger = Ledger(engine, Settings().admission_limits)
+    reservation, salt = await ledger.admit(
+        AdmitRequest(AdmitParams("acme", "gen-1", "tiny", 32, 400, 1, 0), (3,) * 32, 0.0, None)
+    )
+    generation = asyncio.create_task(
+        complete(
+            vllm, [3] * 32, max_tokens=400, request_id="gen-1", cache_salt=salt, ignore_eos=True
+        )
+    )
+    for _ in range(100):
+        if (await http.metrics()).requests_running:
+            break
+        await asyncio.sleep(0.05)
+    termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
+    ended = await termination.end("acme", "gen-1", EndReason.CANCELLED)
+    assert (ended.state, ended.end_reason) == (ReservationState.ENDED, EndReason.CANCELLED)
+    result = await asyncio.wait_for(generation, 60)
+    choices = result["choices"]
+    assert isinstance(choices, list) and choices[0]["finish_reason"] == "abort"
+    assert reservation.reserved_blocks == 14
+    await termination.close()
     await http.close()

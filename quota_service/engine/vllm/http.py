@@ -19,6 +19,15 @@ class EngineMetrics:
     kv_cache_usage: float
 
 
+@dataclass(frozen=True, slots=True)
+class EngineDescription:
+    """What registering an instance from a live engine reads off it."""
+
+    model: str
+    max_model_len: int
+    metrics: EngineMetrics
+
+
 class MetricsError(ValueError):
     """/metrics lacks what kvquota needs (vllm:cache_config_info)."""
 
@@ -65,6 +74,17 @@ class VllmHttp:
         response = await self._client.get("/metrics")
         response.raise_for_status()
         return parse_metrics(response.text)
+
+    async def describe(self) -> EngineDescription:
+        """The served model and its context length (/v1/models), and the pool (/metrics)."""
+        response = await self._client.get("/v1/models")
+        response.raise_for_status()
+        served = response.json()["data"][0]
+        return EngineDescription(
+            model=str(served["id"]),
+            max_model_len=int(served["max_model_len"]),
+            metrics=await self.metrics(),
+        )
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort requests by kvquota's request ids. The gateway passes a reservation's request_id

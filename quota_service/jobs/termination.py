@@ -1,0 +1,82 @@
+"""Ending a reservation that an engine is running: the engine stops the work first, then the
+blocks come back. Giving blocks back while vLLM still generates would let kvquota admit work
+into memory that is not free yet.
+
+Cancel and lease expiry ask the engine to abort the request (by the ids vLLM derives from the
+reservation's request_id). Until the engine confirms, the reservation keeps its blocks and the
+pending abort is recorded in the ledger; every replica's maintenance loop retries it, and after
+`engine_abort_hard_timeout_seconds` releases the blocks anyway, with reason ENGINE_UNREACHABLE.
+A Release needs no abort (the engine has finished), nor does an instance with no engine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+
+from quota_service.core.model import EndReason, Reservation, ReservationState
+from quota_service.engine.vllm.http import VllmHttp
+from quota_service.store.ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+
+class Termination:
+    def __init__(
+        self, ledger: Ledger, abort_timeout_seconds: float, hard_timeout_seconds: float
+    ) -> None:
+        self._ledger = ledger
+        self._abort_timeout = abort_timeout_seconds
+        self._hard_timeout = hard_timeout_seconds
+        self._clients: dict[str, VllmHttp] = {}
+
+    async def end(
+        self, tenant: str, request_id: str, reason: EndReason, output_tokens: int | None = None
+    ) -> Reservation:
+        """End it now if nothing runs it, or once its engine confirmed the abort; otherwise the
+        abort stays pending and the reservation is returned as it is (still admitted)."""
+        current = await self._ledger.get(tenant, request_id)
+        if current.state is not ReservationState.ADMITTED or reason is EndReason.RELEASED:
+            return await self._ledger.end(tenant, request_id, reason, output_tokens)
+        url = await self._ledger.engine_url(tenant, request_id)
+        if url is None or await self._abort(url, request_id):
+            return await self._ledger.end(tenant, request_id, reason, output_tokens)
+        await self._ledger.request_abort(tenant, request_id, reason)
+        return await self._ledger.get(tenant, request_id)
+
+    async def sweep(self, batch: int) -> int:
+        """Abort lapsed leases on engines, retry pending aborts, give up on the ones past the
+        hard timeout. Returns how many reservations ended."""
+        ended = 0
+        for tenant, request_id in await self._ledger.lapsed_on_engines(batch):
+            result = await self.end(tenant, request_id, EndReason.LEASE_EXPIRED)
+            ended += result.state is ReservationState.ENDED
+        for tenant, request_id, reason, pending in await self._ledger.pending_aborts(batch):
+            url = await self._ledger.engine_url(tenant, request_id)
+            if url is not None and await self._abort(url, request_id):
+                await self._ledger.end(tenant, request_id, reason)
+            elif pending >= self._hard_timeout:
+                log.warning(
+                    "engine unreachable for %ss: releasing %s/%s", pending, tenant, request_id
+                )
+                await self._ledger.end(tenant, request_id, EndReason.ENGINE_UNREACHABLE)
+            else:
+                continue
+            ended += 1
+        return ended
+
+    async def _abort(self, url: str, request_id: str) -> bool:
+        client = self._clients.get(url)
+        if client is None:
+            client = self._clients[url] = VllmHttp(url, self._abort_timeout)
+        try:
+            await client.abort([request_id])
+        except httpx.HTTPError as exc:
+            log.info("abort of %s at %s failed: %s", request_id, url, exc)
+            return False
+        return True
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
