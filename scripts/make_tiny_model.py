@@ -24,7 +24,7 @@ def main() -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=2048,  # the contract tests serve contexts up to the whole pool
     )
     LlamaForCausalLM(config).save_pretrained(out)
     print(f"tiny model written to {out}")

@@ -120,7 +120,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             model = model or described.model
             block_size = described.metrics.block_size
             max_model_len = max_model_len or described.max_model_len
-            num_gpu_blocks = described.metrics.num_gpu_blocks
+            num_gpu_blocks = described.metrics.usable_blocks
             hash_algo = convert.engine_hash_algo(described.metrics.prefix_caching_hash_algo)
         spec = catalog.instance_spec(
             instance=request.instance_id,

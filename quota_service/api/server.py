@@ -21,6 +21,7 @@ from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
 from quota_service.jobs import maintenance
 from quota_service.jobs.dispatcher import Dispatcher
+from quota_service.jobs.follower import Followers
 from quota_service.jobs.termination import Termination
 from quota_service.store import migrate
 from quota_service.store.catalog import Catalog
@@ -30,6 +31,7 @@ from quota_service.store.ledger import Ledger
 from quota_service.store.notifications import Listener
 from quota_service.store.offboarding import Offboarding
 from quota_service.store.pins import Pins
+from quota_service.store.reconcile import Reconciler
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class RunningServer:
     _listener: Listener
     _dispatcher: Dispatcher
     _termination: Termination
+    _followers: Followers
 
     async def stop(self, grace_seconds: float) -> None:
         log.info("shutting down: draining in-flight RPCs for up to %ss", grace_seconds)
@@ -65,6 +68,7 @@ class RunningServer:
         await self._listener.stop()
         await self._dispatcher.stop()
         await self._termination.close()
+        await self._followers.stop()
         await self._engine.dispose()
 
 
@@ -114,10 +118,23 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
-    jobs = maintenance.Maintenance(ledger, offboarding, inspection, termination, settings)
+    followers = Followers(engine, database_url, Reconciler(engine, ledger))
+    await followers.scan()
+    jobs = maintenance.Maintenance(
+        ledger, offboarding, inspection, termination, followers, settings
+    )
     running = asyncio.create_task(maintenance.run(jobs, stop))
     return RunningServer(
-        port, server, health_servicer, engine, stop, running, listener, dispatcher, termination
+        port,
+        server,
+        health_servicer,
+        engine,
+        stop,
+        running,
+        listener,
+        dispatcher,
+        termination,
+        followers,
     )
 
 

@@ -10,6 +10,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from quota_service.config import Settings
+from quota_service.jobs.follower import Followers
 from quota_service.jobs.termination import Termination
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
@@ -24,6 +25,7 @@ class Maintenance:
     offboarding: Offboarding
     inspection: Inspection
     termination: Termination
+    followers: Followers
     settings: Settings
 
     async def reap_leases(self) -> int:
@@ -40,6 +42,8 @@ class Maintenance:
         steps = (
             ("lease reaper", self.reap_leases),
             ("engine aborts", lambda: self.termination.sweep(self.settings.reaper_batch_size)),
+            # Instances registered since the last sweep get their engine followed.
+            ("engine followers", self.followers.scan),
             # Dispatch also on a timer: a notification may have been lost.
             ("dispatch sweep", self.ledger.dispatch_all),
             ("offboarding", self.offboarding.resume_all),

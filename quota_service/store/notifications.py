@@ -24,7 +24,8 @@ RECONNECT_SECONDS = 1.0
 Handler = Callable[[str, str], None]
 
 
-def _libpq_url(database_url: str) -> str:
+def libpq_url(database_url: str) -> str:
+    """A SQLAlchemy URL as libpq (psycopg) takes it."""
     url = make_url(database_url)
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
@@ -34,7 +35,7 @@ class Listener:
     after losing its connection."""
 
     def __init__(self, database_url: str) -> None:
-        self._url = _libpq_url(database_url)
+        self._url = libpq_url(database_url)
         self._handlers: list[Handler] = []
         self._task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()

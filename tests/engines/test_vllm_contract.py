@@ -27,7 +27,10 @@ from quota_service.engine.vllm.subscriber import Received, Subscriber
 from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
-from tests.engines.conftest import BLOCK_SIZE, NUM_GPU_BLOCKS, ROOT, Engine
+from tests.engines.conftest import BLOCK_SIZE, MAX_MODEL_LEN, NUM_GPU_BLOCKS, ROOT, Engine
+
+# Tokens a generation asks for when it must still be running when an abort arrives.
+LONG = MAX_MODEL_LEN - 64
 
 
 async def complete(
@@ -128,28 +131,35 @@ async def test_metrics_tell_the_real_pool(vllm: Engine) -> None:
     assert metrics.prefix_caching_hash_algo == "sha256"
 
 
+async def abort_until_done(
+    http: VllmHttp, request_id: str, generation: asyncio.Task[dict[str, object]]
+) -> None:
+    """Abort until the generation ends: an abort that reaches vLLM before the request does is
+    ignored (and answered 200 all the same)."""
+    while not generation.done():
+        await http.abort([request_id])
+        await asyncio.sleep(0.05)
+
+
 async def test_abort_by_request_id_stops_a_long_generation(vllm: Engine) -> None:
     """The gateway sends kvquota's request_id; the driver aborts the ids vLLM derives from it."""
     http = VllmHttp(vllm.base_url)
-    generation = asyncio.create_task(
-        complete(vllm, [3] * 32, max_tokens=400, request_id="long-1", ignore_eos=True)
-    )
-    for _ in range(100):
-        if (await http.metrics()).requests_running:
-            break
-        await asyncio.sleep(0.1)
-    await http.abort(["long-1"])
-    result = await asyncio.wait_for(generation, 60)
-    choices = result["choices"]
-    assert isinstance(choices, list) and choices[0]["finish_reason"] == "abort"
-    usage = result["usage"]
-    assert isinstance(usage, dict) and usage["completion_tokens"] < 400
-    for _ in range(100):  # the gauge follows a moment later
-        if not (await http.metrics()).requests_running:
-            break
-        await asyncio.sleep(0.1)
-    assert (await http.metrics()).requests_running == 0
-    await http.close()
+    try:
+        generation = asyncio.create_task(
+            complete(vllm, [3] * 32, max_tokens=LONG, request_id="long-1", ignore_eos=True)
+        )
+        await abort_until_done(http, "long-1", generation)
+        result = generation.result()
+        choices, usage = result["choices"], result["usage"]
+        assert isinstance(choices, list) and choices[0]["finish_reason"] == "abort"
+        assert isinstance(usage, dict) and usage["completion_tokens"] < LONG
+        for _ in range(100):  # the gauge follows a moment later
+            if not (await http.metrics()).requests_running:
+                break
+            await asyncio.sleep(0.1)
+        assert (await http.metrics()).requests_running == 0
+    finally:
+        await http.close()
 
 
 async def test_register_from_the_engine_and_release_only_after_the_abort(
@@ -159,7 +169,8 @@ async def test_register_from_the_engine_and_release_only_after_the_abort(
     its generation in vLLM and only then gives its blocks back."""
     http = VllmHttp(vllm.base_url)
     described = await http.describe()
-    assert (described.max_model_len, described.metrics.num_gpu_blocks) == (512, NUM_GPU_BLOCKS)
+    registered = (described.max_model_len, described.metrics.num_gpu_blocks)
+    assert registered == (MAX_MODEL_LEN, NUM_GPU_BLOCKS)
     spec = catalog.instance_spec(
         "tiny",
         described.model,
@@ -167,18 +178,18 @@ async def test_register_from_the_engine_and_release_only_after_the_abort(
         described.metrics.block_size,
         described.max_model_len,
         None,
-        described.metrics.num_gpu_blocks,
+        described.metrics.usable_blocks,
         engine=EngineEndpoints(vllm.base_url, vllm.events, vllm.replay),
     )
     await Catalog(engine).register_instance(spec)
     await Catalog(engine).create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
     ledger = Ledger(engine, Settings().admission_limits)
     reservation, salt = await ledger.admit(
-        AdmitRequest(AdmitParams("acme", "gen-1", "tiny", 32, 400, 1, 0), (3,) * 32, 0.0, None)
+        AdmitRequest(AdmitParams("acme", "gen-1", "tiny", 32, LONG, 1, 0), (3,) * 32, 0.0, None)
     )
     generation = asyncio.create_task(
         complete(
-            vllm, [3] * 32, max_tokens=400, request_id="gen-1", cache_salt=salt, ignore_eos=True
+            vllm, [3] * 32, max_tokens=LONG, request_id="gen-1", cache_salt=salt, ignore_eos=True
         )
     )
     for _ in range(100):
@@ -191,6 +202,6 @@ async def test_register_from_the_engine_and_release_only_after_the_abort(
     result = await asyncio.wait_for(generation, 60)
     choices = result["choices"]
     assert isinstance(choices, list) and choices[0]["finish_reason"] == "abort"
-    assert reservation.reserved_blocks == 14
+    assert reservation.reserved_blocks == 1 + LONG // BLOCK_SIZE
     await termination.close()
     await http.close()

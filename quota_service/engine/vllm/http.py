@@ -18,6 +18,11 @@ class EngineMetrics:
     requests_waiting: int
     kv_cache_usage: float
 
+    @property
+    def usable_blocks(self) -> int:
+        """vLLM keeps block 0 as a null block that never holds data."""
+        return self.num_gpu_blocks - 1
+
 
 @dataclass(frozen=True, slots=True)
 class EngineDescription:

@@ -33,10 +33,12 @@ class Received:
 
 @dataclass(frozen=True, slots=True)
 class Resync:
-    """What the engine holds is unknown past this point: start again from empty."""
+    """What the engine holds is unknown past this point: start again from empty. `restarted`:
+    the engine itself started again, so the work it was running is lost too."""
 
     reason: str
     seq: int
+    restarted: bool
 
 
 Item = Received | Resync
@@ -75,9 +77,8 @@ class Subscriber:
             _, seq_frame, payload = await self._sub.recv_multipart()
             seq = _seq(seq_frame)
             if self.expected is not None and seq < self.expected:
-                yield Resync(
-                    f"sequence went back from {self.expected} to {seq}: engine restarted", seq
-                )
+                reason = f"sequence went back from {self.expected} to {seq}: engine restarted"
+                yield Resync(reason, seq, restarted=True)
             elif self.expected is not None and seq > self.expected:
                 async for item in self._fill(self.expected, seq):
                     yield item
@@ -89,10 +90,8 @@ class Subscriber:
         replayed = [r async for r in self.replay(first_missing)]
         wanted = [r for r in replayed if r.seq < next_live]
         if not wanted or wanted[0].seq != first_missing:
-            yield Resync(
-                f"batches {first_missing}..{next_live - 1} are gone from the replay buffer",
-                next_live,
-            )
+            reason = f"batches {first_missing}..{next_live - 1} are gone from the replay buffer"
+            yield Resync(reason, next_live, restarted=False)
             return
         for item in wanted:
             yield item

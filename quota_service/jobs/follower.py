@@ -1,0 +1,103 @@
+"""Following the engines: for each instance with KV-event endpoints, exactly one replica
+subscribes to its events and applies them to the ledger (store/reconcile.py).
+
+Ownership is a PostgreSQL advisory lock held on a connection of its own: it is released the
+moment that replica dies, and another one takes over, resuming after the last batch applied (the
+engine's replay buffer fills the gap, or the instance is resynchronised from empty). A ledger that
+never followed this engine starts from empty too: it cannot know what the engine cached before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import suppress
+
+import psycopg
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.engine.vllm.subscriber import Received, Subscriber
+from quota_service.store.notifications import libpq_url
+from quota_service.store.reconcile import Reconciler
+
+log = logging.getLogger(__name__)
+
+RETRY_SECONDS = 2.0
+
+_FOLLOWED = text(
+    "SELECT instance, kv_events_endpoint, kv_replay_endpoint, last_event_seq FROM instances "
+    "WHERE kv_events_endpoint IS NOT NULL"
+)
+
+
+class Followers:
+    """Keeps one follower task per followed instance (new instances are picked up by `scan`)."""
+
+    def __init__(self, engine: AsyncEngine, database_url: str, reconciler: Reconciler) -> None:
+        self._engine = engine
+        self._url = libpq_url(database_url)
+        self._reconciler = reconciler
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def scan(self) -> int:
+        """Start following instances not followed yet; returns how many were started."""
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(_FOLLOWED)).all()
+        started = 0
+        for instance, events, replay, _ in rows:
+            if instance not in self._tasks or self._tasks[instance].done():
+                self._tasks[instance] = asyncio.create_task(self._follow(instance, events, replay))
+                started += 1
+        return started
+
+    async def stop(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        for task in self._tasks.values():
+            with suppress(asyncio.CancelledError):
+                await task
+
+    async def _follow(self, instance: str, events: str, replay: str | None) -> None:
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self._url, autocommit=True
+                ) as lock:
+                    owned = await (
+                        await lock.execute(
+                            "SELECT pg_try_advisory_lock(hashtext(%s))",
+                            (f"kvquota-follow:{instance}",),
+                        )
+                    ).fetchone()
+                    if owned and owned[0]:
+                        log.info("following the engine of %s at %s", instance, events)
+                        await self._apply_stream(instance, events, replay)
+            except (psycopg.Error, OSError):
+                log.warning("following %s failed; retrying", instance, exc_info=True)
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def _apply_stream(self, instance: str, events: str, replay: str | None) -> None:
+        async with self._engine.connect() as conn:
+            last = (
+                await conn.execute(
+                    text("SELECT last_event_seq FROM instances WHERE instance = :i"),
+                    {"i": instance},
+                )
+            ).scalar_one_or_none()
+        subscriber = Subscriber(events, replay)
+        try:
+            if last is None:
+                await self._reconciler.resynchronise(instance, -1, restarted=False)
+            else:
+                subscriber.expected = last + 1
+            async for item in subscriber.items():
+                if isinstance(item, Received):
+                    await self._reconciler.apply(instance, item.seq, item.batch)
+                else:
+                    log.warning("resynchronising %s: %s", instance, item.reason)
+                    await self._reconciler.resynchronise(
+                        instance, item.seq - 1, restarted=item.restarted
+                    )
+        finally:
+            subscriber.close()
