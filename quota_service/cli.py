@@ -102,13 +102,38 @@ def _list(args: argparse.Namespace) -> int:
         print(json.dumps([MessageToDict(m) for m in items], indent=2))
         return 0
     to_row = _tenant_row if args.resource == "tenants" else _instance_row
-    rows = [to_row(m) for m in items]  # type: ignore[arg-type]
+    _print_rows([to_row(m) for m in items])  # type: ignore[arg-type]
+    return 0
+
+
+def _register_instance(args: argparse.Namespace) -> int:
+    """Register an instance from its live engine: the engine reports its real pool."""
+    engine = resources_pb2.EngineEndpoints(
+        url=args.vllm_url,
+        kv_events_endpoint=args.kv_events or "",
+        kv_replay_endpoint=args.kv_replay or "",
+    )
+    request = admin_pb2.RegisterInstanceRequest(
+        instance_id=args.name,
+        model=args.model or "",
+        max_model_len=args.max_model_len or 0,
+        engine=engine,
+    )
+    with grpc.insecure_channel(args.server) as channel:
+        instance = admin_pb2_grpc.AdminServiceStub(channel).RegisterInstance(request, timeout=60)
+    if args.json:
+        print(json.dumps(MessageToDict(instance), indent=2))
+    else:
+        _print_rows([_instance_row(instance)])
+    return 0
+
+
+def _print_rows(rows: list[dict[str, object]]) -> None:
     columns = list(rows[0]) if rows else ["name"]
     widths = {c: max([len(c), *(len(str(r[c])) for r in rows)]) for c in columns}
     print("  ".join(c.upper().ljust(widths[c]) for c in columns))
     for row in rows:
         print("  ".join(str(row[c]).ljust(widths[c]) for c in columns))
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,6 +149,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         lister.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
         lister.add_argument("--json", action="store_true", help="print JSON instead of a table")
         lister.set_defaults(resource=resource)
+    instance = commands.add_parser("instance", help="manage one instance")
+    instance_commands = instance.add_subparsers(dest="action", required=True)
+    register = instance_commands.add_parser(
+        "register", help="register an instance from its live vLLM engine"
+    )
+    register.add_argument("name", help="the instance id, e.g. gpu-0")
+    register.add_argument("--vllm-url", required=True, help="vLLM's HTTP server")
+    register.add_argument("--kv-events", help="vLLM's KV-event publisher, e.g. tcp://host:5557")
+    register.add_argument("--kv-replay", help="its replay socket, e.g. tcp://host:5558")
+    register.add_argument("--model", help="the model name (default: what the engine serves)")
+    register.add_argument("--max-model-len", type=int, help="default: the engine's")
+    register.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
+    register.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -139,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "migrate":
         return _migrate(settings, args)
     try:
-        return _list(args)
+        return _register_instance(args) if args.command == "instance" else _list(args)
     except grpc.RpcError as exc:
         print(f"kvquota: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -8,8 +8,11 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service import cli
+from quota_service.api import server
 from quota_service.config import Settings
 from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
@@ -44,6 +47,30 @@ async def complete(
         response.raise_for_status()
         result: dict[str, object] = response.json()
         return result
+
+
+async def stream(
+    engine: Engine, prompt: list[int], max_tokens: int, started: asyncio.Event, **extra: object
+) -> str | None:
+    """Generate with streaming; `started` is set at the first token. Returns the finish reason."""
+    body = {
+        "model": engine.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        **extra,
+    }
+    finish = None
+    async with (
+        httpx.AsyncClient(timeout=120) as client,
+        client.stream("POST", f"{engine.base_url}/v1/completions", json=body) as response,
+    ):
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            started.set()
+            finish = json.loads(line[len("data: ") :])["choices"][0].get("finish_reason") or finish
+    return finish
 
 
 async def collect(subscriber: Subscriber, seconds: float) -> list[Received]:
@@ -187,21 +214,44 @@ async def test_register_from_the_engine_and_release_only_after_the_abort(
     reservation, salt = await ledger.admit(
         AdmitRequest(AdmitParams("acme", "gen-1", "tiny", 32, LONG, 1, 0), (3,) * 32, 0.0, None)
     )
+    started = asyncio.Event()
     generation = asyncio.create_task(
-        complete(
-            vllm, [3] * 32, max_tokens=LONG, request_id="gen-1", cache_salt=salt, ignore_eos=True
-        )
+        stream(vllm, [3] * 32, LONG, started, request_id="gen-1", cache_salt=salt, ignore_eos=True)
     )
-    for _ in range(100):
-        if (await http.metrics()).requests_running:
-            break
-        await asyncio.sleep(0.05)
+    await asyncio.wait_for(started.wait(), 60)  # a token came: vLLM runs it now
     termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
     ended = await termination.end("acme", "gen-1", EndReason.CANCELLED)
     assert (ended.state, ended.end_reason) == (ReservationState.ENDED, EndReason.CANCELLED)
-    result = await asyncio.wait_for(generation, 60)
-    choices = result["choices"]
-    assert isinstance(choices, list) and choices[0]["finish_reason"] == "abort"
+    assert await asyncio.wait_for(generation, 60) == "abort"
     assert reservation.reserved_blocks == 1 + LONG // BLOCK_SIZE
     await termination.close()
     await http.close()
+
+
+async def test_the_cli_registers_an_instance_from_its_engine(
+    vllm: Engine, database_url: str, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    running = await server.start(settings, database_url)
+    try:
+        argv = [
+            "instance",
+            "register",
+            "from-cli",
+            "--vllm-url",
+            vllm.base_url,
+            "--kv-events",
+            vllm.events,
+            "--kv-replay",
+            vllm.replay,
+            "--server",
+            f"127.0.0.1:{running.port}",
+            "--json",
+        ]
+        assert await asyncio.to_thread(cli.main, argv) == 0
+        registered = json.loads(capsys.readouterr().out)
+        assert registered["capacityBlocks"] == str(NUM_GPU_BLOCKS - 1)
+        assert (registered["blockSize"], registered["maxModelLen"]) == (BLOCK_SIZE, MAX_MODEL_LEN)
+        assert registered["hashAlgo"] == "PREFIX_HASH_ALGO_SHA256"
+        assert registered["engine"]["kvEventsEndpoint"] == vllm.events
+    finally:
+        await running.stop(0)
