@@ -63,8 +63,9 @@ format: $(STAMP) ## Apply ruff's fixes and formatting
 proto: $(STAMP) ## Regenerate kvquota/v1 from proto/kvquota/v1
 	$(BIN)/python scripts/protogen.py
 
-bench: $(STAMP) ## Admit latency and Admit+Release pairs per second (one server process, throwaway database)
+bench: $(STAMP) ## Admit latency and throughput; KV-event subscriber rate and lag against the simulated host
 	$(BIN)/python bench/admit_latency.py
+	$(BIN)/python bench/kv_events.py
 
 clean: ## Remove the virtual environment and the embedded database
 	rm -rf $(VENV) $(ENGINES) .kvquota
