@@ -11,6 +11,7 @@ A Release needs no abort (the engine has finished), nor does an instance with no
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import httpx
@@ -20,6 +21,8 @@ from quota_service.engine.vllm.http import VllmHttp
 from quota_service.store.ledger import Ledger
 
 log = logging.getLogger(__name__)
+
+ABORT_REPEAT_SECONDS = 0.1
 
 
 class Termination:
@@ -67,10 +70,15 @@ class Termination:
         return ended
 
     async def _abort(self, url: str, request_id: str) -> bool:
+        """Ask the engine to abort; True once it answered. vLLM answers 200 whether or not it
+        found the request and ignores an abort that overtakes the request's registration, so the
+        abort is sent twice, a moment apart (aborting an aborted request is harmless)."""
         client = self._clients.get(url)
         if client is None:
             client = self._clients[url] = VllmHttp(url, self._abort_timeout)
         try:
+            await client.abort([request_id])
+            await asyncio.sleep(ABORT_REPEAT_SECONDS)
             await client.abort([request_id])
         except httpx.HTTPError as exc:
             log.info("abort of %s at %s failed: %s", request_id, url, exc)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import text
@@ -30,6 +34,7 @@ from tests.engines.conftest import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     NUM_GPU_BLOCKS,
+    Engine,
     engine_at,
     free_ports,
     start_vllm,
@@ -49,14 +54,28 @@ async def until(condition: object, seconds: float = 30.0) -> None:
     raise AssertionError("the condition never held")
 
 
-async def test_following_a_restarted_engine(
-    engine_python: Path, tiny_model: Path, tmp_path: Path, engine: AsyncEngine, database_url: str
-) -> None:
+@dataclass
+class Followed:
+    """A real vLLM, registered as instance "live" for tenant acme, and the ledger following it."""
+
+    live: Engine
+    ledger: Ledger
+    process: subprocess.Popen[bytes]
+    restart: Callable[[], subprocess.Popen[bytes]]
+
+
+@asynccontextmanager
+async def followed_engine(
+    engine_python: Path, tiny_model: Path, log: Path, engine: AsyncEngine, database_url: str
+) -> AsyncIterator[Followed]:
     ports = free_ports()
-    log = tmp_path / "vllm.log"
-    process = start_vllm(engine_python, tiny_model, ports, log)
     live = engine_at(tiny_model, ports, engine_python)
-    endpoints = EngineEndpoints(live.base_url, live.events, live.replay)
+    followed = Followed(
+        live,
+        Ledger(engine, Settings().admission_limits),
+        start_vllm(engine_python, tiny_model, ports, log),
+        lambda: start_vllm(engine_python, tiny_model, ports, log),
+    )
     spec = catalog.instance_spec(
         "live",
         live.model,
@@ -65,21 +84,33 @@ async def test_following_a_restarted_engine(
         MAX_MODEL_LEN,
         None,
         NUM_GPU_BLOCKS - 1,
-        engine=endpoints,
+        engine=EngineEndpoints(live.base_url, live.events, live.replay),
     )
     await Catalog(engine).register_instance(spec)
     await Catalog(engine).create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
-    ledger = Ledger(engine, Settings().admission_limits)
-    followers = Followers(engine, database_url, Reconciler(engine, ledger))
+    followers = Followers(engine, database_url, Reconciler(engine, followed.ledger))
     try:
         assert await followers.scan() == 1
 
-        async def followed() -> bool:
+        async def following() -> bool:
             async with engine.connect() as conn:
                 seq = await conn.execute(text("SELECT last_event_seq FROM instances"))
                 return seq.scalar_one() is not None
 
-        await until(followed)  # it started from empty (last_event_seq -1)
+        await until(following)  # it started from empty (last_event_seq -1)
+        yield followed
+    finally:
+        await followers.stop()
+        stop_vllm(followed.process)
+
+
+async def test_following_a_restarted_engine(
+    engine_python: Path, tiny_model: Path, tmp_path: Path, engine: AsyncEngine, database_url: str
+) -> None:
+    async with followed_engine(
+        engine_python, tiny_model, tmp_path / "vllm.log", engine, database_url
+    ) as followed:
+        ledger, live = followed.ledger, followed.live
         params = AdmitParams("acme", "held", "live", len(PROMPT), 4, 1, 0)
         held, salt = await ledger.admit(AdmitRequest(params, tuple(PROMPT), 0.0, 600.0))
         await complete(live, PROMPT, max_tokens=4, request_id="held", cache_salt=salt)
@@ -98,8 +129,8 @@ async def test_following_a_restarted_engine(
 
         await until(confirmed)  # BlockStored confirmed exactly the ledger's prompt blocks
 
-        stop_vllm(process, signal.SIGKILL)
-        process = start_vllm(engine_python, tiny_model, ports, log)
+        stop_vllm(followed.process, signal.SIGKILL)
+        followed.process = followed.restart()
         await complete(live, [9] * 40, max_tokens=1)  # its first batch numbers from 0 again
 
         async def ended() -> bool:
@@ -107,21 +138,13 @@ async def test_following_a_restarted_engine(
 
         await until(ended)
         after = await ledger.get("acme", "held")
-        assert (
-            after.end_reason is EndReason.ENGINE_RESTARTED
-            and held.state is ReservationState.ADMITTED
-        )
+        assert held.state is ReservationState.ADMITTED
+        assert after.end_reason is EndReason.ENGINE_RESTARTED
         async with engine.connect() as conn:
-            row = (
-                await conn.execute(
-                    text("SELECT cached_blocks, blocks_in_use, engine_resyncs FROM instances")
-                )
-            ).one()
+            query = text("SELECT cached_blocks, blocks_in_use, engine_resyncs FROM instances")
+            row = (await conn.execute(query)).one()
         assert (row.cached_blocks, row.blocks_in_use) == (0, 0) and row.engine_resyncs >= 2
         await assert_invariants(engine)
-    finally:
-        await followers.stop()
-        stop_vllm(process)
 
 
 async def test_the_ledgers_cache_is_the_engines(
@@ -130,64 +153,45 @@ async def test_the_ledgers_cache_is_the_engines(
     """A scripted run that fills the pool and forces evictions: afterwards the ledger's cached
     blocks are exactly those the engine's events say it still caches (of the prompt blocks the
     ledger knows; full output blocks are the engine's own)."""
-    ports = free_ports()
-    process = start_vllm(engine_python, tiny_model, ports, tmp_path / "vllm.log")
-    live = engine_at(tiny_model, ports, engine_python)
-    endpoints = EngineEndpoints(live.base_url, live.events, live.replay)
-    spec = catalog.instance_spec(
-        "live",
-        live.model,
-        None,
-        BLOCK_SIZE,
-        MAX_MODEL_LEN,
-        None,
-        NUM_GPU_BLOCKS - 1,
-        engine=endpoints,
-    )
-    await Catalog(engine).register_instance(spec)
-    await Catalog(engine).create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
-    ledger = Ledger(engine, Settings().admission_limits)
-    followers = Followers(engine, database_url, Reconciler(engine, ledger))
-    watcher = Subscriber(live.events, live.replay)
-    watcher.connect()
     engine_cache: set[int] = set()
     known: set[int] = set()
+    async with followed_engine(
+        engine_python, tiny_model, tmp_path / "vllm.log", engine, database_url
+    ) as followed:
+        ledger, live = followed.ledger, followed.live
+        watcher = Subscriber(live.events, live.replay)
+        watcher.connect()
 
-    async def watch() -> None:
-        async for item in watcher.items():
-            assert isinstance(item, Received)
-            for event in item.batch.events:
-                if isinstance(event, BlockStored):
-                    engine_cache.update(event.block_hashes)
-                elif isinstance(event, BlockRemoved):
-                    engine_cache.difference_update(event.block_hashes)
+        async def watch() -> None:
+            async for item in watcher.items():
+                assert isinstance(item, Received)
+                for event in item.batch.events:
+                    if isinstance(event, BlockStored):
+                        engine_cache.update(event.block_hashes)
+                    elif isinstance(event, BlockRemoved):
+                        engine_cache.difference_update(event.block_hashes)
 
-    watching = asyncio.create_task(watch())
-    try:
-        await followers.scan()
-        await asyncio.sleep(1.0)
-        for i in range(24):  # 3 full prompt blocks + a tail each: 24 x 3 > 63 forces evictions
-            # Token ids inside the tiny model's vocabulary (512), a different start for each.
-            prompt = [(i * 37 + j) % 500 + 1 for j in range(3 * BLOCK_SIZE + 5)]
-            params = AdmitParams("acme", f"r{i}", "live", len(prompt), 20, 1, 0)
-            _, salt = await ledger.admit(AdmitRequest(params, tuple(prompt), 0.0, None))
-            known.update(event_hash(h) for h in block_hashes(prompt, BLOCK_SIZE, salt))
-            await complete(live, prompt, max_tokens=20, request_id=f"r{i}", cache_salt=salt)
-            await ledger.end("acme", f"r{i}", EndReason.RELEASED, 20)
-        assert len(known) == 72 and len(engine_cache & known) < 72  # the engine did evict
+        watching = asyncio.create_task(watch())
+        await asyncio.sleep(0.5)
+        try:
+            for i in range(24):  # 3 full prompt blocks + a tail each: 24 x 3 > 63 evicts
+                # Token ids inside the tiny model's vocabulary (512), a different start for each.
+                prompt = [(i * 37 + j) % 500 + 1 for j in range(3 * BLOCK_SIZE + 5)]
+                params = AdmitParams("acme", f"r{i}", "live", len(prompt), 20, 1, 0)
+                _, salt = await ledger.admit(AdmitRequest(params, tuple(prompt), 0.0, None))
+                known.update(event_hash(h) for h in block_hashes(prompt, BLOCK_SIZE, salt))
+                await complete(live, prompt, max_tokens=20, request_id=f"r{i}", cache_salt=salt)
+                await ledger.end("acme", f"r{i}", EndReason.RELEASED, 20)
+            assert len(known) == 72 and len(engine_cache & known) < 72  # the engine did evict
 
-        async def caught_up() -> bool:
-            async with engine.connect() as conn:
-                rows = await conn.execute(
-                    text("SELECT event_hash FROM blocks WHERE state = 'CACHED'")
-                )
-                ledger_cache = {h & (2**64 - 1) for (h,) in rows}
-            return ledger_cache == engine_cache & known
+            async def caught_up() -> bool:
+                async with engine.connect() as conn:
+                    query = text("SELECT event_hash FROM blocks WHERE state = 'CACHED'")
+                    ledger_cache = {h & (2**64 - 1) for (h,) in await conn.execute(query)}
+                return ledger_cache == engine_cache & known
 
-        await until(caught_up, 10)
-        await assert_invariants(engine)
-    finally:
-        watching.cancel()
-        watcher.close()
-        await followers.stop()
-        stop_vllm(process)
+            await until(caught_up, 10)
+            await assert_invariants(engine)
+        finally:
+            watching.cancel()
+            watcher.close()

@@ -34,6 +34,7 @@ from tests.engines.conftest import BLOCK_SIZE, MAX_MODEL_LEN, NUM_GPU_BLOCKS, RO
 
 # Tokens a generation asks for when it must still be running when an abort arrives.
 LONG = MAX_MODEL_LEN - 64
+STARTED_AFTER_CHUNKS = 3
 
 
 async def complete(
@@ -52,7 +53,8 @@ async def complete(
 async def stream(
     engine: Engine, prompt: list[int], max_tokens: int, started: asyncio.Event, **extra: object
 ) -> str | None:
-    """Generate with streaming; `started` is set at the first token. Returns the finish reason."""
+    """Generate with streaming; `started` is set once tokens flow (a few have arrived). Returns
+    the finish reason."""
     body = {
         "model": engine.model,
         "prompt": prompt,
@@ -61,6 +63,7 @@ async def stream(
         **extra,
     }
     finish = None
+    chunks = 0
     async with (
         httpx.AsyncClient(timeout=120) as client,
         client.stream("POST", f"{engine.base_url}/v1/completions", json=body) as response,
@@ -68,7 +71,9 @@ async def stream(
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            started.set()
+            chunks += 1
+            if chunks >= STARTED_AFTER_CHUNKS:
+                started.set()
             finish = json.loads(line[len("data: ") :])["choices"][0].get("finish_reason") or finish
     return finish
 
