@@ -83,26 +83,29 @@ def _instance_row(i: resources_pb2.Instance) -> dict[str, object]:
 
 
 def _list(args: argparse.Namespace) -> int:
+    """Every page of tenants or instances, as a table or JSON."""
+    messages: list[Message] = []
+    rows: list[dict[str, object]] = []
     with grpc.insecure_channel(args.server) as channel:
         stub = admin_pb2_grpc.AdminServiceStub(channel)
-        items: list[Message] = []
         token = ""
         while True:
             if args.resource == "tenants":
                 tenants = stub.ListTenants(admin_pb2.ListTenantsRequest(page_token=token))
-                items.extend(tenants.tenants)
+                messages.extend(tenants.tenants)
+                rows.extend(_tenant_row(t) for t in tenants.tenants)
                 token = tenants.next_page_token
             else:
                 instances = stub.ListInstances(admin_pb2.ListInstancesRequest(page_token=token))
-                items.extend(instances.instances)
+                messages.extend(instances.instances)
+                rows.extend(_instance_row(i) for i in instances.instances)
                 token = instances.next_page_token
             if not token:
                 break
     if args.json:
-        print(json.dumps([MessageToDict(m) for m in items], indent=2))
-        return 0
-    to_row = _tenant_row if args.resource == "tenants" else _instance_row
-    _print_rows([to_row(m) for m in items])  # type: ignore[arg-type]
+        print(json.dumps([MessageToDict(m) for m in messages], indent=2))
+    else:
+        _print_rows(rows)
     return 0
 
 
