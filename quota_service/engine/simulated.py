@@ -115,6 +115,22 @@ class SimulatedPool:
                 else:
                     self.free_cached[block_id] = None
 
+    def reset(self) -> bool:
+        """vLLM's reset_prefix_cache: only when no block is in use; every cached block is freed."""
+        if any(block.ref_count for block in self.blocks[1:]):
+            return False
+        for block_id in self.free_cached:
+            self.blocks[block_id].hash = None
+            self.free_unhashed.append(block_id)
+        self.free_cached.clear()
+        self.cached.clear()
+        return True
+
+    @property
+    def usage(self) -> float:
+        """vllm:kv_cache_usage_perc: blocks with references, of the usable ones."""
+        return sum(1 for b in self.blocks[1:] if b.ref_count) / (self.num_blocks - 1)
+
     def _take_free(self) -> tuple[int, int | None]:
         if self.free_unhashed:
             return self.free_unhashed.popleft(), None
@@ -168,3 +184,144 @@ class EventPublisher:
         self._replaying.cancel()
         self._pub.close(linger=0)
         self._replay.close(linger=0)
+
+
+@dataclass
+class _Running:
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class SimulatedHost:
+    """The simulated engine as vLLM serves it: the OpenAI completions endpoint (token-id prompts),
+    /metrics, /v1/models, /health, and the dev-mode /abort_requests and /reset_prefix_cache,
+    with generation paced at `tokens_per_second`; its pool publishes vLLM-format events."""
+
+    def __init__(
+        self,
+        pool: SimulatedPool,
+        publisher: EventPublisher,
+        model: str = "simulated",
+        tokens_per_second: float = 1000.0,
+    ) -> None:
+        self.pool = pool
+        self.publisher = publisher
+        self.model = model
+        self.tokens_per_second = tokens_per_second
+        self.running: dict[str, _Running] = {}
+        self._room = asyncio.Event()
+        self._server: asyncio.Server | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return (self.pool.num_blocks - 1) * self.pool.block_size
+
+    async def serve(self, host: str, port: int) -> int:
+        """Listen on host:port (0: any free port); returns the port."""
+        self._server = await asyncio.start_server(self._connection, host, port)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        self.publisher.close()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = (await reader.readline()).decode()
+            headers = {}
+            while (line := (await reader.readline()).decode().strip()) != "":
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+            body = await reader.readexactly(int(headers.get("content-length", "0")))
+            method, path, _ = request_line.split(" ", 2)
+            status, content_type, payload = await self._route(method, path, body)
+        except (ValueError, KeyError, asyncio.IncompleteReadError) as exc:
+            status, content_type, payload = 400, "text/plain", str(exc).encode()
+        writer.write(
+            f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}\r\n"
+            f"content-type: {content_type}\r\ncontent-length: {len(payload)}\r\n"
+            "connection: close\r\n\r\n".encode()
+            + payload
+        )
+        await writer.drain()
+        writer.close()
+
+    async def _route(self, method: str, path: str, body: bytes) -> tuple[int, str, bytes]:
+        path = path.split("?", 1)[0]
+        if (method, path) == ("GET", "/health"):
+            return 200, "text/plain", b""
+        if (method, path) == ("GET", "/metrics"):
+            return 200, "text/plain; version=0.0.4", self._metrics().encode()
+        if (method, path) == ("GET", "/v1/models"):
+            card = {"id": self.model, "object": "model", "max_model_len": self.max_model_len}
+            return 200, "application/json", msgspec.json.encode({"data": [card]})
+        if (method, path) == ("POST", "/v1/completions"):
+            return 200, "application/json", msgspec.json.encode(await self._complete(body))
+        if (method, path) == ("POST", "/abort_requests"):
+            ids = msgspec.json.decode(body).get("request_ids") or list(self.running)
+            aborted = [rid for rid in ids if rid in self.running]
+            for rid in aborted:
+                self.running[rid].aborted.set()
+            return 200, "application/json", msgspec.json.encode({"aborted": len(aborted)})
+        if (method, path) == ("POST", "/reset_prefix_cache"):
+            success = self.pool.reset()
+            if success:
+                await self.publisher.publish([{"type": "AllBlocksCleared"}])
+            return 200, "application/json", msgspec.json.encode({"success": success})
+        return 404, "text/plain", b"not found"
+
+    async def _complete(self, body: bytes) -> dict[str, object]:
+        request = msgspec.json.decode(body)
+        prompt = list(request["prompt"])
+        max_tokens = int(request.get("max_tokens") or 16)
+        engine_id = f"cmpl-{request.get('request_id') or id(request)}-0"
+        salt = request.get("cache_salt")
+        while (events := self.pool.admit(engine_id, prompt, max_tokens, salt)) is None:
+            self._room.clear()  # vLLM would queue it: wait until a request finishes
+            await self._room.wait()
+        if events:
+            await self.publisher.publish(events)
+        running = self.running[engine_id] = _Running()
+        started = time.monotonic()
+        finish = "length"
+        try:
+            await asyncio.wait_for(running.aborted.wait(), max_tokens / self.tokens_per_second)
+            finish = "abort"
+        except TimeoutError:
+            pass
+        finally:
+            del self.running[engine_id]
+            self.pool.finish(engine_id)
+            self._room.set()
+        generated = min(max_tokens, int((time.monotonic() - started) * self.tokens_per_second))
+        return {
+            "id": engine_id.removesuffix("-0"),
+            "object": "text_completion",
+            "model": self.model,
+            "choices": [{"index": 0, "text": "", "finish_reason": finish}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": generated},
+        }
+
+    def _metrics(self) -> str:
+        labels = (
+            f'block_size="{self.pool.block_size}",engine="0",'
+            f'num_gpu_blocks="{self.pool.num_blocks}",'
+            f'prefix_caching_hash_algo="{self.pool.algo.value}"'
+        )
+        return "\n".join(
+            [
+                "# TYPE vllm:cache_config_info gauge",
+                f"vllm:cache_config_info{{{labels}}} 1.0",
+                "# TYPE vllm:num_requests_running gauge",
+                f'vllm:num_requests_running{{engine="0"}} {len(self.running)}',
+                "# TYPE vllm:num_requests_waiting gauge",
+                'vllm:num_requests_waiting{engine="0"} 0',
+                "# TYPE vllm:kv_cache_usage_perc gauge",
+                f'vllm:kv_cache_usage_perc{{engine="0"}} {self.pool.usage}',
+                "",
+            ]
+        )
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found"}

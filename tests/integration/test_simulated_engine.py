@@ -1,0 +1,123 @@
+"""The whole engine path against the simulated host, fast and without vLLM: describe and
+register, follow its events, abort before release, reset (the contract tests do this against
+real vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.core import catalog
+from quota_service.core.admission import AdmitRequest
+from quota_service.core.model import AdmitParams, EndReason, EngineEndpoints, ReservationState
+from quota_service.engine.simulated import EventPublisher, SimulatedHost, SimulatedPool
+from quota_service.engine.vllm.http import VllmHttp
+from quota_service.jobs.follower import Followers
+from quota_service.jobs.termination import Termination
+from quota_service.store.catalog import Catalog
+from quota_service.store.ledger import Ledger
+from quota_service.store.reconcile import Reconciler
+from tests.integration.invariants import assert_invariants
+from tests.integration.ledger_fixtures import add_tenant
+
+BS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+async def host() -> AsyncIterator[tuple[SimulatedHost, EngineEndpoints]]:
+    events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    simulated = SimulatedHost(
+        SimulatedPool(num_blocks=65, block_size=BS), EventPublisher(events, replay)
+    )
+    port = await simulated.serve("127.0.0.1", 0)
+    yield simulated, EngineEndpoints(f"http://127.0.0.1:{port}", events, replay)
+    await simulated.close()
+
+
+async def until(condition: Callable[[], Awaitable[bool]], seconds: float = 10.0) -> None:
+    for _ in range(int(seconds * 20)):
+        if await condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the condition never held")
+
+
+async def test_the_engine_path_against_the_simulated_host(
+    host: tuple[SimulatedHost, EngineEndpoints],
+    engine: AsyncEngine,
+    database_url: str,
+    settings: Settings,
+) -> None:
+    _, endpoints = host
+    http = VllmHttp(endpoints.url)
+    described = await http.describe()
+    assert (described.metrics.usable_blocks, described.metrics.block_size) == (64, BS)
+    spec = catalog.instance_spec(
+        "sim",
+        described.model,
+        None,
+        BS,
+        described.max_model_len,
+        None,
+        described.metrics.usable_blocks,
+        engine=endpoints,
+    )
+    await Catalog(engine).register_instance(spec)
+    await add_tenant(engine, "acme")
+    ledger = Ledger(engine, settings.admission_limits)
+    followers = Followers(engine, database_url, Reconciler(engine, ledger))
+    termination = Termination(ledger, abort_timeout_seconds=2, hard_timeout_seconds=5)
+    try:
+        await followers.scan()
+
+        async def scalar(query: str) -> object:
+            async with engine.connect() as conn:
+                return (await conn.execute(text(query))).scalar_one()
+
+        async def following() -> bool:
+            return await scalar("SELECT last_event_seq FROM instances") is not None
+
+        async def confirmed() -> bool:
+            query = "SELECT count(*) FROM blocks WHERE engine_confirmed_at IS NOT NULL"
+            return await scalar(query) == 3
+
+        async def cache_dropped() -> bool:
+            return await scalar("SELECT cached_blocks FROM instances") == 0
+
+        await until(following)
+        prompt = list(range(1, 3 * BS + 1))
+        params = AdmitParams("acme", "r1", "sim", len(prompt), 900, 1, 0)
+        reservation, salt = await ledger.admit(AdmitRequest(params, tuple(prompt), 0.0, None))
+        async with httpx.AsyncClient(timeout=30) as client:
+            body = {"prompt": prompt, "max_tokens": 900, "request_id": "r1", "cache_salt": salt}
+            generation = asyncio.create_task(
+                client.post(f"{endpoints.url}/v1/completions", json=body)
+            )
+            await until(confirmed)
+            assert (await http.metrics()).requests_running == 1
+            ended = await termination.end("acme", "r1", EndReason.CANCELLED)
+            assert (ended.state, ended.end_reason) == (ReservationState.ENDED, EndReason.CANCELLED)
+            reply = (await generation).json()
+        assert reply["choices"][0]["finish_reason"] == "abort"
+        assert reservation.reserved_blocks == 3 + 57  # 48 prompt tokens + 900 output, 16 a block
+
+        assert await http.reset_prefix_cache()  # the engine drops its cache: so does the ledger
+        await until(cache_dropped)
+        await assert_invariants(engine)
+    finally:
+        await followers.stop()
+        await termination.close()
+        await http.close()
