@@ -36,9 +36,19 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     url = _database_url(settings)
     if args.migrate:
         migrate.upgrade(url)
-    if args.demo:
-        asyncio.run(demo.seed(url))
-    asyncio.run(server.serve(settings, url))
+
+    async def run() -> None:
+        host = None
+        if args.demo:
+            host, endpoints = await demo.start_simulated_host()
+            await demo.seed(url, endpoints)
+        try:
+            await server.serve(settings, url)
+        finally:
+            if host is not None:
+                await host.close()
+
+    asyncio.run(run())
     return 0
 
 
@@ -79,6 +89,8 @@ def _instance_row(i: resources_pb2.Instance) -> dict[str, object]:
         "block size": i.block_size,
         "context": i.max_model_len,
         "live": i.live_reservations,
+        # What the engine itself says it runs ("-" until the follower has read its metrics).
+        "engine running": "-" if i.engine_requests_running < 0 else i.engine_requests_running,
     }
 
 

@@ -478,6 +478,8 @@ class Instance(_message.Message):
     ENGINE_FIELD_NUMBER: _builtins.int
     DRIFT_BLOCKS_FIELD_NUMBER: _builtins.int
     ENGINE_RESYNCS_FIELD_NUMBER: _builtins.int
+    ENGINE_REQUESTS_RUNNING_FIELD_NUMBER: _builtins.int
+    ENGINE_CHECK_TIME_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """instances/{instance}"""
     model: _builtins.str
@@ -513,6 +515,10 @@ class Instance(_message.Message):
     """Output only: blocks the engine evicted while the ledger still referenced them."""
     engine_resyncs: _builtins.int
     """Output only: times the ledger started again from empty (engine restart, lost events)."""
+    engine_requests_running: _builtins.int
+    """Output only: requests the engine said it was running when last asked (vllm:num_requests_
+    running), to compare with live_reservations; -1 when never asked.
+    """
     @_builtins.property
     def geometry(self) -> Global___KvGeometry: ...
     @_builtins.property
@@ -529,6 +535,8 @@ class Instance(_message.Message):
         accounts for.
         """
 
+    @_builtins.property
+    def engine_check_time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
@@ -556,10 +564,12 @@ class Instance(_message.Message):
         engine: Global___EngineEndpoints | None = ...,
         drift_blocks: _builtins.int = ...,
         engine_resyncs: _builtins.int = ...,
+        engine_requests_running: _builtins.int = ...,
+        engine_check_time: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "engine", b"engine", "geometry", b"geometry", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "engine", b"engine", "engine_check_time", b"engine_check_time", "geometry", b"geometry", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "blocks_in_use", b"blocks_in_use", "bytes_per_block", b"bytes_per_block", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "create_time", b"create_time", "drift_blocks", b"drift_blocks", "engine", b"engine", "engine_resyncs", b"engine_resyncs", "free_blocks", b"free_blocks", "geometry", b"geometry", "hash_algo", b"hash_algo", "live_reservations", b"live_reservations", "max_model_len", b"max_model_len", "max_queued_requests", b"max_queued_requests", "model", b"model", "name", b"name", "pinned_blocks", b"pinned_blocks", "prefill_tokens_per_second", b"prefill_tokens_per_second", "queued_prompt_tokens", b"queued_prompt_tokens", "queued_requests", b"queued_requests", "state", b"state", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "blocks_in_use", b"blocks_in_use", "bytes_per_block", b"bytes_per_block", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "create_time", b"create_time", "drift_blocks", b"drift_blocks", "engine", b"engine", "engine_check_time", b"engine_check_time", "engine_requests_running", b"engine_requests_running", "engine_resyncs", b"engine_resyncs", "free_blocks", b"free_blocks", "geometry", b"geometry", "hash_algo", b"hash_algo", "live_reservations", b"live_reservations", "max_model_len", b"max_model_len", "max_queued_requests", b"max_queued_requests", "model", b"model", "name", b"name", "pinned_blocks", b"pinned_blocks", "prefill_tokens_per_second", b"prefill_tokens_per_second", "queued_prompt_tokens", b"queued_prompt_tokens", "queued_requests", b"queued_requests", "state", b"state", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

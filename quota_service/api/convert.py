@@ -273,10 +273,15 @@ def instance(value: Instance) -> pb.Instance:
         queued_prompt_tokens=value.queued_prompt_tokens,
         drift_blocks=value.drift_blocks,
         engine_resyncs=value.engine_resyncs,
+        engine_requests_running=(
+            -1 if value.engine_requests_running is None else value.engine_requests_running
+        ),
         live_reservations=value.live_reservations,
         create_time=timestamp(value.created_at),
         update_time=timestamp(value.updated_at),
     )
+    if value.engine_checked_at is not None:
+        message.engine_check_time.CopyFrom(timestamp(value.engine_checked_at))
     if spec.engine is not None:
         message.engine.CopyFrom(
             pb.EngineEndpoints(

@@ -224,6 +224,9 @@ class Instance:
     # how often the ledger had to start again from empty.
     drift_blocks: int = 0
     engine_resyncs: int = 0
+    # vllm:num_requests_running when last read (None: never), and when.
+    engine_requests_running: int | None = None
+    engine_checked_at: datetime | None = None
 
 
 class PinState(enum.Enum):

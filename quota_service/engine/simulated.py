@@ -153,6 +153,9 @@ class EventPublisher:
         self._pub.bind(events_endpoint)
         self._replay = context.socket(zmq.ROUTER)
         self._replay.bind(replay_endpoint)
+        # The endpoints as bound ("tcp://127.0.0.1:*" picks a free port).
+        self.events_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._topic = topic.encode()
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BUFFER_BATCHES)

@@ -13,10 +13,12 @@ import asyncio
 import logging
 from contextlib import suppress
 
+import httpx
 import psycopg
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service.engine.vllm.http import MetricsError, VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
 from quota_service.store.notifications import libpq_url
 from quota_service.store.reconcile import Reconciler
@@ -26,18 +28,27 @@ log = logging.getLogger(__name__)
 RETRY_SECONDS = 2.0
 
 _FOLLOWED = text(
-    "SELECT instance, kv_events_endpoint, kv_replay_endpoint, last_event_seq FROM instances "
+    "SELECT instance, kv_events_endpoint, kv_replay_endpoint, engine_url FROM instances "
     "WHERE kv_events_endpoint IS NOT NULL"
 )
+# How often the follower reads the engine's load (vllm:num_requests_running).
+LOAD_CHECK_SECONDS = 5.0
 
 
 class Followers:
     """Keeps one follower task per followed instance (new instances are picked up by `scan`)."""
 
-    def __init__(self, engine: AsyncEngine, database_url: str, reconciler: Reconciler) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        database_url: str,
+        reconciler: Reconciler,
+        load_check_seconds: float = LOAD_CHECK_SECONDS,
+    ) -> None:
         self._engine = engine
         self._url = libpq_url(database_url)
         self._reconciler = reconciler
+        self._load_check_seconds = load_check_seconds
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def scan(self) -> int:
@@ -45,9 +56,10 @@ class Followers:
         async with self._engine.connect() as conn:
             rows = (await conn.execute(_FOLLOWED)).all()
         started = 0
-        for instance, events, replay, _ in rows:
+        for instance, events, replay, url in rows:
             if instance not in self._tasks or self._tasks[instance].done():
-                self._tasks[instance] = asyncio.create_task(self._follow(instance, events, replay))
+                follow = self._follow(instance, events, replay, url)
+                self._tasks[instance] = asyncio.create_task(follow)
                 started += 1
         return started
 
@@ -58,7 +70,9 @@ class Followers:
             with suppress(asyncio.CancelledError):
                 await task
 
-    async def _follow(self, instance: str, events: str, replay: str | None) -> None:
+    async def _follow(
+        self, instance: str, events: str, replay: str | None, url: str | None
+    ) -> None:
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(
@@ -72,10 +86,30 @@ class Followers:
                     ).fetchone()
                     if owned and owned[0]:
                         log.info("following the engine of %s at %s", instance, events)
-                        await self._apply_stream(instance, events, replay)
+                        load = asyncio.create_task(self._watch_load(instance, url))
+                        try:
+                            await self._apply_stream(instance, events, replay)
+                        finally:
+                            load.cancel()
             except (psycopg.Error, OSError):
                 log.warning("following %s failed; retrying", instance, exc_info=True)
             await asyncio.sleep(RETRY_SECONDS)
+
+    async def _watch_load(self, instance: str, url: str | None) -> None:
+        """Record what the engine says it runs, to compare with the live reservations."""
+        if url is None:
+            return
+        http = VllmHttp(url)
+        try:
+            while True:
+                try:
+                    metrics = await http.metrics()
+                    await self._reconciler.record_engine_load(instance, metrics.requests_running)
+                except (httpx.HTTPError, MetricsError) as exc:
+                    log.info("reading the load of %s failed: %s", instance, exc)
+                await asyncio.sleep(self._load_check_seconds)
+        finally:
+            await http.close()
 
     async def _apply_stream(self, instance: str, events: str, replay: str | None) -> None:
         async with self._engine.connect() as conn:

@@ -115,6 +115,8 @@ def instance_from_row(row: RowMapping) -> Instance:
         queued_prompt_tokens=row["queued_prompt_tokens"],
         drift_blocks=row["drift_blocks"],
         engine_resyncs=row["engine_resyncs"],
+        engine_requests_running=row["engine_requests_running"],
+        engine_checked_at=row["engine_checked_at"],
     )
 
 
@@ -290,6 +292,27 @@ class Catalog:
             await conn.execute(_CREATE_SLOTS, {"instance": instance, "first": first, "last": last})
             if capacity > SLOT_CHUNK:
                 log.info("instance %s: %d of %d block slots created", instance, last + 1, capacity)
+
+    async def set_engine(self, instance: str, engine: EngineEndpoints) -> Instance:
+        """Point an instance at where its engine is now (a new address or event sockets)."""
+
+        async def work(conn: AsyncConnection) -> Instance:
+            statement = (
+                update(InstanceRow)
+                .where(InstanceRow.instance == instance)
+                .values(
+                    engine_url=engine.url,
+                    kv_events_endpoint=engine.kv_events,
+                    kv_replay_endpoint=engine.kv_replay,
+                    updated_at=func.now(),
+                )
+                .returning(InstanceRow.instance)
+            )
+            if (await conn.execute(statement)).first() is None:
+                raise not_found("instance", instance_name(instance))
+            return await self._instance(conn, instance)
+
+        return await in_transaction(self._engine, work)
 
     async def get_instance(self, instance: str) -> Instance:
         async with self._engine.connect() as conn:

@@ -103,6 +103,12 @@ _LIVE_ON_INSTANCE = text(
 )
 
 
+_ENGINE_RUNNING = text(
+    "UPDATE instances SET engine_requests_running = :running, engine_checked_at = now() "
+    "WHERE instance = :instance"
+)
+
+
 def signed(event_hash: int) -> int:
     """vLLM's unsigned 64-bit event hash as the bigint the blocks table keeps."""
     return event_hash - (1 << 64) if event_hash >= 1 << 63 else event_hash
@@ -158,6 +164,11 @@ class Reconciler:
 
         await in_transaction(self._engine, forget)
         return len(lost)
+
+    async def record_engine_load(self, instance: str, running: int) -> None:
+        """What the engine says it runs, beside the ledger's live reservations (GetInstance)."""
+        async with self._engine.begin() as conn:
+            await conn.execute(_ENGINE_RUNNING, {"instance": instance, "running": running})
 
     @staticmethod
     def _hashes(instance: str, hashes: Sequence[int]) -> dict[str, object]:

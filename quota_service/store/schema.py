@@ -160,6 +160,9 @@ class InstanceRow(Base):
     # Reconciliation: the last event batch applied, resynchronisations, and drift (the engine
     # evicted a block the ledger still counts as referenced).
     last_event_seq: Mapped[int | None] = mapped_column(BigInteger)
+    # vllm:num_requests_running as last read, to compare with the live reservations.
+    engine_requests_running: Mapped[int | None] = mapped_column(BigInteger)
+    engine_checked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     engine_resyncs: Mapped[Count]
     drift_blocks: Mapped[Count]
     created_at: Mapped[CreatedAt]

@@ -88,7 +88,9 @@ async def followed_engine(
     )
     await Catalog(engine).register_instance(spec)
     await Catalog(engine).create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
-    followers = Followers(engine, database_url, Reconciler(engine, followed.ledger))
+    followers = Followers(
+        engine, database_url, Reconciler(engine, followed.ledger), load_check_seconds=0.5
+    )
     try:
         assert await followers.scan() == 1
 
@@ -98,6 +100,13 @@ async def followed_engine(
                 return seq.scalar_one() is not None
 
         await until(following)  # it started from empty (last_event_seq -1)
+
+        async def load_read() -> bool:
+            async with engine.connect() as conn:
+                running = await conn.execute(text("SELECT engine_requests_running FROM instances"))
+                return bool(running.scalar_one() == 0)  # idle, per vllm:num_requests_running
+
+        await until(load_read)
         yield followed
     finally:
         await followers.stop()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from quota_service.cli import main as cli_main
@@ -36,9 +37,17 @@ def test_serve_on_embedded_postgres(tmp_path: Path, capsys: pytest.CaptureFixtur
         names = [t["name"] for t in json.loads(capsys.readouterr().out)]
         assert names == ["tenants/acme", "tenants/globex"]
         assert cli_main(["instances", "--server", address]) == 0
-        header, row = capsys.readouterr().out.splitlines()
+        header, *rows = capsys.readouterr().out.splitlines()
         assert header.split()[:2] == ["NAME", "STATE"]
-        assert row.split()[:2] == ["instances/demo-llama3-8b", "ACTIVE"]
+        assert [r.split()[:2] for r in rows] == [
+            ["instances/demo-llama3-8b", "ACTIVE"],
+            ["instances/demo-simulated", "ACTIVE"],
+        ]
+        # The demo's engine is a simulated vLLM host, which kvquota follows like a real one.
+        assert cli_main(["instances", "--server", address, "--json"]) == 0
+        simulated = json.loads(capsys.readouterr().out)[1]
+        engine_url = simulated["engine"]["url"]
+        assert httpx.get(f"{engine_url}/health", timeout=5).status_code == 200
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0

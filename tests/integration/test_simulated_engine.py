@@ -78,7 +78,7 @@ async def test_the_engine_path_against_the_simulated_host(
     await Catalog(engine).register_instance(spec)
     await add_tenant(engine, "acme")
     ledger = Ledger(engine, settings.admission_limits)
-    followers = Followers(engine, database_url, Reconciler(engine, ledger))
+    followers = Followers(engine, database_url, Reconciler(engine, ledger), load_check_seconds=0.1)
     termination = Termination(ledger, abort_timeout_seconds=2, hard_timeout_seconds=5)
     try:
         await followers.scan()
@@ -108,6 +108,16 @@ async def test_the_engine_path_against_the_simulated_host(
             )
             await until(confirmed)
             assert (await http.metrics()).requests_running == 1
+
+            async def load_recorded() -> bool:
+                return await scalar("SELECT engine_requests_running FROM instances") == 1
+
+            await until(load_recorded)  # the follower read vllm:num_requests_running
+            described_instance = await Catalog(engine).get_instance("sim")
+            assert (
+                described_instance.engine_requests_running,
+                described_instance.live_reservations,
+            ) == (1, 1)
             ended = await termination.end("acme", "r1", EndReason.CANCELLED)
             assert (ended.state, ended.end_reason) == (ReservationState.ENDED, EndReason.CANCELLED)
             reply = (await generation).json()
