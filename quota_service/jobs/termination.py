@@ -4,7 +4,8 @@ into memory that is not free yet.
 
 Cancel and lease expiry ask the engine to abort the request (by the ids vLLM derives from the
 reservation's request_id). Until the engine confirms, the reservation keeps its blocks and the
-pending abort is recorded in the ledger; every replica's maintenance loop retries it, and after
+pending abort is recorded in the ledger; every replica's maintenance loop retries it, backing off
+per engine (a down engine is not called again for every request it ran), and after
 `engine_abort_hard_timeout_seconds` releases the blocks anyway, with reason ENGINE_UNREACHABLE.
 A Release needs no abort (the engine has finished), nor does an instance with no engine.
 """
@@ -16,6 +17,7 @@ import logging
 
 import httpx
 
+from quota_service.core.backoff import Backoff
 from quota_service.core.model import EndReason, Reservation, ReservationState
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.store.ledger import Ledger
@@ -23,6 +25,9 @@ from quota_service.store.ledger import Ledger
 log = logging.getLogger(__name__)
 
 ABORT_REPEAT_SECONDS = 0.1
+# After an engine failed to answer an abort: wait 0.5 s, 1 s, 2 s, ... up to 8 s between tries.
+ABORT_BACKOFF_INITIAL_SECONDS = 0.5
+ABORT_BACKOFF_MAX_SECONDS = 8.0
 
 
 class Termination:
@@ -33,6 +38,7 @@ class Termination:
         self._abort_timeout = abort_timeout_seconds
         self._hard_timeout = hard_timeout_seconds
         self._clients: dict[str, VllmHttp] = {}
+        self._backoff = Backoff(ABORT_BACKOFF_INITIAL_SECONDS, ABORT_BACKOFF_MAX_SECONDS)
 
     async def end(
         self, tenant: str, request_id: str, reason: EndReason, output_tokens: int | None = None
@@ -72,7 +78,11 @@ class Termination:
     async def _abort(self, url: str, request_id: str) -> bool:
         """Ask the engine to abort; True once it answered. vLLM answers 200 whether or not it
         found the request and ignores an abort that overtakes the request's registration, so the
-        abort is sent twice, a moment apart (aborting an aborted request is harmless)."""
+        abort is sent twice, a moment apart (aborting an aborted request is harmless). An engine
+        that failed recently is not called until its backoff has passed."""
+        clock = asyncio.get_running_loop().time
+        if not self._backoff.ready(url, clock()):
+            return False
         client = self._clients.get(url)
         if client is None:
             client = self._clients[url] = VllmHttp(url, self._abort_timeout)
@@ -81,8 +91,10 @@ class Termination:
             await asyncio.sleep(ABORT_REPEAT_SECONDS)
             await client.abort([request_id])
         except httpx.HTTPError as exc:
-            log.info("abort of %s at %s failed: %s", request_id, url, exc)
+            delay = self._backoff.failed(url, clock())
+            log.info("abort of %s at %s failed (%s); next try in %ss", request_id, url, exc, delay)
             return False
+        self._backoff.succeeded(url)
         return True
 
     async def close(self) -> None:

@@ -57,3 +57,52 @@ async def test_an_unreachable_engine_keeps_the_blocks_until_the_hard_timeout(
     assert released.end_reason is EndReason.RELEASED
     await termination.close()
     await assert_invariants(engine)
+
+
+async def test_a_silent_engine_is_retried_with_backoff_not_for_every_request(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """An engine that accepts connections but never answers: each abort costs a timeout, so after
+    one fails the others on that engine wait for the backoff instead of piling up."""
+    connections = 0
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await reader.read()  # until the client gives up
+        writer.close()
+        await writer.wait_closed()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    spec = catalog.instance_spec(
+        "gpu-0", "m", None, 16, 8192, None, 64, engine=EngineEndpoints(f"http://127.0.0.1:{port}")
+    )
+    await Catalog(engine).register_instance(spec)
+    await add_tenant(engine, "acme")
+    ledger = Ledger(engine, settings.admission_limits)
+    termination = Termination(ledger, abort_timeout_seconds=0.2, hard_timeout_seconds=60.0)
+    try:
+        for name in ("a", "b", "c"):
+            await ledger.admit(request(name, 100, 50))
+        assert (await termination.end("acme", "a", EndReason.CANCELLED)).state is (
+            ReservationState.ADMITTED
+        )
+        tried = connections
+        assert tried >= 1
+        for name in ("b", "c"):  # within the backoff: recorded as pending, the engine not called
+            kept = await termination.end("acme", name, EndReason.CANCELLED)
+            assert kept.state is ReservationState.ADMITTED
+        assert await termination.sweep(10) == 0
+        assert connections == tried
+        await asyncio.sleep(0.6)  # past the first backoff (0.5 s): one more try, then 1 s
+        assert await termination.sweep(10) == 0
+        assert connections > tried
+        assert [(await ledger.get("acme", n)).state for n in "abc"] == [
+            ReservationState.ADMITTED
+        ] * 3
+    finally:
+        await termination.close()
+        server.close()
+        await server.wait_closed()
+    await assert_invariants(engine)
