@@ -28,6 +28,10 @@ class Settings:
     database_url: str = ""
     data_dir: Path = Path(".kvquota")
     grpc_listen: str = "127.0.0.1:50051"
+    # Prometheus /metrics ("host:port", port 0 picks one; empty: not served), and how old the
+    # ledger snapshot behind it may get.
+    metrics_listen: str = "127.0.0.1:9464"
+    metrics_refresh_seconds: float = 5.0
     db_pool_size: int = 10
     default_lease_ttl_seconds: float = 60.0
     min_lease_ttl_seconds: float = 1.0
@@ -65,6 +69,7 @@ class Settings:
             "queue_poll_seconds",
             "engine_abort_timeout_seconds",
             "engine_abort_hard_timeout_seconds",
+            "metrics_refresh_seconds",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -80,6 +85,8 @@ class Settings:
             )
         if self.min_retry_delay_seconds > self.max_retry_delay_seconds:
             raise SettingsError("min_retry_delay_seconds must not exceed max_retry_delay_seconds")
+        if self.metrics_listen and not self.metrics_listen.rsplit(":", 1)[-1].isdigit():
+            raise SettingsError(f"{ENV_PREFIX}METRICS_LISTEN must be host:port (or empty)")
         if self.shutdown_grace_seconds < 0:
             raise SettingsError(f"{ENV_PREFIX}SHUTDOWN_GRACE_SECONDS must not be negative")
 

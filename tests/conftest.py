@@ -75,4 +75,6 @@ async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
 
 @pytest.fixture
 def settings() -> Settings:
-    return Settings(grpc_listen="127.0.0.1:0", reaper_interval_seconds=0.2)
+    return Settings(
+        grpc_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", reaper_interval_seconds=0.2
+    )

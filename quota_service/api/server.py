@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,6 +23,7 @@ from quota_service.config import Settings
 from quota_service.jobs import maintenance
 from quota_service.jobs.dispatcher import Dispatcher
 from quota_service.jobs.follower import Followers
+from quota_service.jobs.metrics import InstanceMetrics, serve_metrics
 from quota_service.jobs.termination import Termination
 from quota_service.store import migrate
 from quota_service.store.catalog import Catalog
@@ -58,6 +60,11 @@ class RunningServer:
     _dispatcher: Dispatcher
     _termination: Termination
     _followers: Followers
+    _metrics: WSGIServer | None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self._metrics is None else self._metrics.server_port
 
     async def stop(self, grace_seconds: float) -> None:
         log.info("shutting down: draining in-flight RPCs for up to %ss", grace_seconds)
@@ -69,6 +76,9 @@ class RunningServer:
         await self._dispatcher.stop()
         await self._termination.close()
         await self._followers.stop()
+        if self._metrics is not None:
+            await asyncio.to_thread(self._metrics.shutdown)
+            self._metrics.server_close()
         await self._engine.dispose()
 
 
@@ -120,8 +130,13 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     stop = asyncio.Event()
     followers = Followers(engine, database_url, Reconciler(engine, ledger))
     await followers.scan()
+    metrics = InstanceMetrics(Catalog(engine), settings.metrics_refresh_seconds)
+    await metrics.refresh()
+    metrics_server = None
+    if settings.metrics_listen:
+        metrics_server = serve_metrics(settings.metrics_listen, metrics)
     jobs = maintenance.Maintenance(
-        ledger, offboarding, inspection, termination, followers, settings
+        ledger, offboarding, inspection, termination, followers, metrics, settings
     )
     running = asyncio.create_task(maintenance.run(jobs, stop))
     return RunningServer(
@@ -135,6 +150,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         dispatcher,
         termination,
         followers,
+        metrics_server,
     )
 
 
@@ -144,6 +160,9 @@ async def serve(settings: Settings, database_url: str) -> None:
     host = settings.grpc_listen.rsplit(":", 1)[0]
     # Tests and scripts read this line to find a port chosen by the OS (":0").
     print(f"kvquota serving gRPC on {host}:{running.port}", flush=True)
+    if running.metrics_port is not None:
+        metrics = f"{settings.metrics_listen.rsplit(':', 1)[0]}:{running.metrics_port}"
+        print(f"kvquota serving metrics on http://{metrics}/metrics", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from quota_service.config import Settings
 from quota_service.jobs.follower import Followers
+from quota_service.jobs.metrics import InstanceMetrics
 from quota_service.jobs.termination import Termination
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
@@ -26,6 +27,7 @@ class Maintenance:
     inspection: Inspection
     termination: Termination
     followers: Followers
+    metrics: InstanceMetrics
     settings: Settings
 
     async def reap_leases(self) -> int:
@@ -47,6 +49,7 @@ class Maintenance:
             # Dispatch also on a timer: a notification may have been lost.
             ("dispatch sweep", self.ledger.dispatch_all),
             ("offboarding", self.offboarding.resume_all),
+            ("metrics refresh", self.metrics.refresh),
             (
                 "tombstone purge",
                 lambda: self.inspection.purge_tombstones(

@@ -17,11 +17,16 @@ import pytest
 from quota_service.cli import main as cli_main
 
 ADDRESS = re.compile(r"serving gRPC on (\S+)")
+METRICS = re.compile(r"serving metrics on (\S+)")
 
 
 def test_serve_on_embedded_postgres(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVQUOTA_")}
-    env |= {"KVQUOTA_DATA_DIR": str(tmp_path / "state"), "KVQUOTA_GRPC_LISTEN": "127.0.0.1:0"}
+    env |= {
+        "KVQUOTA_DATA_DIR": str(tmp_path / "state"),
+        "KVQUOTA_GRPC_LISTEN": "127.0.0.1:0",
+        "KVQUOTA_METRICS_LISTEN": "127.0.0.1:0",
+    }
     process = subprocess.Popen(
         [sys.executable, "-m", "quota_service.cli", "serve", "--migrate", "--demo"],
         env=env,
@@ -32,6 +37,9 @@ def test_serve_on_embedded_postgres(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert process.stdout is not None
     try:
         address = next(m.group(1) for line in process.stdout if (m := ADDRESS.search(line)))
+        metrics = next(m.group(1) for line in process.stdout if (m := METRICS.search(line)))
+        scraped = httpx.get(metrics, timeout=5).text
+        assert 'kvquota_instance_blocks{instance="demo-simulated",state="free"} 512.0' in scraped
         assert (tmp_path / "state" / "pgdata" / "PG_VERSION").exists()
         assert cli_main(["tenants", "--server", address, "--json"]) == 0
         names = [t["name"] for t in json.loads(capsys.readouterr().out)]
