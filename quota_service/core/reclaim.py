@@ -1,0 +1,257 @@
+"""Reclaim planning: which KV memory to take back, tier by tier, least damage first, and how much
+each step will really give back.
+
+Tiers, in the order they are used (a job never goes past its highest allowed tier):
+  FREE      cached blocks nobody references; blocks of cold scopes (no live reservations) before
+            active ones, least recently used first within each.
+  OFFLOAD   suspended reservations move to the CPU tier while its use stays below the low
+            watermark; their blocks leave the GPU.
+  COMPRESS  only when the CPU tier is above its high watermark and the instance can compress;
+            lossy; makes CPU room, so more suspended reservations can be offloaded after it.
+  EVICT     last resort: running reservations are preempted, lowest priority first, most
+            recently admitted first within a priority.
+A reservation taken by OFFLOAD or EVICT drops its references; a block comes back to the GPU only
+when every reference to it is dropped, so blocks shared with reservations outside the plan (other
+tenants', or this tenant's that the plan does not touch) are never counted, nor are pinned blocks.
+What the plan cannot take is listed with the reason, so the books and the real watermark agree.
+
+Pure: the store loads a `PoolSnapshot`, the executor applies the steps.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+class Tier(enum.IntEnum):
+    FREE = 1
+    OFFLOAD = 2
+    COMPRESS = 3
+    EVICT = 4
+
+
+class Unreclaimable(enum.Enum):
+    PINNED = "PINNED"  # a pin holds it resident
+    SHARED = "SHARED"  # references the plan does not drop remain (another tenant, or held work)
+    CPU_TIER_FULL = "CPU_TIER_FULL"  # a suspended reservation that the CPU tier has no room for
+    NO_CPU_TIER = "NO_CPU_TIER"  # the instance has no CPU tier (no LMCache) to offload to
+    NO_COMPRESSION = "NO_COMPRESSION"  # the CPU tier is above its high watermark; cannot compress
+    ABOVE_MAX_TIER = "ABOVE_MAX_TIER"  # reachable only by a tier the job does not allow
+
+
+@dataclass(frozen=True, slots=True)
+class UnreferencedBlock:
+    block_id: int
+    generation: int
+    lru_seq: int
+    scope: str  # whose salt hashed it: tenants/{t} or namespaces/{n}
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBlock:
+    block_id: int
+    generation: int
+    ref_count: int  # every live reference, pins included
+    pinned: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LiveReservation:
+    tenant: str
+    request_id: str
+    priority: int
+    admitted_seq: int  # larger: admitted later
+    suspended: bool
+    blocks: tuple[HeldBlock, ...]  # its block table, one entry per reference
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTier:
+    used_bytes: int
+    capacity_bytes: int
+    low_watermark: float  # offload only while use stays at or below this share
+    high_watermark: float  # compress only above this share
+    compressible_bytes: int  # CPU-tier bytes not compressed yet
+    compression_ratio: float  # compressed size / original size; 1.0: cannot compress
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    bytes_per_block: int
+    cached: tuple[UnreferencedBlock, ...]
+    reservations: tuple[LiveReservation, ...]
+    active_scopes: frozenset[str]  # scopes with live reservations on the instance
+    pinned_only: tuple[tuple[str, int], ...]  # (pin owner, blocks only pins hold)
+    cpu: CpuTier | None  # None: no CPU tier (no LMCache)
+
+
+@dataclass(frozen=True, slots=True)
+class ReclaimTarget:
+    target_blocks: int
+    max_tier: Tier
+    tenant: str | None = None  # None: the whole instance
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedStep:
+    tier: Tier
+    # FREE: the cached block; OFFLOAD and EVICT: the reservation; COMPRESS: none.
+    block: tuple[int, int] | None
+    reservation: tuple[str, str] | None
+    gpu_blocks: int  # GPU slots this step gives back
+    cpu_bytes: int  # CPU-tier bytes it takes (offload) or gives back (compress, negative)
+    lossy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Exclusion:
+    reason: Unreclaimable
+    blocks: int
+    reservation: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReclaimPlan:
+    steps: tuple[PlannedStep, ...]
+    excluded: tuple[Exclusion, ...]
+    bytes_per_block: int
+
+    def expected_blocks(self, tier: Tier) -> int:
+        return sum(s.gpu_blocks for s in self.steps if s.tier is tier)
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(s.gpu_blocks for s in self.steps)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total_blocks * self.bytes_per_block
+
+
+def _in_scope(scope: str, tenant: str | None) -> bool:
+    return tenant is None or scope == f"tenants/{tenant}"
+
+
+class _Planner:
+    def __init__(self, pool: PoolSnapshot, target: ReclaimTarget) -> None:
+        self.pool = pool
+        self.target = target
+        self.steps: list[PlannedStep] = []
+        self.excluded: list[Exclusion] = []
+        self.freed = 0
+        self.dropped: Counter[tuple[int, int]] = Counter()
+        self.cpu_used = pool.cpu.used_bytes if pool.cpu is not None else 0
+
+    @property
+    def done(self) -> bool:
+        return self.freed >= self.target.target_blocks
+
+    def add(self, step: PlannedStep) -> None:
+        self.steps.append(step)
+        self.freed += step.gpu_blocks
+        self.cpu_used += step.cpu_bytes
+
+    def free_cached(self) -> None:
+        tenant = self.target.tenant
+        candidates = [c for c in self.pool.cached if _in_scope(c.scope, tenant)]
+        candidates.sort(key=lambda c: (c.scope in self.pool.active_scopes, c.lru_seq))
+        for c in candidates:
+            if self.done:
+                return
+            step = PlannedStep(Tier.FREE, (c.block_id, c.generation), None, 1, 0, False)
+            self.add(step)
+
+    def drop(self, reservation: LiveReservation) -> int:
+        """Drop the reservation's references; how many blocks that frees."""
+        freed = 0
+        for b in reservation.blocks:
+            key = (b.block_id, b.generation)
+            self.dropped[key] += 1
+            freed += not b.pinned and self.dropped[key] == b.ref_count
+        return freed
+
+    def offload(self, candidates: Iterable[LiveReservation]) -> list[LiveReservation]:
+        """Offload what fits below the CPU tier's low watermark; returns what did not fit."""
+        cpu = self.pool.cpu
+        left: list[LiveReservation] = []
+        for r in candidates:
+            if self.done:
+                left.append(r)
+                continue
+            size = len(r.blocks) * self.pool.bytes_per_block
+            if cpu is None or self.cpu_used + size > cpu.capacity_bytes * cpu.low_watermark:
+                left.append(r)
+                continue
+            key = (r.tenant, r.request_id)
+            self.add(PlannedStep(Tier.OFFLOAD, None, key, self.drop(r), size, False))
+        return left
+
+    def compress(self) -> bool:
+        cpu = self.pool.cpu
+        if cpu is None or self.cpu_used <= cpu.capacity_bytes * cpu.high_watermark:
+            return False
+        if cpu.compression_ratio >= 1.0:
+            self.excluded.append(Exclusion(Unreclaimable.NO_COMPRESSION, 0))
+            return False
+        saved = int(cpu.compressible_bytes * (1.0 - cpu.compression_ratio))
+        self.add(PlannedStep(Tier.COMPRESS, None, None, 0, -saved, True))
+        return True
+
+    def evict(self, candidates: Sequence[LiveReservation]) -> None:
+        order = sorted(candidates, key=lambda r: (r.priority, -r.admitted_seq))
+        for r in order:
+            if self.done:
+                return
+            key = (r.tenant, r.request_id)
+            self.add(PlannedStep(Tier.EVICT, None, key, self.drop(r), 0, False))
+
+    def report_unfreed(self) -> None:
+        """Blocks of taken reservations that stay on the GPU, and why."""
+        taken = {s.reservation for s in self.steps if s.reservation is not None}
+        pinned: Counter[tuple[str, str]] = Counter()
+        shared: Counter[tuple[str, str]] = Counter()
+        for r in self.pool.reservations:
+            key = (r.tenant, r.request_id)
+            if key not in taken:
+                continue
+            for b in r.blocks:
+                if b.pinned:
+                    pinned[key] += 1
+                elif self.dropped[(b.block_id, b.generation)] < b.ref_count:
+                    shared[key] += 1
+        for reason, counts in ((Unreclaimable.PINNED, pinned), (Unreclaimable.SHARED, shared)):
+            self.excluded += [Exclusion(reason, n, key) for key, n in sorted(counts.items())]
+
+
+def plan(pool: PoolSnapshot, target: ReclaimTarget) -> ReclaimPlan:
+    """The steps, in order, that reach the target (or everything allowed, when it cannot be
+    reached), and what stays and why."""
+    p = _Planner(pool, target)
+    p.free_cached()
+    scoped = [r for r in pool.reservations if target.tenant is None or r.tenant == target.tenant]
+    # Coldest first: the reservation idle longest (admitted earliest) goes to the CPU first.
+    suspended = sorted((r for r in scoped if r.suspended), key=lambda r: r.admitted_seq)
+    running = [r for r in scoped if not r.suspended]
+    if target.max_tier >= Tier.OFFLOAD:
+        suspended = p.offload(suspended)
+        if not p.done and target.max_tier >= Tier.COMPRESS and suspended and p.compress():
+            suspended = p.offload(suspended)
+    if not p.done and target.max_tier >= Tier.OFFLOAD:
+        full = Unreclaimable.CPU_TIER_FULL if pool.cpu is not None else Unreclaimable.NO_CPU_TIER
+        p.excluded += [Exclusion(full, len(r.blocks), (r.tenant, r.request_id)) for r in suspended]
+    if target.max_tier >= Tier.EVICT:
+        p.evict(running)
+    beyond = (running if target.max_tier < Tier.EVICT else []) + (
+        suspended if target.max_tier < Tier.OFFLOAD else []
+    )
+    if not p.done and beyond:
+        held = sum(len(r.blocks) for r in beyond)
+        p.excluded.append(Exclusion(Unreclaimable.ABOVE_MAX_TIER, held))
+    pinned = sum(n for owner, n in pool.pinned_only if _in_scope(owner, target.tenant))
+    if pinned:
+        p.excluded.append(Exclusion(Unreclaimable.PINNED, pinned))
+    p.report_unfreed()
+    return ReclaimPlan(tuple(p.steps), tuple(p.excluded), pool.bytes_per_block)
