@@ -1,0 +1,80 @@
+"""The planner's view of a real pool: cached blocks by scope, block tables with their shared
+and pinned entries, active scopes, pinned-only blocks; and a plan on it counts the right blocks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.core.model import EndReason
+from quota_service.core.reclaim import ReclaimTarget, Tier, Unreclaimable, plan
+from quota_service.store.ledger import Ledger
+from quota_service.store.pins import Pins
+from quota_service.store.reclaim import load_snapshot
+from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
+
+BS = 16
+
+
+def prompt(first: int, blocks: int, extra: int = 0) -> tuple[int, ...]:
+    return tuple(range(first, first + blocks * BS + extra))
+
+
+async def test_the_snapshot_is_the_pool_and_the_plan_counts_only_what_comes_back(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    await add_instance(engine, blocks=64)
+    for tenant in ("acme", "globex", "initech"):
+        await add_tenant(engine, tenant)
+    ledger = Ledger(engine, settings.admission_limits)
+
+    async def admit(tenant: str, rid: str, tokens: tuple[int, ...]) -> None:
+        base = request(rid, len(tokens), 1, tenant=tenant)
+        await ledger.admit(replace(base, prompt_token_ids=tokens))
+
+    await Pins(engine, settings.admission_limits).pin(
+        "tenants/acme", "system", "gpu-0", prompt(1000, 2)
+    )
+    await admit("acme", "pinned-prefix", prompt(1000, 3))  # 2 pinned blocks, 1 own + output
+    await admit("acme", "c", prompt(1, 3, extra=5))  # c and d share 3 prompt blocks
+    await admit("acme", "d", prompt(1, 3, extra=5))
+    await admit("globex", "done", prompt(500, 2))
+    await ledger.end("globex", "done", EndReason.RELEASED, 1)  # globex: cold, 2 cached blocks
+    await admit("initech", "i", prompt(700, 1))
+
+    pool = await load_snapshot(engine, "gpu-0")
+    books = (await counters(engine))["instance:gpu-0"]
+    assert len(pool.cached) == books["cached_blocks"] == 2
+    assert {c.scope for c in pool.cached} == {"tenants/globex"}
+    assert pool.active_scopes == {"tenants/acme", "tenants/initech"}
+    assert pool.pinned_only == ()  # the pinned prefix is in use by a reservation too
+    tables = {r.request_id: r for r in pool.reservations}
+    assert [b.ref_count for b in tables["c"].blocks] == [2, 2, 2, 1]  # 3 shared, 1 for output
+    assert [b.pinned for b in tables["pinned-prefix"].blocks] == [True, True, False, False]
+    # Admission order, for evicting the newest first.
+    assert [r.request_id for r in pool.reservations] == ["pinned-prefix", "c", "d", "i"]
+
+    acme = plan(pool, ReclaimTarget(100, Tier.EVICT, tenant="acme"))
+    # Its evictions give back d's own block, then c's own block and the 3 shared ones, then the
+    # pinned-prefix reservation's 2 unpinned ones; the 2 pinned blocks stay.
+    assert [(s.reservation, s.gpu_blocks) for s in acme.steps] == [
+        (("acme", "d"), 1),
+        (("acme", "c"), 4),
+        (("acme", "pinned-prefix"), 2),
+    ]
+    assert {(e.reason, e.blocks, e.reservation) for e in acme.excluded} == {
+        (Unreclaimable.PINNED, 2, ("acme", "pinned-prefix"))
+    }
+    # The whole instance with no eviction: globex's cold cached blocks only.
+    gentle = plan(pool, ReclaimTarget(100, Tier.COMPRESS))
+    assert gentle.total_blocks == 2
+    assert [s.tier for s in gentle.steps] == [Tier.FREE, Tier.FREE]
+    # After acme's pin would be the only holder: pinned-only blocks are reported, not taken.
+    for rid in ("pinned-prefix", "c", "d"):
+        await ledger.end("acme", rid, EndReason.RELEASED, 1)
+    after = await load_snapshot(engine, "gpu-0")
+    assert after.pinned_only == (("tenants/acme", 2),)
+    freed = plan(after, ReclaimTarget(100, Tier.FREE, tenant="acme"))
+    assert (freed.excluded[-1].reason, freed.excluded[-1].blocks) == (Unreclaimable.PINNED, 2)
