@@ -14,7 +14,7 @@ a prefix hit and the eviction of the same cached block cannot race.
 
 from __future__ import annotations
 
-from sqlalchemy import RowMapping
+from sqlalchemy import RowMapping, text
 
 from quota_service.core.block_table import BlockHandle
 
@@ -246,3 +246,37 @@ TENANT_SALT = """
                 ELSE 'namespaces/' || ns.namespace END AS hash_scope
     FROM tenants t LEFT JOIN namespaces ns ON ns.namespace = t.namespace
     WHERE t.tenant = :tenant"""
+
+
+LOCK_INSTANCE = text("SELECT 1 FROM instances WHERE instance = :instance FOR UPDATE")
+
+
+def drop_contents(victims: str, reason: str) -> str:
+    """Free the unreferenced cached blocks `victims` selects (block_id, state, content_hash),
+    tombstone their handles, count referenced ones as drift, and move the pool's counters."""
+    return f"""
+    WITH victim AS ({victims}), block_after AS (
+        UPDATE blocks b
+        SET generation = b.generation + 1, content_hash = NULL, hash_scope = NULL,
+            lru_seq = NULL, engine_confirmed_at = NULL
+        FROM victim v
+        WHERE b.instance = :instance AND b.block_id = v.block_id AND v.state = 'CACHED'
+        RETURNING b.block_id, b.generation, b.state
+    ), tombstoned AS (
+        INSERT INTO tombstones (
+            instance, block_id, generation, content_hash, reason, tenant, freed_at)
+        SELECT :instance, a.block_id, a.generation - 1, v.content_hash, '{reason}', NULL, now()
+        FROM block_after a JOIN victim v USING (block_id)
+    ), transitions AS (
+        SELECT v.state AS state_before, a.state
+        FROM block_after a JOIN victim v USING (block_id)
+    ), {
+        pool_counts(
+            "drift_blocks = i.drift_blocks + "
+            "(SELECT count(*) FROM victim WHERE state IN ('IN_USE', 'PINNED'))"
+        )
+    }
+    SELECT (SELECT count(*) FROM block_after) AS freed,
+           (SELECT count(*) FROM victim WHERE state IN ('IN_USE', 'PINNED')) AS drift,
+           {NOTIFY_RELEASED}
+    """

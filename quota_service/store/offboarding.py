@@ -59,7 +59,6 @@ _INSTANCES_WITH_OWN_CACHE = text(
     "SELECT DISTINCT instance FROM blocks WHERE state = 'CACHED' AND hash_scope = :scope"
 )
 
-_LOCK_INSTANCE = text("SELECT 1 FROM instances WHERE instance = :instance FOR UPDATE")
 
 # Drop the contents of cached blocks under the tenant's salt: nobody else could match them.
 _FREE_OWN_CACHE = text(
@@ -172,7 +171,7 @@ class Offboarding:
         while True:
 
             async def work(conn: AsyncConnection) -> int:
-                await conn.execute(_LOCK_INSTANCE, params)
+                await conn.execute(blocks.LOCK_INSTANCE, params)
                 return int((await conn.execute(_FREE_OWN_CACHE, params)).scalar_one())
 
             if await in_transaction(self._engine, work) < 10 * BATCH:

@@ -34,8 +34,6 @@ log = logging.getLogger(__name__)
 
 GPU = "GPU"
 
-_LOCK_INSTANCE = text("SELECT 1 FROM instances WHERE instance = :instance FOR UPDATE")
-
 _CONFIRM = text(
     """
     UPDATE blocks SET engine_confirmed_at = now()
@@ -44,39 +42,8 @@ _CONFIRM = text(
 )
 
 
-def _drop_contents(victims: str, reason: str) -> str:
-    """Free the unreferenced cached blocks `victims` selects (block_id, state, content_hash),
-    tombstone their handles, count referenced ones as drift, and move the pool's counters."""
-    return f"""
-    WITH victim AS ({victims}), block_after AS (
-        UPDATE blocks b
-        SET generation = b.generation + 1, content_hash = NULL, hash_scope = NULL,
-            lru_seq = NULL, engine_confirmed_at = NULL
-        FROM victim v
-        WHERE b.instance = :instance AND b.block_id = v.block_id AND v.state = 'CACHED'
-        RETURNING b.block_id, b.generation, b.state
-    ), tombstoned AS (
-        INSERT INTO tombstones (
-            instance, block_id, generation, content_hash, reason, tenant, freed_at)
-        SELECT :instance, a.block_id, a.generation - 1, v.content_hash, '{reason}', NULL, now()
-        FROM block_after a JOIN victim v USING (block_id)
-    ), transitions AS (
-        SELECT v.state AS state_before, a.state
-        FROM block_after a JOIN victim v USING (block_id)
-    ), {
-        blocks.pool_counts(
-            "drift_blocks = i.drift_blocks + "
-            "(SELECT count(*) FROM victim WHERE state IN ('IN_USE', 'PINNED'))"
-        )
-    }
-    SELECT (SELECT count(*) FROM block_after) AS freed,
-           (SELECT count(*) FROM victim WHERE state IN ('IN_USE', 'PINNED')) AS drift,
-           {blocks.NOTIFY_RELEASED}
-    """
-
-
 _REMOVE = text(
-    _drop_contents(
+    blocks.drop_contents(
         "SELECT block_id, state, content_hash FROM blocks "
         "WHERE instance = :instance AND event_hash = ANY (CAST(:hashes AS bigint[]))",
         "ENGINE_EVICTED",
@@ -84,7 +51,7 @@ _REMOVE = text(
 )
 
 _CLEAR = text(
-    _drop_contents(
+    blocks.drop_contents(
         "SELECT block_id, state, content_hash FROM blocks "
         "WHERE instance = :instance AND state = 'CACHED'",
         "ENGINE_CLEARED",
@@ -123,7 +90,7 @@ class Reconciler:
         """Apply one batch in order, in one transaction; returns (blocks freed, drift seen)."""
 
         async def work(conn: AsyncConnection) -> tuple[int, int]:
-            await conn.execute(_LOCK_INSTANCE, {"instance": instance})
+            await conn.execute(blocks.LOCK_INSTANCE, {"instance": instance})
             freed = drift = 0
             for event in batch.events:
                 if isinstance(event, AllBlocksCleared):
@@ -158,7 +125,7 @@ class Reconciler:
                 log.warning("engine of %s restarted: %d reservations ended", instance, len(lost))
 
         async def forget(conn: AsyncConnection) -> None:
-            await conn.execute(_LOCK_INSTANCE, {"instance": instance})
+            await conn.execute(blocks.LOCK_INSTANCE, {"instance": instance})
             await conn.execute(_CLEAR, {"instance": instance})
             await conn.execute(_RESYNCED, {"instance": instance, "seq": seq})
 
