@@ -25,6 +25,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
+
 
 class Tier(enum.IntEnum):
     FREE = 1
@@ -255,3 +257,71 @@ def plan(pool: PoolSnapshot, target: ReclaimTarget) -> ReclaimPlan:
         p.excluded.append(Exclusion(Unreclaimable.PINNED, pinned))
     p.report_unfreed()
     return ReclaimPlan(tuple(p.steps), tuple(p.excluded), pool.bytes_per_block)
+
+
+class JobState(enum.Enum):
+    PLANNED = "PLANNED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+class StepState(enum.Enum):
+    PLANNED = "PLANNED"
+    APPLIED = "APPLIED"
+    SKIPPED = "SKIPPED"  # nothing to do any more: the pool changed since the plan (see note)
+    FAILED = "FAILED"
+
+
+# The tiers a job may execute today; higher ones can be planned (dry_run) but not run until
+# SuspendReservation, the LMCache driver and preemption exist.
+EXECUTABLE_TIERS = frozenset({Tier.FREE})
+
+
+@dataclass(frozen=True, slots=True)
+class JobStep:
+    seq: int
+    planned: PlannedStep
+    state: StepState
+    actual_blocks: int | None
+    note: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReclaimJob:
+    job_id: str
+    request_id: str
+    instance: str
+    target: ReclaimTarget
+    dry_run: bool
+    state: JobState
+    expected_blocks: int
+    excluded: tuple[Exclusion, ...]
+    steps: tuple[JobStep, ...]
+
+    @property
+    def actual_blocks(self) -> int:
+        return sum(s.actual_blocks or 0 for s in self.steps)
+
+    @property
+    def differences(self) -> tuple[JobStep, ...]:
+        """Steps that gave back other than planned, each with its reason."""
+        return tuple(
+            s
+            for s in self.steps
+            if s.actual_blocks is not None and s.actual_blocks != s.planned.gpu_blocks
+        )
+
+
+def check_executable(target: ReclaimTarget, dry_run: bool) -> None:
+    if target.target_blocks <= 0:
+        raise invalid_request([FieldViolation("target", "must be a positive number of blocks")])
+    if not dry_run and target.max_tier not in EXECUTABLE_TIERS:
+        raise KvQuotaError(
+            Code.FAILED_PRECONDITION,
+            "TIER_NOT_EXECUTABLE",
+            f"reclaim up to {target.max_tier.name} can be planned (dry_run) but not executed yet; "
+            "FREE can",
+            metadata={"maxTier": target.max_tier.name},
+        )

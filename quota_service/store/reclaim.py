@@ -1,13 +1,37 @@
-"""What a reclaim plan starts from: one consistent snapshot of an instance's pool, read in a
-single repeatable-read transaction so the cached blocks, block tables and pins agree."""
+"""Reclaim jobs in the ledger. A plan starts from one consistent snapshot of an instance's pool
+(one repeatable-read transaction, so cached blocks, block tables and pins agree); the job and its
+steps are stored, and each step is applied in the transaction that marks it done."""
 
 from __future__ import annotations
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
+import json
+import secrets
+from typing import Any
 
-from quota_service.core.reclaim import HeldBlock, LiveReservation, PoolSnapshot, UnreferencedBlock
+from sqlalchemy import RowMapping, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from quota_service.core.errors import not_found
+from quota_service.core.reclaim import (
+    Exclusion,
+    HeldBlock,
+    JobState,
+    JobStep,
+    LiveReservation,
+    PlannedStep,
+    PoolSnapshot,
+    ReclaimJob,
+    ReclaimTarget,
+    StepState,
+    Tier,
+    Unreclaimable,
+    UnreferencedBlock,
+    check_executable,
+    plan,
+)
+from quota_service.store import blocks
 from quota_service.store.catalog import Catalog
+from quota_service.store.database import in_transaction
 
 _CACHED = text(
     "SELECT block_id, generation, lru_seq, hash_scope FROM blocks "
@@ -81,3 +105,216 @@ async def load_snapshot(engine: AsyncEngine, instance: str) -> PoolSnapshot:
         pinned = tuple((scope, n) for scope, n in await conn.execute(_PINNED_ONLY, args))
         await conn.rollback()
     return PoolSnapshot(bytes_per_block, cached, reservations, active, pinned, None)
+
+
+_INSERT_JOB = text(
+    """
+    INSERT INTO reclaim_jobs (job_id, request_id, instance, tenant, target_blocks, max_tier,
+                              dry_run, state, expected_blocks, excluded, finished_at)
+    VALUES (:job_id, :request_id, :instance, :tenant, :target_blocks, :max_tier, :dry_run,
+            :state, :expected_blocks, CAST(:excluded AS jsonb),
+            CASE WHEN :dry_run THEN now() END)
+    ON CONFLICT (request_id) DO NOTHING
+    RETURNING job_id
+    """
+)
+
+_INSERT_STEPS = text(
+    """
+    INSERT INTO reclaim_steps (job_id, seq, tier, block_id, generation, tenant, request_id,
+                               expected_blocks, cpu_bytes, lossy)
+    SELECT :job_id, s.seq, s.tier, s.block_id, s.generation, s.tenant, s.request_id,
+           s.expected_blocks, s.cpu_bytes, s.lossy
+    FROM jsonb_to_recordset(CAST(:steps AS jsonb)) AS s(
+        seq int, tier text, block_id int, generation bigint, tenant text, request_id text,
+        expected_blocks int, cpu_bytes bigint, lossy bool)
+    """
+)
+
+_JOB = text("SELECT * FROM reclaim_jobs WHERE job_id = :job_id")
+_JOB_BY_REQUEST = text("SELECT job_id FROM reclaim_jobs WHERE request_id = :request_id")
+_STEPS = text("SELECT * FROM reclaim_steps WHERE job_id = :job_id ORDER BY seq")
+
+# The next planned step of a running job, claimed so that replicas work on different steps.
+_NEXT_STEP = text(
+    """
+    SELECT j.instance, s.seq, s.tier, s.block_id, s.generation
+    FROM reclaim_steps s JOIN reclaim_jobs j USING (job_id)
+    WHERE s.job_id = :job_id AND s.state = 'PLANNED' AND j.state IN ('PLANNED', 'RUNNING')
+    ORDER BY s.seq LIMIT 1
+    FOR UPDATE OF s SKIP LOCKED
+    """
+)
+
+_FREE_BLOCK = text(
+    blocks.drop_contents(
+        "SELECT block_id, state, content_hash FROM blocks WHERE instance = :instance "
+        "AND block_id = :block_id AND generation = :generation AND state = 'CACHED'",
+        "RECLAIMED",
+    )
+)
+
+_STEP_DONE = text(
+    """
+    WITH step AS (
+        UPDATE reclaim_steps SET state = :state, actual_blocks = :actual, note = :note,
+                                 applied_at = now()
+        WHERE job_id = :job_id AND seq = :seq
+    )
+    UPDATE reclaim_jobs SET state = 'RUNNING' WHERE job_id = :job_id AND state = 'PLANNED'
+    """
+)
+
+_FINISH = text(
+    """
+    UPDATE reclaim_jobs SET state = 'SUCCEEDED', finished_at = now()
+    WHERE job_id = :job_id AND state IN ('PLANNED', 'RUNNING')
+      AND NOT EXISTS (
+        SELECT 1 FROM reclaim_steps WHERE job_id = :job_id AND state = 'PLANNED')
+    """
+)
+
+CHANGED_SINCE_PLAN = "the block was reused or evicted since the plan"
+
+
+def _step_json(seq: int, step: PlannedStep) -> dict[str, object]:
+    block_id, generation = step.block if step.block is not None else (None, None)
+    tenant, request_id = step.reservation if step.reservation is not None else (None, None)
+    return {
+        "seq": seq,
+        "tier": step.tier.name,
+        "block_id": block_id,
+        "generation": generation,
+        "tenant": tenant,
+        "request_id": request_id,
+        "expected_blocks": step.gpu_blocks,
+        "cpu_bytes": step.cpu_bytes,
+        "lossy": step.lossy,
+    }
+
+
+def _exclusion_json(e: Exclusion) -> dict[str, object]:
+    tenant, request_id = e.reservation if e.reservation is not None else (None, None)
+    return {
+        "reason": e.reason.value,
+        "blocks": e.blocks,
+        "tenant": tenant,
+        "request_id": request_id,
+    }
+
+
+def _exclusion(value: dict[str, Any]) -> Exclusion:
+    reservation = None
+    if value["tenant"] is not None:
+        reservation = (value["tenant"], value["request_id"])
+    return Exclusion(Unreclaimable(value["reason"]), value["blocks"], reservation)
+
+
+def _job_step(row: RowMapping) -> JobStep:
+    block = None if row["block_id"] is None else (row["block_id"], row["generation"])
+    reservation = None if row["tenant"] is None else (row["tenant"], row["request_id"])
+    tier, expected = Tier[row["tier"]], row["expected_blocks"]
+    planned = PlannedStep(tier, block, reservation, expected, row["cpu_bytes"], row["lossy"])
+    return JobStep(row["seq"], planned, StepState(row["state"]), row["actual_blocks"], row["note"])
+
+
+class ReclaimJobs:
+    """Reclaim jobs: planned from a snapshot, stored step by step, executed by any replica."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    async def create(
+        self, request_id: str, instance: str, target: ReclaimTarget, dry_run: bool
+    ) -> ReclaimJob:
+        """Plan and store a job; a repeat of `request_id` returns the job it created."""
+        check_executable(target, dry_run)
+        async with self._engine.connect() as conn:
+            existing = (await conn.execute(_JOB_BY_REQUEST, {"request_id": request_id})).first()
+        if existing is not None:
+            return await self.get(existing[0])
+        result = plan(await load_snapshot(self._engine, instance), target)
+        job_id = f"reclaim-{secrets.token_hex(8)}"
+
+        async def work(conn: AsyncConnection) -> str:
+            inserted = await conn.execute(
+                _INSERT_JOB,
+                {
+                    "job_id": job_id,
+                    "request_id": request_id,
+                    "instance": instance,
+                    "tenant": target.tenant,
+                    "target_blocks": target.target_blocks,
+                    "max_tier": target.max_tier.name,
+                    "dry_run": dry_run,
+                    "state": (JobState.SUCCEEDED if dry_run else JobState.PLANNED).value,
+                    "expected_blocks": result.total_blocks,
+                    "excluded": json.dumps([_exclusion_json(e) for e in result.excluded]),
+                },
+            )
+            if inserted.first() is None:  # the same request_id raced us in
+                raced = await conn.execute(_JOB_BY_REQUEST, {"request_id": request_id})
+                return str(raced.scalar_one())
+            steps = [_step_json(seq, s) for seq, s in enumerate(result.steps)]
+            if steps:
+                await conn.execute(_INSERT_STEPS, {"job_id": job_id, "steps": json.dumps(steps)})
+            return job_id
+
+        return await self.get(await in_transaction(self._engine, work))
+
+    async def get(self, job_id: str) -> ReclaimJob:
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(_JOB, {"job_id": job_id})).mappings().first()
+            if row is None:
+                raise not_found("reclaim job", job_id)
+            steps = (await conn.execute(_STEPS, {"job_id": job_id})).mappings().all()
+        target = ReclaimTarget(row["target_blocks"], Tier[row["max_tier"]], row["tenant"])
+        return ReclaimJob(
+            row["job_id"],
+            row["request_id"],
+            row["instance"],
+            target,
+            row["dry_run"],
+            JobState(row["state"]),
+            row["expected_blocks"],
+            tuple(_exclusion(e) for e in row["excluded"]),
+            tuple(_job_step(s) for s in steps),
+        )
+
+    async def run_step(self, job_id: str) -> bool:
+        """Apply the job's next planned step in one transaction with its bookkeeping (a crash
+        leaves it planned, never half-applied); False, and the job finished, when none is left."""
+
+        async def work(conn: AsyncConnection) -> bool:
+            step = (await conn.execute(_NEXT_STEP, {"job_id": job_id})).mappings().first()
+            if step is None:
+                await conn.execute(_FINISH, {"job_id": job_id})
+                return False
+            await conn.execute(blocks.LOCK_INSTANCE, {"instance": step["instance"]})
+            freed = (
+                (
+                    await conn.execute(
+                        _FREE_BLOCK,
+                        {
+                            "instance": step["instance"],
+                            "block_id": step["block_id"],
+                            "generation": step["generation"],
+                        },
+                    )
+                )
+                .mappings()
+                .one()["freed"]
+            )
+            await conn.execute(
+                _STEP_DONE,
+                {
+                    "job_id": job_id,
+                    "seq": step["seq"],
+                    "state": (StepState.APPLIED if freed else StepState.SKIPPED).value,
+                    "actual": freed,
+                    "note": None if freed else CHANGED_SINCE_PLAN,
+                },
+            )
+            return True
+
+        return await in_transaction(self._engine, work)

@@ -24,7 +24,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -435,3 +435,67 @@ class FairTagRow(Base):
     tenant: Mapped[ResourceId] = mapped_column(ForeignKey("tenants.tenant"), primary_key=True)
     priority: Mapped[int] = mapped_column(Integer, primary_key=True)
     last_finish: Mapped[float] = mapped_column(server_default="0")
+
+
+class ReclaimJobRow(Base):
+    """A reclaim job: its scope and target, and the plan's totals; the plan is its steps."""
+
+    __tablename__ = "reclaim_jobs"
+
+    job_id: Mapped[ResourceId] = mapped_column(primary_key=True)
+    # The caller's id for CreateReclaimJob: a repeat returns the same job.
+    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"))
+    tenant: Mapped[str | None] = mapped_column(ForeignKey("tenants.tenant"))
+    target_blocks: Mapped[int] = mapped_column(BigInteger)
+    max_tier: Mapped[str] = mapped_column(String(16))
+    dry_run: Mapped[bool] = mapped_column(Boolean)
+    state: Mapped[str] = mapped_column(String(16))
+    expected_blocks: Mapped[int] = mapped_column(BigInteger)
+    # What the plan cannot take and why: [{"reason", "blocks", "tenant", "request_id"}].
+    excluded: Mapped[list[dict[str, object]]] = mapped_column(JSONB)
+    created_at: Mapped[CreatedAt]
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        CheckConstraint(
+            "state IN ('PLANNED', 'RUNNING', 'SUCCEEDED', 'FAILED', 'CANCELLED')", name="state"
+        ),
+        CheckConstraint("max_tier IN ('FREE', 'OFFLOAD', 'COMPRESS', 'EVICT')", name="max_tier"),
+        Index(
+            "ix_reclaim_jobs_open",
+            "created_at",
+            postgresql_where=text("state IN ('PLANNED', 'RUNNING')"),
+        ),
+    )
+
+
+class ReclaimStepRow(Base):
+    """One durable step of a job, applied in the same transaction that marks it, so a crash
+    leaves it planned (retried) or applied (never repeated)."""
+
+    __tablename__ = "reclaim_steps"
+
+    job_id: Mapped[ResourceId] = mapped_column(
+        ForeignKey("reclaim_jobs.job_id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tier: Mapped[str] = mapped_column(String(16))
+    # FREE: the block handle; OFFLOAD and EVICT: the reservation.
+    block_id: Mapped[int | None] = mapped_column(Integer)
+    generation: Mapped[int | None] = mapped_column(BigInteger)
+    tenant: Mapped[str | None] = mapped_column(String(63))
+    request_id: Mapped[str | None] = mapped_column(String(128))
+    expected_blocks: Mapped[int] = mapped_column(Integer)
+    cpu_bytes: Mapped[int] = mapped_column(BigInteger)
+    lossy: Mapped[bool] = mapped_column(Boolean)
+    state: Mapped[str] = mapped_column(String(16), server_default="PLANNED")
+    actual_blocks: Mapped[int | None] = mapped_column(Integer)
+    # Why a step gave back other than expected (e.g. the block was reused since the plan).
+    note: Mapped[str | None] = mapped_column(String(200))
+    applied_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        CheckConstraint("state IN ('PLANNED', 'APPLIED', 'SKIPPED', 'FAILED')", name="state"),
+        CheckConstraint("tier IN ('FREE', 'OFFLOAD', 'COMPRESS', 'EVICT')", name="tier"),
+    )
