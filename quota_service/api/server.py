@@ -33,6 +33,7 @@ from quota_service.store.ledger import Ledger
 from quota_service.store.notifications import Listener
 from quota_service.store.offboarding import Offboarding
 from quota_service.store.pins import Pins
+from quota_service.store.reclaim import ReclaimJobs
 from quota_service.store.reconcile import Reconciler
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,14 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     if settings.metrics_listen:
         metrics_server = serve_metrics(settings.metrics_listen, metrics)
     jobs = maintenance.Maintenance(
-        ledger, offboarding, inspection, termination, followers, metrics, settings
+        ledger,
+        offboarding,
+        inspection,
+        termination,
+        followers,
+        metrics,
+        ReclaimJobs(engine),
+        settings,
     )
     running = asyncio.create_task(maintenance.run(jobs, stop))
     return RunningServer(

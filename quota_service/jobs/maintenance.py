@@ -16,6 +16,7 @@ from quota_service.jobs.termination import Termination
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import Offboarding
+from quota_service.store.reclaim import ReclaimJobs
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class Maintenance:
     termination: Termination
     followers: Followers
     metrics: InstanceMetrics
+    reclaim: ReclaimJobs
     settings: Settings
 
     async def reap_leases(self) -> int:
@@ -49,6 +51,7 @@ class Maintenance:
             # Dispatch also on a timer: a notification may have been lost.
             ("dispatch sweep", self.ledger.dispatch_all),
             ("offboarding", self.offboarding.resume_all),
+            ("reclaim steps", lambda: self.reclaim.run_open(self.settings.reaper_batch_size)),
             ("metrics refresh", self.metrics.refresh),
             (
                 "tombstone purge",

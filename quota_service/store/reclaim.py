@@ -174,6 +174,11 @@ _FINISH = text(
     """
 )
 
+_OPEN_JOBS = text(
+    "SELECT job_id FROM reclaim_jobs WHERE state IN ('PLANNED', 'RUNNING') AND NOT dry_run "
+    "ORDER BY created_at LIMIT :limit"
+)
+
 CHANGED_SINCE_PLAN = "the block was reused or evicted since the plan"
 
 
@@ -318,3 +323,14 @@ class ReclaimJobs:
             return True
 
         return await in_transaction(self._engine, work)
+
+    async def run_open(self, budget: int) -> int:
+        """Apply up to `budget` steps of open jobs, oldest job first (every replica's
+        maintenance loop calls this; steps are claimed, so replicas share the work)."""
+        async with self._engine.connect() as conn:
+            open_jobs = (await conn.execute(_OPEN_JOBS, {"limit": budget})).scalars().all()
+        applied = 0
+        for job_id in open_jobs:
+            while applied < budget and await self.run_step(job_id):
+                applied += 1
+        return applied

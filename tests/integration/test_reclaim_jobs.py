@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service.api import server
 from quota_service.config import Settings
 from quota_service.core.errors import Code, KvQuotaError
 from quota_service.core.model import EndReason
@@ -132,6 +133,24 @@ async def test_concurrent_executors_share_a_job_without_applying_a_step_twice(
 
     assert sum(await asyncio.gather(*(executor() for _ in range(4)))) == 16
     assert (await jobs.get(job.job_id)).actual_blocks == 16
+    await assert_invariants(engine)
+
+
+async def test_every_replica_s_maintenance_loop_executes_open_jobs(
+    engine: AsyncEngine, settings: Settings, database_url: str
+) -> None:
+    await cached_pool(engine, settings, 8)
+    running = await server.start(settings, database_url)
+    try:
+        jobs = ReclaimJobs(engine)
+        job = await jobs.create("loop", "gpu-0", ReclaimTarget(8, Tier.FREE), dry_run=False)
+        for _ in range(100):
+            if (await jobs.get(job.job_id)).state is JobState.SUCCEEDED:
+                break
+            await asyncio.sleep(0.1)
+        assert (await jobs.get(job.job_id)).actual_blocks == 8
+    finally:
+        await running.stop(0)
     await assert_invariants(engine)
 
 
