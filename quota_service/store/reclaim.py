@@ -12,6 +12,7 @@ from sqlalchemy import RowMapping, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core.errors import not_found
+from quota_service.core.pagination import Page
 from quota_service.core.reclaim import (
     Exclusion,
     HeldBlock,
@@ -174,6 +175,16 @@ _FINISH = text(
     """
 )
 
+_CANCEL = text(
+    "UPDATE reclaim_jobs SET state = 'CANCELLED', finished_at = now() "
+    "WHERE job_id = :job_id AND state IN ('PLANNED', 'RUNNING')"
+)
+
+_LIST_JOBS = text(
+    "SELECT job_id FROM reclaim_jobs WHERE job_id > :after "
+    "AND (CAST(:instance AS text) IS NULL OR instance = :instance) ORDER BY job_id LIMIT :size"
+)
+
 _OPEN_JOBS = text(
     "SELECT job_id FROM reclaim_jobs WHERE state IN ('PLANNED', 'RUNNING') AND NOT dry_run "
     "ORDER BY created_at LIMIT :limit"
@@ -285,6 +296,19 @@ class ReclaimJobs:
             tuple(_exclusion(e) for e in row["excluded"]),
             tuple(_job_step(s) for s in steps),
         )
+
+    async def cancel(self, job_id: str) -> ReclaimJob:
+        """Stop a job: steps applied stay applied, the others are never run. Cancelling a
+        finished job changes nothing and returns it."""
+        async with self._engine.begin() as conn:
+            await conn.execute(_CANCEL, {"job_id": job_id})
+        return await self.get(job_id)
+
+    async def list_jobs(self, page: Page, instance: str | None = None) -> list[ReclaimJob]:
+        async with self._engine.connect() as conn:
+            args = {"after": page.after or "", "size": page.size, "instance": instance}
+            job_ids = (await conn.execute(_LIST_JOBS, args)).scalars().all()
+        return [await self.get(job_id) for job_id in job_ids]
 
     async def run_step(self, job_id: str) -> bool:
         """Apply the job's next planned step in one transaction with its bookkeeping (a crash

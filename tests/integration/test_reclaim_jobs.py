@@ -16,6 +16,7 @@ from quota_service.api import server
 from quota_service.config import Settings
 from quota_service.core.errors import Code, KvQuotaError
 from quota_service.core.model import EndReason
+from quota_service.core.pagination import Page
 from quota_service.core.reclaim import JobState, ReclaimTarget, StepState, Tier
 from quota_service.store.ledger import Ledger
 from quota_service.store.reclaim import CHANGED_SINCE_PLAN, ReclaimJobs
@@ -151,6 +152,27 @@ async def test_every_replica_s_maintenance_loop_executes_open_jobs(
         assert (await jobs.get(job.job_id)).actual_blocks == 8
     finally:
         await running.stop(0)
+    await assert_invariants(engine)
+
+
+async def test_a_cancelled_job_keeps_what_it_applied_and_runs_nothing_more(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    await cached_pool(engine, settings, 8)
+    jobs = ReclaimJobs(engine)
+    job = await jobs.create("stop", "gpu-0", ReclaimTarget(8, Tier.FREE), dry_run=False)
+    assert await jobs.run_step(job.job_id) and await jobs.run_step(job.job_id)
+    cancelled = await jobs.cancel(job.job_id)
+    assert (cancelled.state, cancelled.actual_blocks) == (JobState.CANCELLED, 2)
+    assert await jobs.run_step(job.job_id) is False
+    assert await jobs.cancel(job.job_id) == cancelled  # a repeat changes nothing
+    assert (await counters(engine))["instance:gpu-0"]["cached_blocks"] == 6
+    other = await jobs.create("other", "gpu-0", ReclaimTarget(1, Tier.FREE), dry_run=True)
+    listed = await jobs.list_jobs(Page(1, None))
+    assert len(listed) == 1 and listed + await jobs.list_jobs(Page(5, listed[0].job_id)) == sorted(
+        [cancelled, other], key=lambda j: j.job_id
+    )
+    assert await jobs.list_jobs(Page(5, None), instance="gpu-9") == []
     await assert_invariants(engine)
 
 
