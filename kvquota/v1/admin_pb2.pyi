@@ -759,3 +759,134 @@ class ListBlocksResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListBlocksResponse: _TypeAlias = ListBlocksResponse  # noqa: Y015
+
+@_typing.final
+class CreateReclaimJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    TARGET_BLOCKS_FIELD_NUMBER: _builtins.int
+    TARGET_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_TIER_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    instance: _builtins.str
+    """instances/{instance}"""
+    tenant: _builtins.str
+    """tenants/{tenant}: only what this tenant holds; empty: the whole instance."""
+    target_blocks: _builtins.int
+    """The target, in blocks or in bytes (bytes need the instance's geometry); exactly one."""
+    target_bytes: _builtins.int
+    max_tier: _resources_pb2.ReclaimTier.ValueType
+    dry_run: _builtins.bool
+    """Plan only: the job is stored as SUCCEEDED with its plan and never executed."""
+    request_id: _builtins.str
+    """Idempotency: a repeat with the same id returns the job it created."""
+    def __init__(
+        self,
+        *,
+        instance: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        target_blocks: _builtins.int = ...,
+        target_bytes: _builtins.int = ...,
+        max_tier: _resources_pb2.ReclaimTier.ValueType = ...,
+        dry_run: _builtins.bool = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "instance", b"instance", "max_tier", b"max_tier", "request_id", b"request_id", "target_blocks", b"target_blocks", "target_bytes", b"target_bytes", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateReclaimJobRequest: _TypeAlias = CreateReclaimJobRequest  # noqa: Y015
+
+@_typing.final
+class GetReclaimJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """reclaimJobs/{job}"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetReclaimJobRequest: _TypeAlias = GetReclaimJobRequest  # noqa: Y015
+
+@_typing.final
+class ListReclaimJobsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    instance: _builtins.str
+    """instances/{instance}: only its jobs; empty: every job."""
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        instance: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReclaimJobsRequest: _TypeAlias = ListReclaimJobsRequest  # noqa: Y015
+
+@_typing.final
+class ListReclaimJobsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECLAIM_JOBS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def reclaim_jobs(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.ReclaimJob]: ...
+    def __init__(
+        self,
+        *,
+        reclaim_jobs: _abc.Iterable[_resources_pb2.ReclaimJob] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "reclaim_jobs", b"reclaim_jobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReclaimJobsResponse: _TypeAlias = ListReclaimJobsResponse  # noqa: Y015
+
+@_typing.final
+class CancelReclaimJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """reclaimJobs/{job}"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelReclaimJobRequest: _TypeAlias = CancelReclaimJobRequest  # noqa: Y015

@@ -131,6 +131,26 @@ class AdminServiceStub:
                 request_serializer=kvquota_dot_v1_dot_admin__pb2.ListBlocksRequest.SerializeToString,
                 response_deserializer=kvquota_dot_v1_dot_admin__pb2.ListBlocksResponse.FromString,
                 _registered_method=True)
+        self.CreateReclaimJob = channel.unary_unary(
+                '/kvquota.v1.AdminService/CreateReclaimJob',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.CreateReclaimJobRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_resources__pb2.ReclaimJob.FromString,
+                _registered_method=True)
+        self.GetReclaimJob = channel.unary_unary(
+                '/kvquota.v1.AdminService/GetReclaimJob',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.GetReclaimJobRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_resources__pb2.ReclaimJob.FromString,
+                _registered_method=True)
+        self.ListReclaimJobs = channel.unary_unary(
+                '/kvquota.v1.AdminService/ListReclaimJobs',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.ListReclaimJobsRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_admin__pb2.ListReclaimJobsResponse.FromString,
+                _registered_method=True)
+        self.CancelReclaimJob = channel.unary_unary(
+                '/kvquota.v1.AdminService/CancelReclaimJob',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.CancelReclaimJobRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_resources__pb2.ReclaimJob.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -257,6 +277,31 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateReclaimJob(self, request, context):
+        """Reclaim: plan (dry_run) or run a job that takes KV memory back tier by tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetReclaimJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListReclaimJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelReclaimJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -354,6 +399,26 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ListBlocks,
                     request_deserializer=kvquota_dot_v1_dot_admin__pb2.ListBlocksRequest.FromString,
                     response_serializer=kvquota_dot_v1_dot_admin__pb2.ListBlocksResponse.SerializeToString,
+            ),
+            'CreateReclaimJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateReclaimJob,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.CreateReclaimJobRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_resources__pb2.ReclaimJob.SerializeToString,
+            ),
+            'GetReclaimJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetReclaimJob,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.GetReclaimJobRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_resources__pb2.ReclaimJob.SerializeToString,
+            ),
+            'ListReclaimJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReclaimJobs,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.ListReclaimJobsRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_admin__pb2.ListReclaimJobsResponse.SerializeToString,
+            ),
+            'CancelReclaimJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelReclaimJob,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.CancelReclaimJobRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_resources__pb2.ReclaimJob.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -870,6 +935,114 @@ class AdminService:
             '/kvquota.v1.AdminService/ListBlocks',
             kvquota_dot_v1_dot_admin__pb2.ListBlocksRequest.SerializeToString,
             kvquota_dot_v1_dot_admin__pb2.ListBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateReclaimJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/CreateReclaimJob',
+            kvquota_dot_v1_dot_admin__pb2.CreateReclaimJobRequest.SerializeToString,
+            kvquota_dot_v1_dot_resources__pb2.ReclaimJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetReclaimJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/GetReclaimJob',
+            kvquota_dot_v1_dot_admin__pb2.GetReclaimJobRequest.SerializeToString,
+            kvquota_dot_v1_dot_resources__pb2.ReclaimJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReclaimJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/ListReclaimJobs',
+            kvquota_dot_v1_dot_admin__pb2.ListReclaimJobsRequest.SerializeToString,
+            kvquota_dot_v1_dot_admin__pb2.ListReclaimJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelReclaimJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/CancelReclaimJob',
+            kvquota_dot_v1_dot_admin__pb2.CancelReclaimJobRequest.SerializeToString,
+            kvquota_dot_v1_dot_resources__pb2.ReclaimJob.FromString,
             options,
             channel_credentials,
             insecure,

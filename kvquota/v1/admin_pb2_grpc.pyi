@@ -60,6 +60,11 @@ class AdminServiceStub:
     ListInstances: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListInstancesRequest, _admin_pb2.ListInstancesResponse]
     DrainInstance: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DrainInstanceRequest, _resources_pb2.Instance]
     ListBlocks: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListBlocksRequest, _admin_pb2.ListBlocksResponse]
+    CreateReclaimJob: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CreateReclaimJobRequest, _resources_pb2.ReclaimJob]
+    """Reclaim: plan (dry_run) or run a job that takes KV memory back tier by tier."""
+    GetReclaimJob: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetReclaimJobRequest, _resources_pb2.ReclaimJob]
+    ListReclaimJobs: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListReclaimJobsRequest, _admin_pb2.ListReclaimJobsResponse]
+    CancelReclaimJob: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CancelReclaimJobRequest, _resources_pb2.ReclaimJob]
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -92,6 +97,11 @@ class AdminServiceAsyncStub(AdminServiceStub):
     ListInstances: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListInstancesRequest, _admin_pb2.ListInstancesResponse]  # type: ignore[assignment]
     DrainInstance: _aio.UnaryUnaryMultiCallable[_admin_pb2.DrainInstanceRequest, _resources_pb2.Instance]  # type: ignore[assignment]
     ListBlocks: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListBlocksRequest, _admin_pb2.ListBlocksResponse]  # type: ignore[assignment]
+    CreateReclaimJob: _aio.UnaryUnaryMultiCallable[_admin_pb2.CreateReclaimJobRequest, _resources_pb2.ReclaimJob]  # type: ignore[assignment]
+    """Reclaim: plan (dry_run) or run a job that takes KV memory back tier by tier."""
+    GetReclaimJob: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetReclaimJobRequest, _resources_pb2.ReclaimJob]  # type: ignore[assignment]
+    ListReclaimJobs: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListReclaimJobsRequest, _admin_pb2.ListReclaimJobsResponse]  # type: ignore[assignment]
+    CancelReclaimJob: _aio.UnaryUnaryMultiCallable[_admin_pb2.CancelReclaimJobRequest, _resources_pb2.ReclaimJob]  # type: ignore[assignment]
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     """Used by operators: tenants, quotas and engine instances."""
@@ -235,5 +245,34 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.ListBlocksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ListBlocksResponse, _abc.Awaitable[_admin_pb2.ListBlocksResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateReclaimJob(
+        self,
+        request: _admin_pb2.CreateReclaimJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.ReclaimJob, _abc.Awaitable[_resources_pb2.ReclaimJob]]:
+        """Reclaim: plan (dry_run) or run a job that takes KV memory back tier by tier."""
+
+    @_abc_1.abstractmethod
+    def GetReclaimJob(
+        self,
+        request: _admin_pb2.GetReclaimJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.ReclaimJob, _abc.Awaitable[_resources_pb2.ReclaimJob]]: ...
+
+    @_abc_1.abstractmethod
+    def ListReclaimJobs(
+        self,
+        request: _admin_pb2.ListReclaimJobsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListReclaimJobsResponse, _abc.Awaitable[_admin_pb2.ListReclaimJobsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CancelReclaimJob(
+        self,
+        request: _admin_pb2.CancelReclaimJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.ReclaimJob, _abc.Awaitable[_resources_pb2.ReclaimJob]]: ...
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -230,6 +230,84 @@ END_REASON_ENGINE_UNREACHABLE: EndReason.ValueType  # 7
 """Its engine could not be reached to abort it within the hard timeout."""
 Global___EndReason: _TypeAlias = EndReason  # noqa: Y015
 
+class _ReclaimTier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReclaimTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReclaimTier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RECLAIM_TIER_UNSPECIFIED: _ReclaimTier.ValueType  # 0
+    RECLAIM_TIER_FREE: _ReclaimTier.ValueType  # 1
+    """Cached blocks nobody references: cold tenants first, least recently used first."""
+    RECLAIM_TIER_OFFLOAD: _ReclaimTier.ValueType  # 2
+    """Suspended reservations move to the CPU tier (LMCache) below its low watermark."""
+    RECLAIM_TIER_COMPRESS: _ReclaimTier.ValueType  # 3
+    """CPU-tier contents are compressed (lossy), only above the CPU tier's high watermark."""
+    RECLAIM_TIER_EVICT: _ReclaimTier.ValueType  # 4
+    """Running reservations are preempted and aborted in the engine."""
+
+class ReclaimTier(_ReclaimTier, metaclass=_ReclaimTierEnumTypeWrapper):
+    """Reclaim tiers, in the order a job uses them (least damage first)."""
+
+RECLAIM_TIER_UNSPECIFIED: ReclaimTier.ValueType  # 0
+RECLAIM_TIER_FREE: ReclaimTier.ValueType  # 1
+"""Cached blocks nobody references: cold tenants first, least recently used first."""
+RECLAIM_TIER_OFFLOAD: ReclaimTier.ValueType  # 2
+"""Suspended reservations move to the CPU tier (LMCache) below its low watermark."""
+RECLAIM_TIER_COMPRESS: ReclaimTier.ValueType  # 3
+"""CPU-tier contents are compressed (lossy), only above the CPU tier's high watermark."""
+RECLAIM_TIER_EVICT: ReclaimTier.ValueType  # 4
+"""Running reservations are preempted and aborted in the engine."""
+Global___ReclaimTier: _TypeAlias = ReclaimTier  # noqa: Y015
+
+class _ReclaimJobState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReclaimJobStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReclaimJobState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RECLAIM_JOB_STATE_UNSPECIFIED: _ReclaimJobState.ValueType  # 0
+    RECLAIM_JOB_STATE_PLANNED: _ReclaimJobState.ValueType  # 1
+    RECLAIM_JOB_STATE_RUNNING: _ReclaimJobState.ValueType  # 2
+    RECLAIM_JOB_STATE_SUCCEEDED: _ReclaimJobState.ValueType  # 3
+    """Every step was applied or skipped (a dry run is SUCCEEDED once planned)."""
+    RECLAIM_JOB_STATE_FAILED: _ReclaimJobState.ValueType  # 4
+    RECLAIM_JOB_STATE_CANCELLED: _ReclaimJobState.ValueType  # 5
+
+class ReclaimJobState(_ReclaimJobState, metaclass=_ReclaimJobStateEnumTypeWrapper): ...
+
+RECLAIM_JOB_STATE_UNSPECIFIED: ReclaimJobState.ValueType  # 0
+RECLAIM_JOB_STATE_PLANNED: ReclaimJobState.ValueType  # 1
+RECLAIM_JOB_STATE_RUNNING: ReclaimJobState.ValueType  # 2
+RECLAIM_JOB_STATE_SUCCEEDED: ReclaimJobState.ValueType  # 3
+"""Every step was applied or skipped (a dry run is SUCCEEDED once planned)."""
+RECLAIM_JOB_STATE_FAILED: ReclaimJobState.ValueType  # 4
+RECLAIM_JOB_STATE_CANCELLED: ReclaimJobState.ValueType  # 5
+Global___ReclaimJobState: _TypeAlias = ReclaimJobState  # noqa: Y015
+
+class _ReclaimStepState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReclaimStepStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReclaimStepState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RECLAIM_STEP_STATE_UNSPECIFIED: _ReclaimStepState.ValueType  # 0
+    RECLAIM_STEP_STATE_PLANNED: _ReclaimStepState.ValueType  # 1
+    RECLAIM_STEP_STATE_APPLIED: _ReclaimStepState.ValueType  # 2
+    RECLAIM_STEP_STATE_SKIPPED: _ReclaimStepState.ValueType  # 3
+    """Nothing left to do: the pool changed since the plan (see note)."""
+    RECLAIM_STEP_STATE_FAILED: _ReclaimStepState.ValueType  # 4
+
+class ReclaimStepState(_ReclaimStepState, metaclass=_ReclaimStepStateEnumTypeWrapper): ...
+
+RECLAIM_STEP_STATE_UNSPECIFIED: ReclaimStepState.ValueType  # 0
+RECLAIM_STEP_STATE_PLANNED: ReclaimStepState.ValueType  # 1
+RECLAIM_STEP_STATE_APPLIED: ReclaimStepState.ValueType  # 2
+RECLAIM_STEP_STATE_SKIPPED: ReclaimStepState.ValueType  # 3
+"""Nothing left to do: the pool changed since the plan (see note)."""
+RECLAIM_STEP_STATE_FAILED: ReclaimStepState.ValueType  # 4
+Global___ReclaimStepState: _TypeAlias = ReclaimStepState  # noqa: Y015
+
 @_typing.final
 class KvGeometry(_message.Message):
     """Shape of a model's KV cache; bytes per token follow from it."""
@@ -823,3 +901,143 @@ class Reservation(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Reservation: _TypeAlias = Reservation  # noqa: Y015
+
+@_typing.final
+class ReclaimStep(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    BLOCK_FIELD_NUMBER: _builtins.int
+    RESERVATION_FIELD_NUMBER: _builtins.int
+    EXPECTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    ACTUAL_BLOCKS_FIELD_NUMBER: _builtins.int
+    CPU_BYTES_FIELD_NUMBER: _builtins.int
+    LOSSY_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    tier: Global___ReclaimTier.ValueType
+    reservation: _builtins.str
+    """OFFLOAD and EVICT: tenants/{tenant}/reservations/{request_id}."""
+    expected_blocks: _builtins.int
+    """GPU blocks the plan expects this step to give back, and what it did (-1 until applied)."""
+    actual_blocks: _builtins.int
+    cpu_bytes: _builtins.int
+    """CPU-tier bytes it takes (offload) or gives back (compress, negative)."""
+    lossy: _builtins.bool
+    state: Global___ReclaimStepState.ValueType
+    note: _builtins.str
+    """Why it gave back other than expected."""
+    @_builtins.property
+    def block(self) -> Global___BlockHandle:
+        """FREE: the block handle it frees."""
+
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        tier: Global___ReclaimTier.ValueType = ...,
+        block: Global___BlockHandle | None = ...,
+        reservation: _builtins.str = ...,
+        expected_blocks: _builtins.int = ...,
+        actual_blocks: _builtins.int = ...,
+        cpu_bytes: _builtins.int = ...,
+        lossy: _builtins.bool = ...,
+        state: Global___ReclaimStepState.ValueType = ...,
+        note: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["block", b"block"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actual_blocks", b"actual_blocks", "block", b"block", "cpu_bytes", b"cpu_bytes", "expected_blocks", b"expected_blocks", "lossy", b"lossy", "note", b"note", "reservation", b"reservation", "seq", b"seq", "state", b"state", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReclaimStep: _TypeAlias = ReclaimStep  # noqa: Y015
+
+@_typing.final
+class ReclaimExclusion(_message.Message):
+    """What a plan cannot take, and why (PINNED, SHARED, CPU_TIER_FULL, NO_CPU_TIER,
+    NO_COMPRESSION, ABOVE_MAX_TIER).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    RESERVATION_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    blocks: _builtins.int
+    reservation: _builtins.str
+    """The reservation it concerns, when one does."""
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+        blocks: _builtins.int = ...,
+        reservation: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "reason", b"reason", "reservation", b"reservation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReclaimExclusion: _TypeAlias = ReclaimExclusion  # noqa: Y015
+
+@_typing.final
+class ReclaimJob(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    TARGET_BLOCKS_FIELD_NUMBER: _builtins.int
+    MAX_TIER_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    EXPECTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    ACTUAL_BLOCKS_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    EXCLUDED_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """reclaimJobs/{job}"""
+    request_id: _builtins.str
+    instance: _builtins.str
+    """instances/{instance}"""
+    tenant: _builtins.str
+    """tenants/{tenant}; empty: the whole instance."""
+    target_blocks: _builtins.int
+    max_tier: Global___ReclaimTier.ValueType
+    dry_run: _builtins.bool
+    state: Global___ReclaimJobState.ValueType
+    expected_blocks: _builtins.int
+    actual_blocks: _builtins.int
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReclaimStep]: ...
+    @_builtins.property
+    def excluded(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReclaimExclusion]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        instance: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        target_blocks: _builtins.int = ...,
+        max_tier: Global___ReclaimTier.ValueType = ...,
+        dry_run: _builtins.bool = ...,
+        state: Global___ReclaimJobState.ValueType = ...,
+        expected_blocks: _builtins.int = ...,
+        actual_blocks: _builtins.int = ...,
+        steps: _abc.Iterable[Global___ReclaimStep] | None = ...,
+        excluded: _abc.Iterable[Global___ReclaimExclusion] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actual_blocks", b"actual_blocks", "dry_run", b"dry_run", "excluded", b"excluded", "expected_blocks", b"expected_blocks", "instance", b"instance", "max_tier", b"max_tier", "name", b"name", "request_id", b"request_id", "state", b"state", "steps", b"steps", "target_blocks", b"target_blocks", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReclaimJob: _TypeAlias = ReclaimJob  # noqa: Y015

@@ -14,11 +14,13 @@ from quota_service.core import catalog, names, pagination
 from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
 from quota_service.core.model import DEFAULT_MAX_QUEUED_REQUESTS, QueueBounds, TenantState
 from quota_service.core.names import instance_id, tenant_id
+from quota_service.core.reclaim import ReclaimTarget
 from quota_service.engine.vllm.http import EngineDescription, MetricsError, VllmHttp
 from quota_service.store.catalog import Catalog
 from quota_service.store.inspection import Inspection
 from quota_service.store.offboarding import Offboarding
 from quota_service.store.pins import Pins
+from quota_service.store.reclaim import ReclaimJobs
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -46,11 +48,13 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         pins: Pins,
         offboarding: Offboarding,
         inspection: Inspection,
+        reclaim: ReclaimJobs,
     ) -> None:
         self._catalog = catalog_store
         self._pins = pins
         self._offboarding = offboarding
         self._inspection = inspection
+        self._reclaim = reclaim
 
     async def CreateTenant(
         self, request: pb.CreateTenantRequest, context: Context
@@ -280,3 +284,58 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             blocks=[convert.block(b) for b in found],
             next_page_token=pagination.next_token([str(b.block_id) for b in found], page.size),
         )
+
+    async def CreateReclaimJob(
+        self, request: pb.CreateReclaimJobRequest, context: Context
+    ) -> resources_pb2.ReclaimJob:
+        instance = instance_id(request.instance, "instance")
+        tenant = tenant_id(request.tenant, "tenant") if request.tenant else None
+        violations = []
+        if (request.target_blocks > 0) == (request.target_bytes > 0):
+            violations.append(
+                FieldViolation("target_blocks", "give exactly one of target_blocks, target_bytes")
+            )
+        if request.target_blocks < 0 or request.target_bytes < 0:
+            violations.append(FieldViolation("target_blocks", "targets are never negative"))
+        max_tier = convert.reclaim_tier(request.max_tier)
+        if max_tier is None:
+            violations.append(FieldViolation("max_tier", "name the highest tier allowed"))
+        request_violation = names.check_request_id(request.request_id, "request_id")
+        if request_violation:
+            violations.append(request_violation)
+        if violations:
+            raise invalid_request(violations)
+        assert max_tier is not None
+        target_blocks = request.target_blocks
+        if request.target_bytes:
+            spec = (await self._catalog.get_instance(instance)).spec
+            if spec.bytes_per_block is None:
+                raise invalid_request(
+                    [FieldViolation("target_bytes", "the instance has no geometry; give blocks")]
+                )
+            target_blocks = -(-request.target_bytes // spec.bytes_per_block)
+        target = ReclaimTarget(target_blocks, max_tier, tenant)
+        job = await self._reclaim.create(request.request_id, instance, target, request.dry_run)
+        return convert.reclaim_job(job)
+
+    async def GetReclaimJob(
+        self, request: pb.GetReclaimJobRequest, context: Context
+    ) -> resources_pb2.ReclaimJob:
+        return convert.reclaim_job(await self._reclaim.get(names.reclaim_job_id(request.name)))
+
+    async def ListReclaimJobs(
+        self, request: pb.ListReclaimJobsRequest, context: Context
+    ) -> pb.ListReclaimJobsResponse:
+        instance = instance_id(request.instance, "instance") if request.instance else None
+        page = pagination.page(request.page_size, request.page_token)
+        jobs = await self._reclaim.list_jobs(page, instance)
+        return pb.ListReclaimJobsResponse(
+            reclaim_jobs=[convert.reclaim_job(j) for j in jobs],
+            next_page_token=pagination.next_token([j.job_id for j in jobs], page.size),
+        )
+
+    async def CancelReclaimJob(
+        self, request: pb.CancelReclaimJobRequest, context: Context
+    ) -> resources_pb2.ReclaimJob:
+        job_id = names.reclaim_job_id(request.name)
+        return convert.reclaim_job(await self._reclaim.cancel(job_id))

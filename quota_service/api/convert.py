@@ -30,6 +30,7 @@ from quota_service.core.model import (
     TenantQuota,
     TenantState,
 )
+from quota_service.core.reclaim import ReclaimJob, Tier
 
 # vLLM's default gpu_memory_utilization (ENGINES.md).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
@@ -358,3 +359,52 @@ def block(value: Block) -> pb.Block:
 def block_state(value: pb.BlockState.ValueType) -> BlockState | None:
     """Unset means any state."""
     return _BLOCK_STATE_VALUES.get(value)
+
+
+def reclaim_tier(value: pb.ReclaimTier.ValueType) -> Tier | None:
+    """The tier a request names (None when unspecified)."""
+    return None if value == pb.RECLAIM_TIER_UNSPECIFIED else Tier(int(value))
+
+
+def _reservation_or_empty(key: tuple[str, str] | None) -> str:
+    return "" if key is None else names.reservation_name(*key)
+
+
+def reclaim_job(value: ReclaimJob) -> pb.ReclaimJob:
+    steps = []
+    for s in value.steps:
+        step = pb.ReclaimStep(
+            seq=s.seq,
+            tier=pb.ReclaimTier.Value(f"RECLAIM_TIER_{s.planned.tier.name}"),
+            reservation=_reservation_or_empty(s.planned.reservation),
+            expected_blocks=s.planned.gpu_blocks,
+            actual_blocks=-1 if s.actual_blocks is None else s.actual_blocks,
+            cpu_bytes=s.planned.cpu_bytes,
+            lossy=s.planned.lossy,
+            state=pb.ReclaimStepState.Value(f"RECLAIM_STEP_STATE_{s.state.value}"),
+            note=s.note or "",
+        )
+        if s.planned.block is not None:
+            step.block.CopyFrom(block_handle(BlockHandle(*s.planned.block)))
+        steps.append(step)
+    return pb.ReclaimJob(
+        name=names.reclaim_job_name(value.job_id),
+        request_id=value.request_id,
+        instance=names.instance_name(value.instance),
+        tenant="" if value.target.tenant is None else names.tenant_name(value.target.tenant),
+        target_blocks=value.target.target_blocks,
+        max_tier=pb.ReclaimTier.Value(f"RECLAIM_TIER_{value.target.max_tier.name}"),
+        dry_run=value.dry_run,
+        state=pb.ReclaimJobState.Value(f"RECLAIM_JOB_STATE_{value.state.value}"),
+        expected_blocks=value.expected_blocks,
+        actual_blocks=value.actual_blocks,
+        steps=steps,
+        excluded=[
+            pb.ReclaimExclusion(
+                reason=e.reason.value,
+                blocks=e.blocks,
+                reservation=_reservation_or_empty(e.reservation),
+            )
+            for e in value.excluded
+        ],
+    )

@@ -109,7 +109,8 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     pins = Pins(engine, settings.admission_limits)
     offboarding = Offboarding(engine, ledger, pins)
     inspection = Inspection(engine)
-    admin = AdminServicer(Catalog(engine), pins, offboarding, inspection)
+    reclaim = ReclaimJobs(engine)
+    admin = AdminServicer(Catalog(engine), pins, offboarding, inspection, reclaim)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -143,7 +144,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         termination,
         followers,
         metrics,
-        ReclaimJobs(engine),
+        reclaim,
         settings,
     )
     running = asyncio.create_task(maintenance.run(jobs, stop))

@@ -37,20 +37,24 @@ def parse_child(name: str, collection: str, field: str) -> tuple[str | None, Fie
     return (None, violation) if violation else (value, None)
 
 
-def tenant_id(name: str, field: str = "name") -> str:
-    value, violation = parse_child(name, "tenants", field)
+def _child_id(name: str, collection: str, field: str) -> str:
+    value, violation = parse_child(name, collection, field)
     if violation:
         raise invalid_request([violation])
     assert value is not None
     return value
+
+
+def tenant_id(name: str, field: str = "name") -> str:
+    return _child_id(name, "tenants", field)
 
 
 def instance_id(name: str, field: str = "name") -> str:
-    value, violation = parse_child(name, "instances", field)
-    if violation:
-        raise invalid_request([violation])
-    assert value is not None
-    return value
+    return _child_id(name, "instances", field)
+
+
+def reclaim_job_id(name: str, field: str = "name") -> str:
+    return _child_id(name, "reclaimJobs", field)
 
 
 def reservation_key(name: str, field: str = "name") -> tuple[str, str]:
@@ -80,6 +84,10 @@ def instance_name(instance: str) -> str:
 
 def namespace_name(namespace: str) -> str:
     return f"namespaces/{namespace}"
+
+
+def reclaim_job_name(job_id: str) -> str:
+    return f"reclaimJobs/{job_id}"
 
 
 def reservation_name(tenant: str, request_id: str) -> str:

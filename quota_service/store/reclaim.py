@@ -12,6 +12,7 @@ from sqlalchemy import RowMapping, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core.errors import not_found
+from quota_service.core.names import reclaim_job_name
 from quota_service.core.pagination import Page
 from quota_service.core.reclaim import (
     Exclusion,
@@ -282,7 +283,7 @@ class ReclaimJobs:
         async with self._engine.connect() as conn:
             row = (await conn.execute(_JOB, {"job_id": job_id})).mappings().first()
             if row is None:
-                raise not_found("reclaim job", job_id)
+                raise not_found("reclaim_job", reclaim_job_name(job_id))
             steps = (await conn.execute(_STEPS, {"job_id": job_id})).mappings().all()
         target = ReclaimTarget(row["target_blocks"], Tier[row["max_tier"]], row["tenant"])
         return ReclaimJob(
