@@ -6,7 +6,10 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 import sys
+import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -61,11 +64,13 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _enum_name(message: Message, field: str) -> str:
-    """`TENANT_STATE_ACTIVE` → `ACTIVE`: the value's name without its enum's prefix."""
+    """`TENANT_STATE_ACTIVE` → `ACTIVE`: the value's name without its enum's prefix
+    (the enum's name in upper snake case, as the proto style guide has it)."""
     descriptor = message.DESCRIPTOR.fields_by_name[field].enum_type
     assert descriptor is not None
     name = descriptor.values_by_number[getattr(message, field)].name
-    return name.split("_STATE_", 1)[-1]
+    prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", descriptor.name).upper() + "_"
+    return name.removeprefix(prefix)
 
 
 def _tenant_row(t: resources_pb2.Tenant) -> dict[str, object]:
@@ -143,6 +148,73 @@ def _register_instance(args: argparse.Namespace) -> int:
     return 0
 
 
+SIZE_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+POLL_SECONDS = 0.5
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '4096' (bytes) → bytes."""
+    match = re.fullmatch(r"(\d+)\s*([KMGT]iB|B)?", text.strip(), re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 4096)")
+    return int(match.group(1)) * SIZE_UNITS[(match.group(2) or "").upper()]
+
+
+def _step_row(step: resources_pb2.ReclaimStep) -> dict[str, object]:
+    handle = f"block {step.block.block_id}@{step.block.generation}"
+    return {
+        "step": step.seq,
+        "tier": _enum_name(step, "tier"),
+        "what": step.reservation or handle,
+        "expected": step.expected_blocks,
+        "actual": "-" if step.actual_blocks < 0 else step.actual_blocks,
+        "state": _enum_name(step, "state"),
+        "note": step.note,
+    }
+
+
+def _reclaim(args: argparse.Namespace) -> int:
+    """Plan a reclaim job, print the plan, and follow it until it has finished."""
+    request = admin_pb2.CreateReclaimJobRequest(
+        instance=f"instances/{args.instance}",
+        tenant=f"tenants/{args.tenant}" if args.tenant else "",
+        target_blocks=args.blocks or 0,
+        target_bytes=args.target or 0,
+        max_tier=resources_pb2.ReclaimTier.Value(f"RECLAIM_TIER_{args.max_tier.upper()}"),
+        dry_run=args.dry_run,
+        request_id=args.request_id or f"cli-{uuid.uuid4().hex}",
+    )
+    with grpc.insecure_channel(args.server) as channel:
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
+        job = stub.CreateReclaimJob(request)
+        if not args.json:
+            print(f"{job.name}: {job.expected_blocks} blocks planned of {job.target_blocks}")
+            _print_rows([_step_row(s) for s in job.steps])
+            for e in job.excluded:
+                print(f"not reclaimable: {e.blocks} blocks, {e.reason} {e.reservation}".rstrip())
+        finished = {
+            resources_pb2.RECLAIM_JOB_STATE_SUCCEEDED,
+            resources_pb2.RECLAIM_JOB_STATE_FAILED,
+            resources_pb2.RECLAIM_JOB_STATE_CANCELLED,
+        }
+        while job.state not in finished:
+            time.sleep(POLL_SECONDS)
+            job = stub.GetReclaimJob(admin_pb2.GetReclaimJobRequest(name=job.name))
+            done = sum(s.actual_blocks >= 0 for s in job.steps)
+            print(
+                f"{done}/{len(job.steps)} steps, {job.actual_blocks} blocks back", file=sys.stderr
+            )
+    if args.json:
+        print(json.dumps(MessageToDict(job), indent=2))
+    elif not job.dry_run:
+        state = _enum_name(job, "state")
+        print(f"{state}: {job.actual_blocks} of {job.expected_blocks} expected blocks back")
+        differences = [s for s in job.steps if 0 <= s.actual_blocks != s.expected_blocks]
+        if differences:
+            _print_rows([_step_row(s) for s in differences])
+    return 0
+
+
 def _print_rows(rows: list[dict[str, object]]) -> None:
     columns = list(rows[0]) if rows else ["name"]
     widths = {c: max([len(c), *(len(str(r[c])) for r in rows)]) for c in columns}
@@ -177,6 +249,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     register.add_argument("--max-model-len", type=int, help="default: the engine's")
     register.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
     register.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    reclaim = commands.add_parser("reclaim", help="take KV memory back, tier by tier")
+    reclaim.add_argument("--instance", required=True, help="the instance id, e.g. gpu-0")
+    reclaim.add_argument("--tenant", help="only what this tenant holds (default: everything)")
+    target = reclaim.add_mutually_exclusive_group(required=True)
+    target.add_argument("--target", type=parse_size, help="bytes to take back, e.g. 2GiB")
+    target.add_argument("--blocks", type=int, help="blocks to take back")
+    reclaim.add_argument(
+        "--max-tier",
+        default="free",
+        choices=["free", "offload", "compress", "evict"],
+        help="the highest tier allowed (default: free)",
+    )
+    reclaim.add_argument("--dry-run", action="store_true", help="plan only")
+    reclaim.add_argument("--request-id", help="idempotency key (default: a new one)")
+    reclaim.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
+    reclaim.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -191,8 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(settings, args)
     if args.command == "migrate":
         return _migrate(settings, args)
+    commands_over_grpc = {"instance": _register_instance, "reclaim": _reclaim}
     try:
-        return _register_instance(args) if args.command == "instance" else _list(args)
+        return commands_over_grpc.get(args.command, _list)(args)
     except grpc.RpcError as exc:
         print(f"kvquota: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

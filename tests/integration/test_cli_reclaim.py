@@ -1,0 +1,70 @@
+"""`kvquota reclaim`: the plan as a table, progress while it runs, the result."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from dataclasses import replace
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.api import server
+from quota_service.cli import main as cli_main
+from quota_service.cli import parse_size
+from quota_service.config import Settings
+from quota_service.core.model import EndReason
+from quota_service.store.ledger import Ledger
+from tests.integration.ledger_fixtures import add_instance, add_tenant, request
+
+
+def test_sizes() -> None:
+    assert [parse_size(s) for s in ("2GiB", "512 MiB", "4096", "1kib", "7B")] == [
+        2 << 30,
+        512 << 20,
+        4096,
+        1024,
+        7,
+    ]
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size("2GB")  # decimal units are ambiguous next to GiB: refused
+
+
+async def test_reclaim_prints_the_plan_and_the_result(
+    engine: AsyncEngine,
+    settings: Settings,
+    database_url: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    await add_instance(engine, blocks=32)
+    await add_tenant(engine, "acme")
+    ledger = Ledger(engine, settings.admission_limits)
+    tokens = tuple(range(64))
+    await ledger.admit(replace(request("r", len(tokens), 1), prompt_token_ids=tokens))
+    await ledger.end("acme", "r", EndReason.RELEASED, 1)
+    running = await server.start(settings, database_url)
+    address = f"127.0.0.1:{running.port}"
+    try:
+        plan_only = ["reclaim", "--instance", "gpu-0", "--blocks", "3", "--server", address]
+        assert await asyncio.to_thread(cli_main, [*plan_only, "--dry-run"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].endswith(": 3 blocks planned of 3")
+        assert out[1].split() == ["STEP", "TIER", "WHAT", "EXPECTED", "ACTUAL", "STATE", "NOTE"]
+        assert [line.split()[1] for line in out[2:5]] == ["FREE"] * 3
+        run = ["reclaim", "--instance", "gpu-0", "--blocks", "10", "--server", address]
+        assert await asyncio.to_thread(cli_main, run) == 0
+        captured = capsys.readouterr()
+        assert "not reclaimable" not in captured.out  # only cached blocks here, all taken
+        assert captured.out.splitlines()[-1] == "SUCCEEDED: 4 of 4 expected blocks back"
+        assert "4/4 steps, 4 blocks back" in captured.err  # progress while it ran
+        tenant_scope = [*run, "--tenant", "acme", "--json", "--max-tier", "evict", "--dry-run"]
+        assert await asyncio.to_thread(cli_main, tenant_scope) == 0
+        job = json.loads(capsys.readouterr().out)
+        # acme has nothing cached any more and nothing running: an empty plan (zeros are omitted).
+        assert (job["state"], job.get("expectedBlocks")) == ("RECLAIM_JOB_STATE_SUCCEEDED", None)
+        bad = ["reclaim", "--instance", "gpu-0", "--blocks", "1", "--max-tier", "evict"]
+        assert await asyncio.to_thread(cli_main, [*bad, "--server", address]) == 1
+        assert "FAILED_PRECONDITION: reclaim up to EVICT" in capsys.readouterr().err
+    finally:
+        await running.stop(0)
