@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import RowMapping, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from quota_service.core.errors import not_found
+from quota_service.core.errors import Code, KvQuotaError, not_found
 from quota_service.core.names import reclaim_job_name
 from quota_service.core.pagination import Page
 from quota_service.core.reclaim import (
@@ -235,6 +235,21 @@ def _job_step(row: RowMapping) -> JobStep:
     return JobStep(row["seq"], planned, StepState(row["state"]), row["actual_blocks"], row["note"])
 
 
+def _same_request(
+    job: ReclaimJob, instance: str, target: ReclaimTarget, dry_run: bool
+) -> ReclaimJob:
+    """A repeated request_id returns its job only when it asks for the same thing."""
+    if (job.instance, job.target, job.dry_run) != (instance, target, dry_run):
+        raise KvQuotaError(
+            Code.ALREADY_EXISTS,
+            "REQUEST_ID_REUSED",
+            f"request_id {job.request_id!r} already created {reclaim_job_name(job.job_id)} "
+            "with different parameters",
+            metadata={"requestId": job.request_id, "name": reclaim_job_name(job.job_id)},
+        )
+    return job
+
+
 class ReclaimJobs:
     """Reclaim jobs: planned from a snapshot, stored step by step, executed by any replica."""
 
@@ -249,7 +264,7 @@ class ReclaimJobs:
         async with self._engine.connect() as conn:
             existing = (await conn.execute(_JOB_BY_REQUEST, {"request_id": request_id})).first()
         if existing is not None:
-            return await self.get(existing[0])
+            return _same_request(await self.get(existing[0]), instance, target, dry_run)
         result = plan(await load_snapshot(self._engine, instance), target)
         job_id = f"reclaim-{secrets.token_hex(8)}"
 
@@ -277,7 +292,8 @@ class ReclaimJobs:
                 await conn.execute(_INSERT_STEPS, {"job_id": job_id, "steps": json.dumps(steps)})
             return job_id
 
-        return await self.get(await in_transaction(self._engine, work))
+        job = await self.get(await in_transaction(self._engine, work))
+        return _same_request(job, instance, target, dry_run)
 
     async def get(self, job_id: str) -> ReclaimJob:
         async with self._engine.connect() as conn:

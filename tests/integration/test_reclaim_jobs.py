@@ -198,3 +198,6 @@ async def test_bad_jobs_are_refused_and_change_nothing(
     # Planning EVICT is fine; a repeat of the request id returns the same job.
     planned = await jobs.create("plan", "gpu-0", ReclaimTarget(4, Tier.EVICT), dry_run=True)
     assert await jobs.create("plan", "gpu-0", ReclaimTarget(4, Tier.EVICT), dry_run=True) == planned
+    with pytest.raises(KvQuotaError) as reused:
+        await jobs.create("plan", "gpu-0", ReclaimTarget(5, Tier.EVICT), dry_run=True)
+    assert (reused.value.code, reused.value.reason) == (Code.ALREADY_EXISTS, "REQUEST_ID_REUSED")
