@@ -363,7 +363,9 @@ def block_state(value: pb.BlockState.ValueType) -> BlockState | None:
 
 def reclaim_tier(value: pb.ReclaimTier.ValueType) -> Tier | None:
     """The tier a request names (None when unspecified)."""
-    return None if value == pb.RECLAIM_TIER_UNSPECIFIED else Tier(int(value))
+    # Proto enums are open: a number this server does not know is no tier either.
+    known = {t.value for t in Tier}
+    return Tier(int(value)) if int(value) in known else None
 
 
 def _reservation_or_empty(key: tuple[str, str] | None) -> str:

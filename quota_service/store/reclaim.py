@@ -148,6 +148,8 @@ _NEXT_STEP = text(
     """
 )
 
+_LOCK_JOB = text("SELECT 1 FROM reclaim_jobs WHERE job_id = :job_id FOR UPDATE")
+
 _FREE_BLOCK = text(
     blocks.drop_contents(
         "SELECT block_id, state, content_hash FROM blocks WHERE instance = :instance "
@@ -265,6 +267,8 @@ class ReclaimJobs:
             existing = (await conn.execute(_JOB_BY_REQUEST, {"request_id": request_id})).first()
         if existing is not None:
             return _same_request(await self.get(existing[0]), instance, target, dry_run)
+        if target.tenant is not None:
+            await Catalog(self._engine).get_tenant(target.tenant)  # NOT_FOUND for no tenant
         result = plan(await load_snapshot(self._engine, instance), target)
         job_id = f"reclaim-{secrets.token_hex(8)}"
 
@@ -332,6 +336,9 @@ class ReclaimJobs:
         leaves it planned, never half-applied); False, and the job finished, when none is left."""
 
         async def work(conn: AsyncConnection) -> bool:
+            # The job row first: a cancel that commits while a step is claimed must not see
+            # that step applied after it returned.
+            await conn.execute(_LOCK_JOB, {"job_id": job_id})
             step = (await conn.execute(_NEXT_STEP, {"job_id": job_id})).mappings().first()
             if step is None:
                 await conn.execute(_FINISH, {"job_id": job_id})

@@ -91,6 +91,15 @@ async def test_reclaim_jobs_over_grpc(gateway: Gateway, admin: Admin) -> None:
     violations = no_tier.details["BadRequest"]
     assert isinstance(violations, error_details_pb2.BadRequest)
     assert [v.field for v in violations.field_violations] == ["max_tier"]
+    # Proto enums are open: a tier number from a newer client is refused, not an INTERNAL.
+    unknown_tier = await refused(
+        admin.CreateReclaimJob(reclaim("future", target_blocks=1, max_tier=7))
+    )
+    assert unknown_tier.code == grpc.StatusCode.INVALID_ARGUMENT
+    nobody = await refused(
+        admin.CreateReclaimJob(reclaim("nobody", target_blocks=1, tenant="tenants/nobody"))
+    )
+    assert (nobody.code, nobody.reason) == (grpc.StatusCode.NOT_FOUND, "TENANT_NOT_FOUND")
     missing = await refused(
         admin.GetReclaimJob(admin_pb2.GetReclaimJobRequest(name="reclaimJobs/nope"))
     )

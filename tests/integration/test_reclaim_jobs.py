@@ -176,6 +176,29 @@ async def test_a_cancelled_job_keeps_what_it_applied_and_runs_nothing_more(
     await assert_invariants(engine)
 
 
+async def test_nothing_is_applied_after_a_cancel_returns(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """Executors racing a cancel: the job the cancel returns is the job's final state."""
+    await cached_pool(engine, settings, 32)
+    jobs = ReclaimJobs(engine)
+    job = await jobs.create("race", "gpu-0", ReclaimTarget(32, Tier.FREE), dry_run=False)
+
+    async def executor() -> None:
+        while await jobs.run_step(job.job_id):
+            pass
+
+    executors = [asyncio.create_task(executor()) for _ in range(4)]
+    await asyncio.sleep(0.05)
+    cancelled = await jobs.cancel(job.job_id)
+    await asyncio.gather(*executors)
+    final = await jobs.get(job.job_id)
+    assert final == cancelled
+    if final.state is JobState.CANCELLED:  # else all 32 steps beat the cancel
+        assert final.actual_blocks < 32
+    await assert_invariants(engine)
+
+
 async def test_bad_jobs_are_refused_and_change_nothing(
     engine: AsyncEngine, settings: Settings
 ) -> None:
