@@ -63,6 +63,12 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _as_dict(message: Message) -> dict[str, object]:
+    """Proto JSON, zeros and empty fields included: a script reading `expectedBlocks` should
+    find 0 there, not nothing."""
+    return MessageToDict(message, always_print_fields_with_no_presence=True)
+
+
 def _enum_name(message: Message, field: str) -> str:
     """`TENANT_STATE_ACTIVE` → `ACTIVE`: the value's name without its enum's prefix
     (the enum's name in upper snake case, as the proto style guide has it)."""
@@ -120,7 +126,7 @@ def _list(args: argparse.Namespace) -> int:
             if not token:
                 break
     if args.json:
-        print(json.dumps([MessageToDict(m) for m in messages], indent=2))
+        print(json.dumps([_as_dict(m) for m in messages], indent=2))
     else:
         _print_rows(rows)
     return 0
@@ -142,7 +148,7 @@ def _register_instance(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.server) as channel:
         instance = admin_pb2_grpc.AdminServiceStub(channel).RegisterInstance(request, timeout=60)
     if args.json:
-        print(json.dumps(MessageToDict(instance), indent=2))
+        print(json.dumps(_as_dict(instance), indent=2))
     else:
         _print_rows([_instance_row(instance)])
     return 0
@@ -205,7 +211,7 @@ def _reclaim(args: argparse.Namespace) -> int:
                 f"{done}/{len(job.steps)} steps, {job.actual_blocks} blocks back", file=sys.stderr
             )
     if args.json:
-        print(json.dumps(MessageToDict(job), indent=2))
+        print(json.dumps(_as_dict(job), indent=2))
     elif not job.dry_run:
         state = _enum_name(job, "state")
         print(f"{state}: {job.actual_blocks} of {job.expected_blocks} expected blocks back")

@@ -61,8 +61,12 @@ async def test_reclaim_prints_the_plan_and_the_result(
         tenant_scope = [*run, "--tenant", "acme", "--json", "--max-tier", "evict", "--dry-run"]
         assert await asyncio.to_thread(cli_main, tenant_scope) == 0
         job = json.loads(capsys.readouterr().out)
-        # acme has nothing cached any more and nothing running: an empty plan (zeros are omitted).
-        assert (job["state"], job.get("expectedBlocks")) == ("RECLAIM_JOB_STATE_SUCCEEDED", None)
+        # acme has nothing cached any more and nothing running: an empty plan.
+        assert (job["state"], job["expectedBlocks"], job["steps"]) == (
+            "RECLAIM_JOB_STATE_SUCCEEDED",
+            "0",
+            [],
+        )
         bad = ["reclaim", "--instance", "gpu-0", "--blocks", "1", "--max-tier", "evict"]
         assert await asyncio.to_thread(cli_main, [*bad, "--server", address]) == 1
         assert "FAILED_PRECONDITION: reclaim up to EVICT" in capsys.readouterr().err
