@@ -8,7 +8,7 @@ import json
 import secrets
 from typing import Any
 
-from sqlalchemy import RowMapping, text
+from sqlalchemy import RowMapping, TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core.errors import Code, KvQuotaError, not_found
@@ -134,8 +134,10 @@ _INSERT_STEPS = text(
 )
 
 _JOB = text("SELECT * FROM reclaim_jobs WHERE job_id = :job_id")
+_STEPS_OF = text(
+    "SELECT * FROM reclaim_steps WHERE job_id = ANY (CAST(:job_ids AS text[])) ORDER BY job_id, seq"
+)
 _JOB_BY_REQUEST = text("SELECT job_id FROM reclaim_jobs WHERE request_id = :request_id")
-_STEPS = text("SELECT * FROM reclaim_steps WHERE job_id = :job_id ORDER BY seq")
 
 # The next planned step of a running job, claimed so that replicas work on different steps.
 _NEXT_STEP = text(
@@ -184,7 +186,7 @@ _CANCEL = text(
 )
 
 _LIST_JOBS = text(
-    "SELECT job_id FROM reclaim_jobs WHERE job_id > :after "
+    "SELECT * FROM reclaim_jobs WHERE job_id > :after "
     "AND (CAST(:instance AS text) IS NULL OR instance = :instance) ORDER BY job_id LIMIT :size"
 )
 
@@ -235,6 +237,33 @@ def _job_step(row: RowMapping) -> JobStep:
     tier, expected = Tier[row["tier"]], row["expected_blocks"]
     planned = PlannedStep(tier, block, reservation, expected, row["cpu_bytes"], row["lossy"])
     return JobStep(row["seq"], planned, StepState(row["state"]), row["actual_blocks"], row["note"])
+
+
+async def _load_jobs(
+    conn: AsyncConnection, jobs: TextClause, args: dict[str, object]
+) -> list[ReclaimJob]:
+    """The jobs `jobs` selects, in its order, with their steps: two queries for any number."""
+    rows = (await conn.execute(jobs, args)).mappings().all()
+    if not rows:
+        return []
+    steps: dict[str, list[JobStep]] = {row["job_id"]: [] for row in rows}
+    job_ids = list(steps)
+    for step in (await conn.execute(_STEPS_OF, {"job_ids": job_ids})).mappings():
+        steps[step["job_id"]].append(_job_step(step))
+    return [
+        ReclaimJob(
+            row["job_id"],
+            row["request_id"],
+            row["instance"],
+            ReclaimTarget(row["target_blocks"], Tier[row["max_tier"]], row["tenant"]),
+            row["dry_run"],
+            JobState(row["state"]),
+            row["expected_blocks"],
+            tuple(_exclusion(e) for e in row["excluded"]),
+            tuple(steps[row["job_id"]]),
+        )
+        for row in rows
+    ]
 
 
 def _same_request(
@@ -301,22 +330,10 @@ class ReclaimJobs:
 
     async def get(self, job_id: str) -> ReclaimJob:
         async with self._engine.connect() as conn:
-            row = (await conn.execute(_JOB, {"job_id": job_id})).mappings().first()
-            if row is None:
-                raise not_found("reclaim_job", reclaim_job_name(job_id))
-            steps = (await conn.execute(_STEPS, {"job_id": job_id})).mappings().all()
-        target = ReclaimTarget(row["target_blocks"], Tier[row["max_tier"]], row["tenant"])
-        return ReclaimJob(
-            row["job_id"],
-            row["request_id"],
-            row["instance"],
-            target,
-            row["dry_run"],
-            JobState(row["state"]),
-            row["expected_blocks"],
-            tuple(_exclusion(e) for e in row["excluded"]),
-            tuple(_job_step(s) for s in steps),
-        )
+            found = await _load_jobs(conn, _JOB, {"job_id": job_id})
+        if not found:
+            raise not_found("reclaim_job", reclaim_job_name(job_id))
+        return found[0]
 
     async def cancel(self, job_id: str) -> ReclaimJob:
         """Stop a job: steps applied stay applied, the others are never run. Cancelling a
@@ -326,10 +343,9 @@ class ReclaimJobs:
         return await self.get(job_id)
 
     async def list_jobs(self, page: Page, instance: str | None = None) -> list[ReclaimJob]:
+        args = {"after": page.after or "", "size": page.size, "instance": instance}
         async with self._engine.connect() as conn:
-            args = {"after": page.after or "", "size": page.size, "instance": instance}
-            job_ids = (await conn.execute(_LIST_JOBS, args)).scalars().all()
-        return [await self.get(job_id) for job_id in job_ids]
+            return await _load_jobs(conn, _LIST_JOBS, args)
 
     async def run_step(self, job_id: str) -> bool:
         """Apply the job's next planned step in one transaction with its bookkeeping (a crash
