@@ -210,6 +210,8 @@ class _EndReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EndReason.V
     """The engine restarted under it; its work was lost."""
     END_REASON_ENGINE_UNREACHABLE: _EndReason.ValueType  # 7
     """Its engine could not be reached to abort it within the hard timeout."""
+    END_REASON_PREEMPTED: _EndReason.ValueType  # 8
+    """A reclaim job's EVICT step preempted it: the engine aborted it, its blocks came back."""
 
 class EndReason(_EndReason, metaclass=_EndReasonEnumTypeWrapper): ...
 
@@ -228,6 +230,8 @@ END_REASON_ENGINE_RESTARTED: EndReason.ValueType  # 6
 """The engine restarted under it; its work was lost."""
 END_REASON_ENGINE_UNREACHABLE: EndReason.ValueType  # 7
 """Its engine could not be reached to abort it within the hard timeout."""
+END_REASON_PREEMPTED: EndReason.ValueType  # 8
+"""A reclaim job's EVICT step preempted it: the engine aborted it, its blocks came back."""
 Global___EndReason: _TypeAlias = EndReason  # noqa: Y015
 
 class _ReclaimTier:

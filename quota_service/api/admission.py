@@ -15,7 +15,7 @@ from quota_service.api import convert
 from quota_service.api.waiting import Waiters
 from quota_service.core import queueing
 from quota_service.core.block_table import BlockHandle
-from quota_service.core.errors import FieldViolation, invalid_request
+from quota_service.core.errors import FieldViolation, invalid_request, preempted
 from quota_service.core.model import EndReason, Reservation, ReservationState
 from quota_service.core.names import reservation_key, reservation_name
 from quota_service.jobs.termination import Termination
@@ -89,6 +89,9 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
             if seen != last:
                 yield convert.reservation(current)
                 last = seen
+            if current.end_reason is EndReason.PREEMPTED:
+                # The stream ends as the error table says, after the caller saw the end.
+                raise preempted(request.name)
             if current.state is ReservationState.ENDED:
                 return
             await self._waiters.next_change(key, float("inf"))

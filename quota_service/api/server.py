@@ -24,6 +24,7 @@ from quota_service.jobs import maintenance
 from quota_service.jobs.dispatcher import Dispatcher
 from quota_service.jobs.follower import Followers
 from quota_service.jobs.metrics import InstanceMetrics, serve_metrics
+from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
 from quota_service.store import migrate
 from quota_service.store.catalog import Catalog
@@ -144,7 +145,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         termination,
         followers,
         metrics,
-        reclaim,
+        ReclaimExecutor(reclaim, termination),
         settings,
     )
     running = asyncio.create_task(maintenance.run(jobs, stop))

@@ -82,3 +82,12 @@ def already_exists(kind: str, name: str) -> KvQuotaError:
         f"{name} already exists",
         metadata={"name": name},
     )
+
+
+def preempted(name: str) -> KvQuotaError:
+    return KvQuotaError(
+        Code.ABORTED,
+        "PREEMPTED",
+        f"{name} was preempted to reclaim KV memory; admit the request again",
+        metadata={"name": name},
+    )

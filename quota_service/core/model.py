@@ -41,6 +41,8 @@ class EndReason(enum.Enum):
     ENGINE_RESTARTED = "ENGINE_RESTARTED"
     # Its engine could not be reached to abort it within the hard timeout.
     ENGINE_UNREACHABLE = "ENGINE_UNREACHABLE"
+    # A reclaim job's EVICT step preempted it: the engine aborted it and its blocks came back.
+    PREEMPTED = "PREEMPTED"
 
 
 @dataclass(frozen=True, slots=True)

@@ -274,9 +274,18 @@ class StepState(enum.Enum):
     FAILED = "FAILED"
 
 
-# The tiers a job may execute today; higher ones can be planned (dry_run) but not run until
-# SuspendReservation, the LMCache driver and preemption exist.
-EXECUTABLE_TIERS = frozenset({Tier.FREE})
+# The tiers a job may execute today; a plan with steps of another tier can be made (dry_run)
+# but not run until SuspendReservation and the LMCache driver exist.
+EXECUTABLE_TIERS = frozenset({Tier.FREE, Tier.EVICT})
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """An EVICT step's reservation still runs: the engine must abort it before the step can
+    be applied."""
+
+    tenant: str
+    request_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,14 +323,18 @@ class ReclaimJob:
         )
 
 
-def check_executable(target: ReclaimTarget, dry_run: bool) -> None:
+def check_target(target: ReclaimTarget) -> None:
     if target.target_blocks <= 0:
         raise invalid_request([FieldViolation("target", "must be a positive number of blocks")])
-    if not dry_run and target.max_tier not in EXECUTABLE_TIERS:
+
+
+def check_executable(result: ReclaimPlan) -> None:
+    tiers = sorted({s.tier for s in result.steps} - EXECUTABLE_TIERS)
+    if tiers:
         raise KvQuotaError(
             Code.FAILED_PRECONDITION,
             "TIER_NOT_EXECUTABLE",
-            f"reclaim up to {target.max_tier.name} can be planned (dry_run) but not executed yet; "
-            "FREE can",
-            metadata={"maxTier": target.max_tier.name},
+            f"the plan needs {', '.join(t.name for t in tiers)}, which can be planned (dry_run) "
+            "but not executed yet",
+            metadata={"tiers": ",".join(t.name for t in tiers)},
         )

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from quota_service.config import Settings
 from quota_service.jobs.follower import Followers
 from quota_service.jobs.metrics import InstanceMetrics
+from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import Offboarding
-from quota_service.store.reclaim import ReclaimJobs
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class Maintenance:
     termination: Termination
     followers: Followers
     metrics: InstanceMetrics
-    reclaim: ReclaimJobs
+    reclaim: ReclaimExecutor
     settings: Settings
 
     async def reap_leases(self) -> int:

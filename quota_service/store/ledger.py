@@ -20,7 +20,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from quota_service.core import admission, block_table, geometry, queueing
 from quota_service.core.admission import AdmissionLimits, AdmissionPlan, AdmitRequest, Shortfall
 from quota_service.core.block_table import BlockHandle, CachedBlock
-from quota_service.core.errors import Code, KvQuotaError, invalid_request, not_found
+from quota_service.core.errors import (
+    Code,
+    KvQuotaError,
+    invalid_request,
+    not_found,
+    preempted,
+)
 from quota_service.core.hashing import HashAlgo
 from quota_service.core.model import (
     EndReason,
@@ -305,9 +311,18 @@ _END_RESERVATION = text(
         WHERE t.tenant = e.tenant
     )
     SELECT request_id, {blocks.NOTIFY_RELEASED},
-           pg_notify('kvquota_events', 'changed:' || tenant || '/' || request_id)
+           pg_notify('kvquota_events', 'changed:' || tenant || '/' || request_id),
+           (SELECT count(*) FROM transitions
+            WHERE state IN ('FREE', 'CACHED') AND state_before NOT IN ('FREE', 'CACHED'))
+           AS freed_blocks
     FROM ended
     """
+)
+
+# A statement may update a row only once, so what an end freed is recorded by a second one.
+_RECORD_FREED = text(
+    "UPDATE reservations SET freed_blocks = :freed "
+    "WHERE tenant = :tenant AND request_id = :request_id"
 )
 
 _RELEASE_BLOCKS = text(
@@ -794,7 +809,10 @@ class Ledger:
                     # Only work that ran to its end says how long requests really hold blocks.
                     "observed": reason is EndReason.RELEASED,
                 }
-                await conn.execute(_END_RESERVATION, params)
+                ended = (await conn.execute(_END_RESERVATION, params)).mappings().first()
+                if ended is not None and reason is EndReason.PREEMPTED:
+                    keys = {"tenant": tenant, "request_id": request_id}
+                    await conn.execute(_RECORD_FREED, {**keys, "freed": ended["freed_blocks"]})
             return await self._get(conn, tenant, request_id)
 
         return await in_transaction(self._engine, work)
@@ -858,6 +876,8 @@ class Ledger:
             if current.state is ReservationState.QUEUED:
                 return current  # no lease yet: its wait budget is what bounds it
             name = reservation_name(tenant, request_id)
+            if current.end_reason is EndReason.PREEMPTED:
+                raise preempted(name)
             if current.state is ReservationState.ADMITTED or (
                 current.end_reason is EndReason.LEASE_EXPIRED
             ):

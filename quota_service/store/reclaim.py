@@ -12,6 +12,7 @@ from sqlalchemy import RowMapping, TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core.errors import Code, KvQuotaError, not_found
+from quota_service.core.model import EndReason, ReservationState
 from quota_service.core.names import reclaim_job_name
 from quota_service.core.pagination import Page
 from quota_service.core.reclaim import (
@@ -22,6 +23,7 @@ from quota_service.core.reclaim import (
     LiveReservation,
     PlannedStep,
     PoolSnapshot,
+    Preemption,
     ReclaimJob,
     ReclaimTarget,
     StepState,
@@ -29,6 +31,7 @@ from quota_service.core.reclaim import (
     Unreclaimable,
     UnreferencedBlock,
     check_executable,
+    check_target,
     plan,
 )
 from quota_service.store import blocks
@@ -142,7 +145,7 @@ _JOB_BY_REQUEST = text("SELECT job_id FROM reclaim_jobs WHERE request_id = :requ
 # The next planned step of a running job, claimed so that replicas work on different steps.
 _NEXT_STEP = text(
     """
-    SELECT j.instance, s.seq, s.tier, s.block_id, s.generation
+    SELECT j.instance, s.seq, s.tier, s.block_id, s.generation, s.tenant, s.request_id
     FROM reclaim_steps s JOIN reclaim_jobs j USING (job_id)
     WHERE s.job_id = :job_id AND s.state = 'PLANNED' AND j.state IN ('PLANNED', 'RUNNING')
     ORDER BY s.seq LIMIT 1
@@ -158,6 +161,11 @@ _FREE_BLOCK = text(
         "AND block_id = :block_id AND generation = :generation AND state = 'CACHED'",
         "RECLAIMED",
     )
+)
+
+_RESERVATION_END = text(
+    "SELECT state, end_reason, freed_blocks FROM reservations "
+    "WHERE tenant = :tenant AND request_id = :request_id"
 )
 
 _STEP_DONE = text(
@@ -196,6 +204,11 @@ _OPEN_JOBS = text(
 )
 
 CHANGED_SINCE_PLAN = "the block was reused or evicted since the plan"
+GONE_SINCE_PLAN = "the reservation no longer exists"
+
+
+def ended_before_preemption(reason: str) -> str:
+    return f"the reservation ended ({reason}) before it was preempted"
 
 
 def _step_json(seq: int, step: PlannedStep) -> dict[str, object]:
@@ -291,7 +304,7 @@ class ReclaimJobs:
         self, request_id: str, instance: str, target: ReclaimTarget, dry_run: bool
     ) -> ReclaimJob:
         """Plan and store a job; a repeat of `request_id` returns the job it created."""
-        check_executable(target, dry_run)
+        check_target(target)
         async with self._engine.connect() as conn:
             existing = (await conn.execute(_JOB_BY_REQUEST, {"request_id": request_id})).first()
         if existing is not None:
@@ -299,6 +312,8 @@ class ReclaimJobs:
         if target.tenant is not None:
             await Catalog(self._engine).get_tenant(target.tenant)  # NOT_FOUND for no tenant
         result = plan(await load_snapshot(self._engine, instance), target)
+        if not dry_run:
+            check_executable(result)
         job_id = f"reclaim-{secrets.token_hex(8)}"
 
         async def work(conn: AsyncConnection) -> str:
@@ -347,11 +362,13 @@ class ReclaimJobs:
         async with self._engine.connect() as conn:
             return await _load_jobs(conn, _LIST_JOBS, args)
 
-    async def run_step(self, job_id: str) -> bool:
+    async def run_step(self, job_id: str) -> bool | Preemption:
         """Apply the job's next planned step in one transaction with its bookkeeping (a crash
-        leaves it planned, never half-applied); False, and the job finished, when none is left."""
+        leaves it planned, never half-applied). True: a step was applied (or skipped, with
+        its reason); False: none is left and the job is finished; a Preemption: the step's
+        reservation still runs, and nothing changed — the engine must abort it first."""
 
-        async def work(conn: AsyncConnection) -> bool:
+        async def work(conn: AsyncConnection) -> bool | Preemption:
             # The job row first: a cancel that commits while a step is claimed must not see
             # that step applied after it returned.
             await conn.execute(_LOCK_JOB, {"job_id": job_id})
@@ -359,42 +376,61 @@ class ReclaimJobs:
             if step is None:
                 await conn.execute(_FINISH, {"job_id": job_id})
                 return False
-            await conn.execute(blocks.LOCK_INSTANCE, {"instance": step["instance"]})
-            freed = (
-                (
-                    await conn.execute(
-                        _FREE_BLOCK,
-                        {
-                            "instance": step["instance"],
-                            "block_id": step["block_id"],
-                            "generation": step["generation"],
-                        },
-                    )
-                )
-                .mappings()
-                .one()["freed"]
-            )
+            outcome: _StepResult | Preemption
+            if step["tier"] == Tier.FREE.name:
+                outcome = await _free_block(conn, step)
+            else:
+                outcome = await _preempted(conn, step)
+            if isinstance(outcome, Preemption):
+                return outcome
+            actual, note = outcome
+            state = StepState.APPLIED if note is None else StepState.SKIPPED
             await conn.execute(
                 _STEP_DONE,
                 {
                     "job_id": job_id,
                     "seq": step["seq"],
-                    "state": (StepState.APPLIED if freed else StepState.SKIPPED).value,
-                    "actual": freed,
-                    "note": None if freed else CHANGED_SINCE_PLAN,
+                    "state": state.value,
+                    "actual": actual,
+                    "note": note,
                 },
             )
             return True
 
         return await in_transaction(self._engine, work)
 
-    async def run_open(self, budget: int) -> int:
-        """Apply up to `budget` steps of open jobs, oldest job first (every replica's
-        maintenance loop calls this; steps are claimed, so replicas share the work)."""
+    async def open_jobs(self, limit: int) -> list[str]:
+        """Jobs still to execute, oldest first."""
         async with self._engine.connect() as conn:
-            open_jobs = (await conn.execute(_OPEN_JOBS, {"limit": budget})).scalars().all()
-        applied = 0
-        for job_id in open_jobs:
-            while applied < budget and await self.run_step(job_id):
-                applied += 1
-        return applied
+            return list((await conn.execute(_OPEN_JOBS, {"limit": limit})).scalars().all())
+
+
+# What a step gave back, and why not what was planned (None: applied as planned).
+_StepResult = tuple[int, str | None]
+
+
+async def _free_block(conn: AsyncConnection, step: RowMapping) -> _StepResult:
+    """FREE: drop the cached block's contents, unless it was reused or evicted meanwhile."""
+    await conn.execute(blocks.LOCK_INSTANCE, {"instance": step["instance"]})
+    args = {
+        "instance": step["instance"],
+        "block_id": step["block_id"],
+        "generation": step["generation"],
+    }
+    freed = int((await conn.execute(_FREE_BLOCK, args)).mappings().one()["freed"])
+    return freed, None if freed else CHANGED_SINCE_PLAN
+
+
+async def _preempted(
+    conn: AsyncConnection, step: RowMapping
+) -> tuple[int, str | None] | Preemption:
+    """EVICT: done once the reservation ended preempted (with the blocks its end freed)."""
+    keys = {"tenant": step["tenant"], "request_id": step["request_id"]}
+    row = (await conn.execute(_RESERVATION_END, keys)).mappings().first()
+    if row is None:
+        return 0, GONE_SINCE_PLAN
+    if row["state"] != ReservationState.ENDED.value:
+        return Preemption(step["tenant"], step["request_id"])
+    if row["end_reason"] != EndReason.PREEMPTED.value:
+        return 0, ended_before_preemption(row["end_reason"])
+    return int(row["freed_blocks"] or 0), None

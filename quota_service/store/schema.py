@@ -224,6 +224,9 @@ class ReservationRow(Base):
     # yet, when that was first asked and the reason it will end with.
     abort_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     abort_reason: Mapped[str | None] = mapped_column(String(32))
+    # When a reclaim ended it: how many blocks its end gave back (its last references), which
+    # the reclaim step reports as what it really freed.
+    freed_blocks: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (
         CheckConstraint("state IN ('QUEUED', 'ADMITTED', 'ENDED')", name="state"),

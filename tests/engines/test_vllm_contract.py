@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -24,12 +25,15 @@ from quota_service.core.model import (
     ReservationState,
     TenantQuota,
 )
+from quota_service.core.reclaim import JobState, ReclaimTarget, Tier
 from quota_service.engine.vllm.events import BlockStored
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
+from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
+from quota_service.store.reclaim import ReclaimJobs
 from tests.engines.conftest import BLOCK_SIZE, MAX_MODEL_LEN, NUM_GPU_BLOCKS, ROOT, Engine
 
 # Tokens a generation asks for when it must still be running when an abort arrives.
@@ -199,8 +203,52 @@ async def test_register_from_the_engine_and_release_only_after_the_abort(
 ) -> None:
     """The instance is registered from what the engine reports; cancelling a reservation aborts
     its generation in vLLM and only then gives its blocks back."""
+    ledger = await register_tiny(vllm, engine)
+    termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
+
+    async def cancel(request_id: str) -> None:
+        ended = await termination.end("acme", request_id, EndReason.CANCELLED)
+        assert (ended.state, ended.end_reason) == (ReservationState.ENDED, EndReason.CANCELLED)
+
+    try:
+        assert await abort_while_generating(vllm, ledger, cancel) == "abort"
+    finally:
+        await termination.close()
+
+
+async def test_an_evict_step_aborts_the_running_request(vllm: Engine, engine: AsyncEngine) -> None:
+    """A reclaim job allowed to EVICT preempts the running reservation: vLLM aborts the
+    generation, the reservation ends PREEMPTED, and the job reports the blocks it freed."""
+    ledger = await register_tiny(vllm, engine)
+    termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
+    jobs = ReclaimJobs(engine)
+    executor = ReclaimExecutor(jobs, termination)
+
+    async def evict(request_id: str) -> None:
+        target = ReclaimTarget(1, Tier.EVICT, "acme")
+        job = await jobs.create(f"evict-{request_id}", "tiny", target, dry_run=False)
+        assert [s.planned.reservation for s in job.steps] == [("acme", request_id)]
+        assert await executor.run(job.job_id, 10) == 1
+        assert await jobs.run_step(job.job_id) is False
+        done = await jobs.get(job.job_id)
+        assert (done.state, done.differences) == (JobState.SUCCEEDED, ())
+        assert done.actual_blocks == done.expected_blocks == 1 + LONG // BLOCK_SIZE
+        ended = await ledger.get("acme", request_id)
+        assert (ended.state, ended.end_reason) == (ReservationState.ENDED, EndReason.PREEMPTED)
+
+    try:
+        assert await abort_while_generating(vllm, ledger, evict) == "abort"
+    finally:
+        await termination.close()
+
+
+async def register_tiny(vllm: Engine, engine: AsyncEngine) -> Ledger:
+    """Register the engine as instance "tiny" from what it reports, and a tenant acme."""
     http = VllmHttp(vllm.base_url)
-    described = await http.describe()
+    try:
+        described = await http.describe()
+    finally:
+        await http.close()
     registered = (described.max_model_len, described.metrics.num_gpu_blocks)
     assert registered == (MAX_MODEL_LEN, NUM_GPU_BLOCKS)
     spec = catalog.instance_spec(
@@ -215,38 +263,43 @@ async def test_register_from_the_engine_and_release_only_after_the_abort(
     )
     await Catalog(engine).register_instance(spec)
     await Catalog(engine).create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
-    ledger = Ledger(engine, Settings().admission_limits)
-    termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
-    try:
-        # The client may read the first token only after a loaded machine's tiny model has
-        # generated everything; then there is nothing left to abort. A few attempts, so that one
-        # abort lands while vLLM still generates.
-        for attempt in range(3):
-            request_id = f"gen-{attempt}"
-            params = AdmitParams("acme", request_id, "tiny", 32, LONG, 1, 0)
-            reservation, salt = await ledger.admit(AdmitRequest(params, (3,) * 32, 0.0, None))
-            assert reservation.reserved_blocks == 1 + LONG // BLOCK_SIZE
-            started = asyncio.Event()
-            generation = asyncio.create_task(
-                stream(
-                    vllm,
-                    [3] * 32,
-                    LONG,
-                    started,
-                    request_id=request_id,
-                    cache_salt=salt,
-                    ignore_eos=True,
-                )
+    return Ledger(engine, Settings().admission_limits)
+
+
+EOS = {"ignore_eos": True}  # generate all LONG tokens, unless aborted
+
+
+async def abort_while_generating(
+    vllm: Engine, ledger: Ledger, stop: Callable[[str], Awaitable[None]]
+) -> str | None:
+    """Admit a long generation, start it in vLLM, and `stop` its reservation once a token came;
+    returns how the generation finished. The client may read the first token only after a
+    loaded machine's tiny model has generated everything, and then there is nothing left to
+    abort: a few attempts, so that one stop lands while vLLM still generates."""
+    finish: str | None = None
+    for attempt in range(3):
+        request_id = f"gen-{attempt}"
+        params = AdmitParams("acme", request_id, "tiny", 32, LONG, 1, 0)
+        reservation, salt = await ledger.admit(AdmitRequest(params, (3,) * 32, 0.0, None))
+        assert reservation.reserved_blocks == 1 + LONG // BLOCK_SIZE
+        started = asyncio.Event()
+        generation = asyncio.create_task(
+            stream(
+                vllm,
+                [3] * 32,
+                LONG,
+                started,
+                request_id=request_id,
+                cache_salt=salt,
+                ignore_eos=True,
             )
-            await asyncio.wait_for(started.wait(), 60)  # a token came: vLLM runs it now
-            ended = await termination.end("acme", request_id, EndReason.CANCELLED)
-            assert (ended.state, ended.end_reason) == (ReservationState.ENDED, EndReason.CANCELLED)
-            if await asyncio.wait_for(generation, 60) == "abort":
-                break
-        assert await asyncio.wait_for(generation, 60) == "abort"
-    finally:
-        await termination.close()
-        await http.close()
+        )
+        await asyncio.wait_for(started.wait(), 60)  # a token came: vLLM runs it now
+        await stop(request_id)
+        finish = await asyncio.wait_for(generation, 60)
+        if finish == "abort":
+            break
+    return finish
 
 
 async def test_the_cli_registers_an_instance_from_its_engine(

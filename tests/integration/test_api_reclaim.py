@@ -26,6 +26,16 @@ def reclaim(request_id: str, **fields: object) -> admin_pb2.CreateReclaimJobRequ
     return admin_pb2.CreateReclaimJobRequest(**(given | fields))  # type: ignore[arg-type]
 
 
+async def finished(admin: Admin, name: str) -> pb.ReclaimJob:
+    """The job once a maintenance loop has run it to its end (or as it is after 10 s)."""
+    for _ in range(100):
+        job = await admin.GetReclaimJob(admin_pb2.GetReclaimJobRequest(name=name))
+        if job.state == pb.RECLAIM_JOB_STATE_SUCCEEDED:
+            break
+        await asyncio.sleep(0.1)
+    return job
+
+
 async def test_reclaim_jobs_over_grpc(gateway: Gateway, admin: Admin) -> None:
     geometry = pb.KvGeometry(
         num_layers=2, num_kv_heads=2, head_dim=64, dtype=pb.KV_DTYPE_FP16
@@ -60,11 +70,7 @@ async def test_reclaim_jobs_over_grpc(gateway: Gateway, admin: Admin) -> None:
 
     job = await admin.CreateReclaimJob(reclaim("real", target_blocks=8))
     assert await admin.CreateReclaimJob(reclaim("real", target_blocks=8)) == job  # idempotent
-    for _ in range(100):  # a maintenance loop runs it
-        job = await admin.GetReclaimJob(admin_pb2.GetReclaimJobRequest(name=job.name))
-        if job.state == pb.RECLAIM_JOB_STATE_SUCCEEDED:
-            break
-        await asyncio.sleep(0.1)
+    job = await finished(admin, job.name)
     assert (job.state, job.actual_blocks) == (pb.RECLAIM_JOB_STATE_SUCCEEDED, 8)
     instance = await admin.GetInstance(admin_pb2.GetInstanceRequest(name="instances/gpu-0"))
     assert (instance.cached_blocks, instance.free_blocks) == (0, 64)
@@ -74,13 +80,6 @@ async def test_reclaim_jobs_over_grpc(gateway: Gateway, admin: Admin) -> None:
     cancelled = await admin.CancelReclaimJob(admin_pb2.CancelReclaimJobRequest(name=job.name))
     assert cancelled.state == pb.RECLAIM_JOB_STATE_SUCCEEDED  # finished jobs stay as they are
 
-    evict = await refused(
-        admin.CreateReclaimJob(reclaim("evict", target_blocks=1, max_tier=pb.RECLAIM_TIER_EVICT))
-    )
-    assert (evict.code, evict.reason) == (
-        grpc.StatusCode.FAILED_PRECONDITION,
-        "TIER_NOT_EXECUTABLE",
-    )
     both = await refused(admin.CreateReclaimJob(reclaim("both", target_blocks=1, target_bytes=1)))
     assert both.code == grpc.StatusCode.INVALID_ARGUMENT
     no_tier = await refused(
@@ -106,3 +105,43 @@ async def test_reclaim_jobs_over_grpc(gateway: Gateway, admin: Admin) -> None:
     assert (missing.code, missing.reason) == (grpc.StatusCode.NOT_FOUND, "RECLAIM_JOB_NOT_FOUND")
     after = await admin.ListReclaimJobs(admin_pb2.ListReclaimJobsRequest())
     assert len(after.reclaim_jobs) == 2  # refusals stored nothing
+
+
+async def test_an_evicted_reservation_ends_preempted_on_watch(
+    gateway: Gateway, admin: Admin
+) -> None:
+    await admin.RegisterInstance(
+        admin_pb2.RegisterInstanceRequest(
+            instance_id="gpu-0", block_size=16, max_model_len=4096, num_gpu_blocks=64
+        )
+    )
+    await admin.CreateTenant(
+        admin_pb2.CreateTenantRequest(tenant_id="acme", tenant=pb.Tenant(quota=quota()))
+    )
+    admitted = await gateway.Admit(admit("victim", 63, 1))
+    name = admitted.reservation.name
+    seen: list[tuple[int, int]] = []
+
+    async def watch() -> grpc.StatusCode:
+        stream = gateway.WatchReservation(admission_pb2.WatchReservationRequest(name=name))
+        try:
+            async for update in stream:
+                seen.append((update.state, update.end_reason))
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+    watcher = asyncio.create_task(watch())
+    job = await admin.CreateReclaimJob(
+        reclaim("evict", target_blocks=4, max_tier=pb.RECLAIM_TIER_EVICT)
+    )
+    assert [(s.tier, s.expected_blocks) for s in job.steps] == [(pb.RECLAIM_TIER_EVICT, 4)]
+    assert await asyncio.wait_for(watcher, 10) == grpc.StatusCode.ABORTED
+    assert seen == [
+        (pb.RESERVATION_STATE_ADMITTED, pb.END_REASON_UNSPECIFIED),
+        (pb.RESERVATION_STATE_ENDED, pb.END_REASON_PREEMPTED),
+    ]
+    renewed = await refused(gateway.RenewLease(admission_pb2.RenewLeaseRequest(name=name)))
+    assert (renewed.code, renewed.reason) == (grpc.StatusCode.ABORTED, "PREEMPTED")
+    done = await finished(admin, job.name)
+    assert (done.state, done.actual_blocks) == (pb.RECLAIM_JOB_STATE_SUCCEEDED, 4)

@@ -67,8 +67,8 @@ async def test_reclaim_prints_the_plan_and_the_result(
             "0",
             [],
         )
-        bad = ["reclaim", "--instance", "gpu-0", "--blocks", "1", "--max-tier", "evict"]
+        bad = ["reclaim", "--instance", "gpu-0", "--blocks", "1", "--tenant", "nobody"]
         assert await asyncio.to_thread(cli_main, [*bad, "--server", address]) == 1
-        assert "FAILED_PRECONDITION: reclaim up to EVICT" in capsys.readouterr().err
+        assert "NOT_FOUND: " in capsys.readouterr().err
     finally:
         await running.stop(0)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
+from quota_service.core.errors import Code, KvQuotaError
 from quota_service.core.reclaim import (
     CpuTier,
     Exclusion,
@@ -16,6 +19,7 @@ from quota_service.core.reclaim import (
     Tier,
     Unreclaimable,
     UnreferencedBlock,
+    check_executable,
     plan,
 )
 
@@ -124,6 +128,14 @@ def test_compress_only_above_the_high_watermark_and_only_with_the_capability() -
     # Below the high watermark nothing is compressed even when allowed.
     roomy = plan(pool((), suspended, replace(full, used_bytes=100)), target)
     assert [s.tier for s in roomy.steps] == [Tier.OFFLOAD]
+    # No engine kvquota drives can compress yet: such a plan can be shown, not executed.
+    with pytest.raises(KvQuotaError) as refused:
+        check_executable(result)
+    assert (refused.value.code, refused.value.reason) == (
+        Code.FAILED_PRECONDITION,
+        "TIER_NOT_EXECUTABLE",
+    )
+    assert "COMPRESS" in refused.value.message
 
 
 def test_evict_takes_the_lowest_priority_and_most_recently_admitted_first() -> None:
