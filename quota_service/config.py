@@ -14,6 +14,7 @@ from pathlib import Path
 
 from quota_service.core.admission import AdmissionLimits
 from quota_service.core.queueing import QueuePolicy
+from quota_service.core.reclaim import DEFAULT_WATERMARKS, CpuWatermarks
 
 ENV_PREFIX = "KVQUOTA_"
 
@@ -50,6 +51,10 @@ class Settings:
     # its blocks while its engine cannot be reached before it is released anyway.
     engine_abort_timeout_seconds: float = 2.0
     engine_abort_hard_timeout_seconds: float = 30.0
+    # The CPU tier (LMCache L1): reclaim offloads suspended sessions only while its use stays
+    # at or below the low watermark, and would compress only above the high one.
+    cpu_offload_watermark: float = DEFAULT_WATERMARKS.offload
+    cpu_compress_watermark: float = DEFAULT_WATERMARKS.compress
     # Tombstones answer late releases through freed handles; after this they are purged.
     tombstone_retention_seconds: float = 86400.0
     shutdown_grace_seconds: float = 10.0
@@ -87,12 +92,21 @@ class Settings:
             raise SettingsError("min_retry_delay_seconds must not exceed max_retry_delay_seconds")
         if self.metrics_listen and not self.metrics_listen.rsplit(":", 1)[-1].isdigit():
             raise SettingsError(f"{ENV_PREFIX}METRICS_LISTEN must be host:port (or empty)")
+        if not 0 < self.cpu_offload_watermark <= self.cpu_compress_watermark <= 1:
+            raise SettingsError(
+                "CPU-tier watermarks must satisfy 0 < cpu_offload_watermark <= "
+                "cpu_compress_watermark <= 1"
+            )
         if self.shutdown_grace_seconds < 0:
             raise SettingsError(f"{ENV_PREFIX}SHUTDOWN_GRACE_SECONDS must not be negative")
 
     @property
     def queue_policy(self) -> QueuePolicy:
         return QueuePolicy(self.max_bypass_wait_seconds, self.dispatch_batch)
+
+    @property
+    def cpu_watermarks(self) -> CpuWatermarks:
+        return CpuWatermarks(self.cpu_offload_watermark, self.cpu_compress_watermark)
 
     @property
     def admission_limits(self) -> AdmissionLimits:

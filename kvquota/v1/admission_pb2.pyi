@@ -240,3 +240,59 @@ class ReleaseBlocksRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseBlocksRequest: _TypeAlias = ReleaseBlocksRequest  # noqa: Y015
+
+@_typing.final
+class SuspendReservationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SESSION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """tenants/{tenant}/reservations/{request_id}"""
+    @_builtins.property
+    def session_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The session's tokens so far, as the engine saw them: what the CPU tier holds of it, to
+        prefetch on resume and to delete if it is evicted. Optional.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        session_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "session_token_ids", b"session_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SuspendReservationRequest: _TypeAlias = SuspendReservationRequest  # noqa: Y015
+
+@_typing.final
+class ResumeReservationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    WAIT_TIMEOUT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """tenants/{tenant}/reservations/{request_id}"""
+    @_builtins.property
+    def wait_timeout(self) -> _duration_pb2.Duration:
+        """For an offloaded reservation: how long the caller will wait in the instance's queue for
+        its blocks, as Admit's wait_timeout; unset or zero fails fast and leaves it offloaded.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        wait_timeout: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["wait_timeout", b"wait_timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "wait_timeout", b"wait_timeout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeReservationRequest: _TypeAlias = ResumeReservationRequest  # noqa: Y015

@@ -71,6 +71,16 @@ class AdmissionServiceStub:
                 request_serializer=kvquota_dot_v1_dot_admission__pb2.WatchReservationRequest.SerializeToString,
                 response_deserializer=kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
                 _registered_method=True)
+        self.SuspendReservation = channel.unary_unary(
+                '/kvquota.v1.AdmissionService/SuspendReservation',
+                request_serializer=kvquota_dot_v1_dot_admission__pb2.SuspendReservationRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
+                _registered_method=True)
+        self.ResumeReservation = channel.unary_unary(
+                '/kvquota.v1.AdmissionService/ResumeReservation',
+                request_serializer=kvquota_dot_v1_dot_admission__pb2.ResumeReservationRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
+                _registered_method=True)
 
 
 class AdmissionServiceServicer:
@@ -127,6 +137,22 @@ class AdmissionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SuspendReservation(self, request, context):
+        """Marks an admitted reservation idle between turns of a multi-turn session: a reclaim may
+        then move it to the CPU tier (OFFLOAD) instead of preempting running work. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeReservation(self, request, context):
+        """Ends a suspension; an offloaded reservation gets GPU blocks again (prefetching its
+        session from the CPU tier), or is refused with a retry delay while there is no room.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdmissionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +189,16 @@ def add_AdmissionServiceServicer_to_server(servicer, server):
             'WatchReservation': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchReservation,
                     request_deserializer=kvquota_dot_v1_dot_admission__pb2.WatchReservationRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_resources__pb2.Reservation.SerializeToString,
+            ),
+            'SuspendReservation': grpc.unary_unary_rpc_method_handler(
+                    servicer.SuspendReservation,
+                    request_deserializer=kvquota_dot_v1_dot_admission__pb2.SuspendReservationRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_resources__pb2.Reservation.SerializeToString,
+            ),
+            'ResumeReservation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeReservation,
+                    request_deserializer=kvquota_dot_v1_dot_admission__pb2.ResumeReservationRequest.FromString,
                     response_serializer=kvquota_dot_v1_dot_resources__pb2.Reservation.SerializeToString,
             ),
     }
@@ -355,6 +391,60 @@ class AdmissionService:
             target,
             '/kvquota.v1.AdmissionService/WatchReservation',
             kvquota_dot_v1_dot_admission__pb2.WatchReservationRequest.SerializeToString,
+            kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SuspendReservation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdmissionService/SuspendReservation',
+            kvquota_dot_v1_dot_admission__pb2.SuspendReservationRequest.SerializeToString,
+            kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeReservation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdmissionService/ResumeReservation',
+            kvquota_dot_v1_dot_admission__pb2.ResumeReservationRequest.SerializeToString,
             kvquota_dot_v1_dot_resources__pb2.Reservation.FromString,
             options,
             channel_credentials,

@@ -51,6 +51,14 @@ class AdmissionServiceStub:
     """Streams the reservation now and after each change of state (queued, admitted, ended with
     its reason), ending once it ended.
     """
+    SuspendReservation: _grpc.UnaryUnaryMultiCallable[_admission_pb2.SuspendReservationRequest, _resources_pb2.Reservation]
+    """Marks an admitted reservation idle between turns of a multi-turn session: a reclaim may
+    then move it to the CPU tier (OFFLOAD) instead of preempting running work. Idempotent.
+    """
+    ResumeReservation: _grpc.UnaryUnaryMultiCallable[_admission_pb2.ResumeReservationRequest, _resources_pb2.Reservation]
+    """Ends a suspension; an offloaded reservation gets GPU blocks again (prefetching its
+    session from the CPU tier), or is refused with a retry delay while there is no room.
+    """
 
 @_typing.type_check_only
 class AdmissionServiceAsyncStub(AdmissionServiceStub):
@@ -73,6 +81,14 @@ class AdmissionServiceAsyncStub(AdmissionServiceStub):
     WatchReservation: _aio.UnaryStreamMultiCallable[_admission_pb2.WatchReservationRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
     """Streams the reservation now and after each change of state (queued, admitted, ended with
     its reason), ending once it ended.
+    """
+    SuspendReservation: _aio.UnaryUnaryMultiCallable[_admission_pb2.SuspendReservationRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
+    """Marks an admitted reservation idle between turns of a multi-turn session: a reclaim may
+    then move it to the CPU tier (OFFLOAD) instead of preempting running work. Idempotent.
+    """
+    ResumeReservation: _aio.UnaryUnaryMultiCallable[_admission_pb2.ResumeReservationRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
+    """Ends a suspension; an offloaded reservation gets GPU blocks again (prefetching its
+    session from the CPU tier), or is refused with a retry delay while there is no room.
     """
 
 class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -135,6 +151,26 @@ class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_resources_pb2.Reservation], _abc.AsyncIterator[_resources_pb2.Reservation]]:
         """Streams the reservation now and after each change of state (queued, admitted, ended with
         its reason), ending once it ended.
+        """
+
+    @_abc_1.abstractmethod
+    def SuspendReservation(
+        self,
+        request: _admission_pb2.SuspendReservationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Reservation, _abc.Awaitable[_resources_pb2.Reservation]]:
+        """Marks an admitted reservation idle between turns of a multi-turn session: a reclaim may
+        then move it to the CPU tier (OFFLOAD) instead of preempting running work. Idempotent.
+        """
+
+    @_abc_1.abstractmethod
+    def ResumeReservation(
+        self,
+        request: _admission_pb2.ResumeReservationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.Reservation, _abc.Awaitable[_resources_pb2.Reservation]]:
+        """Ends a suspension; an offloaded reservation gets GPU blocks again (prefetching its
+        session from the CPU tier), or is refused with a retry delay while there is no room.
         """
 
 def add_AdmissionServiceServicer_to_server(servicer: AdmissionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

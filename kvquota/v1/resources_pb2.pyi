@@ -562,6 +562,9 @@ class Instance(_message.Message):
     ENGINE_RESYNCS_FIELD_NUMBER: _builtins.int
     ENGINE_REQUESTS_RUNNING_FIELD_NUMBER: _builtins.int
     ENGINE_CHECK_TIME_FIELD_NUMBER: _builtins.int
+    CPU_USED_BYTES_FIELD_NUMBER: _builtins.int
+    CPU_CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
+    CPU_CHECK_TIME_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """instances/{instance}"""
     model: _builtins.str
@@ -601,6 +604,11 @@ class Instance(_message.Message):
     """Output only: requests the engine said it was running when last asked (vllm:num_requests_
     running), to compare with live_reservations; -1 when never asked.
     """
+    cpu_used_bytes: _builtins.int
+    """Output only: the CPU tier's (LMCache L1) bytes in use and capacity when last read from
+    its coordinator; unset without an LMCache tier.
+    """
+    cpu_capacity_bytes: _builtins.int
     @_builtins.property
     def geometry(self) -> Global___KvGeometry: ...
     @_builtins.property
@@ -619,6 +627,8 @@ class Instance(_message.Message):
 
     @_builtins.property
     def engine_check_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def cpu_check_time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
@@ -648,10 +658,13 @@ class Instance(_message.Message):
         engine_resyncs: _builtins.int = ...,
         engine_requests_running: _builtins.int = ...,
         engine_check_time: _timestamp_pb2.Timestamp | None = ...,
+        cpu_used_bytes: _builtins.int = ...,
+        cpu_capacity_bytes: _builtins.int = ...,
+        cpu_check_time: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "engine", b"engine", "engine_check_time", b"engine_check_time", "geometry", b"geometry", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cpu_check_time", b"cpu_check_time", "create_time", b"create_time", "engine", b"engine", "engine_check_time", b"engine_check_time", "geometry", b"geometry", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "blocks_in_use", b"blocks_in_use", "bytes_per_block", b"bytes_per_block", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "create_time", b"create_time", "drift_blocks", b"drift_blocks", "engine", b"engine", "engine_check_time", b"engine_check_time", "engine_requests_running", b"engine_requests_running", "engine_resyncs", b"engine_resyncs", "free_blocks", b"free_blocks", "geometry", b"geometry", "hash_algo", b"hash_algo", "live_reservations", b"live_reservations", "max_model_len", b"max_model_len", "max_queued_requests", b"max_queued_requests", "model", b"model", "name", b"name", "pinned_blocks", b"pinned_blocks", "prefill_tokens_per_second", b"prefill_tokens_per_second", "queued_prompt_tokens", b"queued_prompt_tokens", "queued_requests", b"queued_requests", "state", b"state", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "blocks_in_use", b"blocks_in_use", "bytes_per_block", b"bytes_per_block", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "cpu_capacity_bytes", b"cpu_capacity_bytes", "cpu_check_time", b"cpu_check_time", "cpu_used_bytes", b"cpu_used_bytes", "create_time", b"create_time", "drift_blocks", b"drift_blocks", "engine", b"engine", "engine_check_time", b"engine_check_time", "engine_requests_running", b"engine_requests_running", "engine_resyncs", b"engine_resyncs", "free_blocks", b"free_blocks", "geometry", b"geometry", "hash_algo", b"hash_algo", "live_reservations", b"live_reservations", "max_model_len", b"max_model_len", "max_queued_requests", b"max_queued_requests", "model", b"model", "name", b"name", "pinned_blocks", b"pinned_blocks", "prefill_tokens_per_second", b"prefill_tokens_per_second", "queued_prompt_tokens", b"queued_prompt_tokens", "queued_requests", b"queued_requests", "state", b"state", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -664,25 +677,63 @@ class EngineEndpoints(_message.Message):
     URL_FIELD_NUMBER: _builtins.int
     KV_EVENTS_ENDPOINT_FIELD_NUMBER: _builtins.int
     KV_REPLAY_ENDPOINT_FIELD_NUMBER: _builtins.int
+    LMCACHE_FIELD_NUMBER: _builtins.int
     url: _builtins.str
     """vLLM's HTTP server, e.g. http://10.0.0.5:8000 (VLLM_SERVER_DEV_MODE=1 for aborts)."""
     kv_events_endpoint: _builtins.str
     """Its KV-event publisher and replay sockets, e.g. tcp://10.0.0.5:5557 and :5558."""
     kv_replay_endpoint: _builtins.str
+    @_builtins.property
+    def lmcache(self) -> Global___LmcacheEndpoint:
+        """The LMCache coordinator of the engine's CPU tier (unset: no CPU tier)."""
+
     def __init__(
         self,
         *,
         url: _builtins.str = ...,
         kv_events_endpoint: _builtins.str = ...,
         kv_replay_endpoint: _builtins.str = ...,
+        lmcache: Global___LmcacheEndpoint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lmcache", b"lmcache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_events_endpoint", b"kv_events_endpoint", "kv_replay_endpoint", b"kv_replay_endpoint", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_events_endpoint", b"kv_events_endpoint", "kv_replay_endpoint", b"kv_replay_endpoint", "lmcache", b"lmcache", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EngineEndpoints: _TypeAlias = EngineEndpoints  # noqa: Y015
+
+@_typing.final
+class LmcacheEndpoint(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COORDINATOR_URL_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    coordinator_url: _builtins.str
+    """The MP coordinator, e.g. http://10.0.0.9:9300."""
+    instance_id: _builtins.str
+    """The engine's MP server as the coordinator knows it (`lmcache server --instance-id`)."""
+    model_name: _builtins.str
+    """The model name the engine's KV is stored under in LMCache."""
+    world_size: _builtins.int
+    """The engine's tensor-parallel world size (0 means 1)."""
+    def __init__(
+        self,
+        *,
+        coordinator_url: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        model_name: _builtins.str = ...,
+        world_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_url", b"coordinator_url", "instance_id", b"instance_id", "model_name", b"model_name", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LmcacheEndpoint: _TypeAlias = LmcacheEndpoint  # noqa: Y015
 
 @_typing.final
 class BlockHandle(_message.Message):
@@ -832,6 +883,8 @@ class Reservation(_message.Message):
     QUEUE_POSITION_FIELD_NUMBER: _builtins.int
     QUEUE_TIME_FIELD_NUMBER: _builtins.int
     WAIT_DEADLINE_FIELD_NUMBER: _builtins.int
+    SUSPEND_TIME_FIELD_NUMBER: _builtins.int
+    OFFLOADED_BYTES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """tenants/{tenant}/reservations/{request_id}"""
     tenant: _builtins.str
@@ -852,6 +905,10 @@ class Reservation(_message.Message):
     """Output tokens the gateway reported at release."""
     queue_position: _builtins.int
     """While queued: how many queued requests on the instance are ahead of it."""
+    offloaded_bytes: _builtins.int
+    """Bytes it holds in the CPU tier once a reclaim offloaded it (its block table is empty
+    then); 0 while its blocks are on the GPU.
+    """
     @_builtins.property
     def lease_expire_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -871,6 +928,10 @@ class Reservation(_message.Message):
     @_builtins.property
     def wait_deadline(self) -> _timestamp_pb2.Timestamp:
         """When it stops waiting (QUEUE_TIMEOUT) unless admitted first."""
+
+    @_builtins.property
+    def suspend_time(self) -> _timestamp_pb2.Timestamp:
+        """Set while the gateway has it suspended (idle between turns of a session)."""
 
     def __init__(
         self,
@@ -897,10 +958,12 @@ class Reservation(_message.Message):
         queue_position: _builtins.int = ...,
         queue_time: _timestamp_pb2.Timestamp | None = ...,
         wait_deadline: _timestamp_pb2.Timestamp | None = ...,
+        suspend_time: _timestamp_pb2.Timestamp | None = ...,
+        offloaded_bytes: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "end_time", b"end_time", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "queue_time", b"queue_time", "wait_deadline", b"wait_deadline"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "end_time", b"end_time", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "queue_time", b"queue_time", "suspend_time", b"suspend_time", "wait_deadline", b"wait_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "block_table", b"block_table", "end_reason", b"end_reason", "end_time", b"end_time", "instance", b"instance", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "name", b"name", "output_tokens", b"output_tokens", "prefix_hit_blocks", b"prefix_hit_blocks", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "queue_position", b"queue_position", "queue_time", b"queue_time", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "reserved_tokens", b"reserved_tokens", "state", b"state", "tenant", b"tenant", "wait_deadline", b"wait_deadline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "block_table", b"block_table", "end_reason", b"end_reason", "end_time", b"end_time", "instance", b"instance", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "name", b"name", "offloaded_bytes", b"offloaded_bytes", "output_tokens", b"output_tokens", "prefix_hit_blocks", b"prefix_hit_blocks", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "queue_position", b"queue_position", "queue_time", b"queue_time", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "reserved_tokens", b"reserved_tokens", "state", b"state", "suspend_time", b"suspend_time", "tenant", b"tenant", "wait_deadline", b"wait_deadline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

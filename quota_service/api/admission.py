@@ -18,6 +18,7 @@ from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import FieldViolation, invalid_request, preempted
 from quota_service.core.model import EndReason, Reservation, ReservationState
 from quota_service.core.names import reservation_key, reservation_name
+from quota_service.jobs.cpu_tier import CpuTier
 from quota_service.jobs.termination import Termination
 from quota_service.store.ledger import Ledger
 
@@ -25,10 +26,13 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
-    def __init__(self, ledger: Ledger, waiters: Waiters, termination: Termination) -> None:
+    def __init__(
+        self, ledger: Ledger, waiters: Waiters, termination: Termination, cpu_tier: CpuTier
+    ) -> None:
         self._ledger = ledger
         self._waiters = waiters
         self._termination = termination
+        self._cpu_tier = cpu_tier
 
     async def Admit(self, request: pb.AdmitRequest, context: Context) -> pb.AdmitResponse:
         admit = convert.admit_request(request)
@@ -130,6 +134,31 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     ) -> resources_pb2.Reservation:
         tenant, request_id = reservation_key(request.name)
         return convert.reservation(await self._ledger.get(tenant, request_id))
+
+    async def SuspendReservation(
+        self, request: pb.SuspendReservationRequest, context: Context
+    ) -> resources_pb2.Reservation:
+        tenant, request_id = reservation_key(request.name)
+        suspended = await self._ledger.suspend(tenant, request_id, request.session_token_ids)
+        return convert.reservation(suspended)
+
+    async def ResumeReservation(
+        self, request: pb.ResumeReservationRequest, context: Context
+    ) -> resources_pb2.Reservation:
+        tenant, request_id = reservation_key(request.name)
+        wait = convert.wait_timeout(request.wait_timeout)
+        current = await self._ledger.get(tenant, request_id)
+        if current.offloaded_bytes is not None:
+            # Its session comes back into the CPU tier's L1 while it waits for GPU blocks.
+            await self._cpu_tier.prefetch_session(tenant, request_id)
+        resumed = await self._ledger.resume(tenant, request_id, wait)
+        if resumed.state is ReservationState.QUEUED:
+            try:
+                resumed = await self._until_admitted(resumed, wait)
+            except asyncio.CancelledError:
+                await asyncio.shield(self._abandon(resumed))
+                raise
+        return convert.reservation(resumed)
 
     async def ReleaseBlocks(
         self, request: pb.ReleaseBlocksRequest, context: Context

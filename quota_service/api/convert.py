@@ -22,6 +22,7 @@ from quota_service.core.model import (
     EngineEndpoints,
     Instance,
     InstanceState,
+    LmcacheEndpoint,
     Pin,
     PinState,
     Reservation,
@@ -118,6 +119,13 @@ def admit_request(request: admission_pb.AdmitRequest) -> AdmitRequest:
     )
 
 
+def wait_timeout(value: Duration) -> float:
+    seconds = value.ToTimedelta().total_seconds()
+    if seconds < 0:
+        raise invalid_request([FieldViolation("wait_timeout", "must not be negative")])
+    return seconds
+
+
 def reservation(value: Reservation) -> pb.Reservation:
     message = pb.Reservation(
         name=names.reservation_name(value.tenant, value.request_id),
@@ -142,11 +150,13 @@ def reservation(value: Reservation) -> pb.Reservation:
         ("end_time", value.ended_at),
         ("queue_time", value.queued_at),
         ("wait_deadline", value.wait_deadline),
+        ("suspend_time", value.suspended_at),
     ):
         if when is not None:
             getattr(message, field).CopyFrom(timestamp(when))
     if value.queue_position is not None:
         message.queue_position = value.queue_position
+    message.offloaded_bytes = value.offloaded_bytes or 0
     if value.end_reason is not None:
         message.end_reason = _END_REASONS[value.end_reason]
     return message
@@ -161,6 +171,10 @@ def hash_algo(value: pb.PrefixHashAlgo.ValueType) -> HashAlgo:
     return {v: k for k, v in _HASH_ALGOS.items()}.get(value, HashAlgo.SHA256)
 
 
+# Endpoint strings are stored in columns of 200 characters.
+MAX_ENDPOINT = 200
+
+
 def engine_endpoints(message: pb.EngineEndpoints) -> EngineEndpoints:
     violations = []
     if not message.url.startswith(("http://", "https://")):
@@ -171,10 +185,31 @@ def engine_endpoints(message: pb.EngineEndpoints) -> EngineEndpoints:
     ):
         if value and not value.startswith(("tcp://", "ipc://")):
             violations.append(FieldViolation(field, "must be a tcp:// or ipc:// endpoint"))
+    lmcache = None
+    if message.HasField("lmcache"):
+        given = message.lmcache
+        if not given.coordinator_url.startswith(("http://", "https://")):
+            violations.append(
+                FieldViolation("engine.lmcache.coordinator_url", "must be an http(s) URL")
+            )
+        for field, value in (
+            ("engine.lmcache.instance_id", given.instance_id),
+            ("engine.lmcache.model_name", given.model_name),
+        ):
+            if not value or len(value) > MAX_ENDPOINT:
+                violations.append(FieldViolation(field, f"1 to {MAX_ENDPOINT} characters"))
+        if given.world_size < 0:
+            violations.append(FieldViolation("engine.lmcache.world_size", "must not be negative"))
+        lmcache = LmcacheEndpoint(
+            given.coordinator_url, given.instance_id, given.model_name, given.world_size or 1
+        )
     if violations:
         raise invalid_request(violations)
     return EngineEndpoints(
-        message.url, message.kv_events_endpoint or None, message.kv_replay_endpoint or None
+        message.url,
+        message.kv_events_endpoint or None,
+        message.kv_replay_endpoint or None,
+        lmcache,
     )
 
 
@@ -292,6 +327,20 @@ def instance(value: Instance) -> pb.Instance:
                 kv_replay_endpoint=spec.engine.kv_replay or "",
             )
         )
+        if spec.engine.lmcache is not None:
+            lmcache = spec.engine.lmcache
+            message.engine.lmcache.CopyFrom(
+                pb.LmcacheEndpoint(
+                    coordinator_url=lmcache.coordinator_url,
+                    instance_id=lmcache.instance_id,
+                    model_name=lmcache.model_name,
+                    world_size=lmcache.world_size,
+                )
+            )
+    if value.cpu_checked_at is not None:
+        message.cpu_used_bytes = value.cpu_used_bytes or 0
+        message.cpu_capacity_bytes = value.cpu_capacity_bytes or 0
+        message.cpu_check_time.CopyFrom(timestamp(value.cpu_checked_at))
     if spec.geometry is not None:
         g = spec.geometry
         message.geometry.CopyFrom(

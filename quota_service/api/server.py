@@ -21,6 +21,7 @@ from quota_service.api.errors import ErrorInterceptor
 from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
 from quota_service.jobs import maintenance
+from quota_service.jobs.cpu_tier import CpuTier
 from quota_service.jobs.dispatcher import Dispatcher
 from quota_service.jobs.follower import Followers
 from quota_service.jobs.metrics import InstanceMetrics, serve_metrics
@@ -28,6 +29,7 @@ from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
 from quota_service.store import migrate
 from quota_service.store.catalog import Catalog
+from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.database import connect
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
@@ -61,6 +63,7 @@ class RunningServer:
     _listener: Listener
     _dispatcher: Dispatcher
     _termination: Termination
+    _cpu_tier: CpuTier
     _followers: Followers
     _metrics: WSGIServer | None
 
@@ -77,6 +80,7 @@ class RunningServer:
         await self._listener.stop()
         await self._dispatcher.stop()
         await self._termination.close()
+        await self._cpu_tier.close()
         await self._followers.stop()
         if self._metrics is not None:
             await asyncio.to_thread(self._metrics.shutdown)
@@ -104,13 +108,14 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     termination = Termination(
         ledger, settings.engine_abort_timeout_seconds, settings.engine_abort_hard_timeout_seconds
     )
+    cpu_tier = CpuTier(CpuTierBooks(engine))
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(
-        AdmissionServicer(ledger, waiters, termination), server
+        AdmissionServicer(ledger, waiters, termination, cpu_tier), server
     )
     pins = Pins(engine, settings.admission_limits)
     offboarding = Offboarding(engine, ledger, pins)
     inspection = Inspection(engine)
-    reclaim = ReclaimJobs(engine)
+    reclaim = ReclaimJobs(engine, settings.cpu_watermarks)
     admin = AdminServicer(Catalog(engine), pins, offboarding, inspection, reclaim)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
     health_servicer = health.aio.HealthServicer()
@@ -145,7 +150,8 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         termination,
         followers,
         metrics,
-        ReclaimExecutor(reclaim, termination),
+        ReclaimExecutor(reclaim, termination, cpu_tier),
+        cpu_tier,
         settings,
     )
     running = asyncio.create_task(maintenance.run(jobs, stop))
@@ -159,6 +165,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         listener,
         dispatcher,
         termination,
+        cpu_tier,
         followers,
         metrics_server,
     )

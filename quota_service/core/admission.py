@@ -122,6 +122,29 @@ def check_lease_ttl(ttl_seconds: float | None, limits: AdmissionLimits) -> Field
     )
 
 
+def check_session_tokens(
+    reservation: Reservation, session_token_ids: Sequence[int]
+) -> FieldViolation | None:
+    """A suspended session's tokens: its prompt and what was generated, never more than the
+    reservation holds room for."""
+    most = reservation.prompt_tokens + reservation.max_output_tokens
+    if len(session_token_ids) > most:
+        return FieldViolation(
+            "session_token_ids", f"at most prompt_tokens + max_output_tokens ({most}) tokens"
+        )
+    if any(t < 0 for t in session_token_ids):
+        return FieldViolation("session_token_ids", "token ids are never negative")
+    return None
+
+
+def prompt_of(stored_token_ids: Sequence[int], prompt_tokens: int) -> tuple[int, ...]:
+    """The prompt's token ids from what a reservation stored: a queued request's prompt, or a
+    resumed session that starts with it. None known (empty) when the session is shorter."""
+    if len(stored_token_ids) < prompt_tokens:
+        return ()
+    return tuple(stored_token_ids[:prompt_tokens])
+
+
 def check_replay(params: AdmitParams, existing: Reservation) -> Reservation:
     """A repeated Admit gets the same reservation; a different one under the same id is refused."""
     if existing.params != params:

@@ -126,6 +126,9 @@ class Reservation:
     queued_at: datetime | None = None
     wait_deadline: datetime | None = None
     queue_position: int | None = None
+    # Suspended between turns since then; offloaded: the bytes it holds in the CPU tier.
+    suspended_at: datetime | None = None
+    offloaded_bytes: int | None = None
 
     @property
     def params(self) -> AdmitParams:
@@ -181,12 +184,24 @@ class QueueBounds:
 
 
 @dataclass(frozen=True, slots=True)
+class LmcacheEndpoint:
+    """The LMCache MP coordinator that holds an instance's CPU tier, and the instance there."""
+
+    coordinator_url: str
+    instance_id: str  # the MP server's id at the coordinator (`lmcache server --instance-id`)
+    model_name: str  # the model name the engine's KV is stored under in LMCache
+    world_size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class EngineEndpoints:
-    """The vLLM server behind an instance: its HTTP URL and KV-event sockets."""
+    """The vLLM server behind an instance: its HTTP URL and KV-event sockets, and the LMCache
+    coordinator of its CPU tier, if it has one."""
 
     url: str
     kv_events: str | None = None
     kv_replay: str | None = None
+    lmcache: LmcacheEndpoint | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +244,10 @@ class Instance:
     # vllm:num_requests_running when last read (None: never), and when.
     engine_requests_running: int | None = None
     engine_checked_at: datetime | None = None
+    # Its CPU tier's L1 (LMCache) when last read (None: no CPU tier, or never read), and when.
+    cpu_used_bytes: int | None = None
+    cpu_capacity_bytes: int | None = None
+    cpu_checked_at: datetime | None = None
 
 
 class PinState(enum.Enum):

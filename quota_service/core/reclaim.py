@@ -8,8 +8,9 @@ Tiers, in the order they are used (a job never goes past its highest allowed tie
             watermark; their blocks leave the GPU.
   COMPRESS  only when the CPU tier is above its high watermark and the instance can compress;
             lossy; makes CPU room, so more suspended reservations can be offloaded after it.
-  EVICT     last resort: running reservations are preempted, lowest priority first, most
-            recently admitted first within a priority.
+  EVICT     last resort: suspended sessions the CPU tier cannot take are ended (their CPU-tier
+            copy deleted), then running reservations are preempted, lowest priority first,
+            most recently admitted first within a priority.
 A reservation taken by OFFLOAD or EVICT drops its references; a block comes back to the GPU only
 when every reference to it is dropped, so blocks shared with reservations outside the plan (other
 tenants', or this tenant's that the plan does not touch) are never counted, nor are pinned blocks.
@@ -78,6 +79,25 @@ class CpuTier:
     high_watermark: float  # compress only above this share
     compressible_bytes: int  # CPU-tier bytes not compressed yet
     compression_ratio: float  # compressed size / original size; 1.0: cannot compress
+
+
+@dataclass(frozen=True, slots=True)
+class CpuWatermarks:
+    offload: float = 0.8  # offload only while the CPU tier's use stays at or below this share
+    compress: float = 0.9  # compress only above this share
+
+
+DEFAULT_WATERMARKS = CpuWatermarks()
+
+
+def cpu_tier(
+    used_bytes: int | None, capacity_bytes: int | None, watermarks: CpuWatermarks
+) -> CpuTier | None:
+    """An instance's CPU tier as last read (None: it has none, or it was never read). Nothing
+    kvquota drives can compress, so its compression ratio is 1."""
+    if used_bytes is None or not capacity_bytes:
+        return None
+    return CpuTier(used_bytes, capacity_bytes, watermarks.offload, watermarks.compress, 0, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,13 +222,21 @@ class _Planner:
         self.add(PlannedStep(Tier.COMPRESS, None, None, 0, -saved, True))
         return True
 
-    def evict(self, candidates: Sequence[LiveReservation]) -> None:
-        order = sorted(candidates, key=lambda r: (r.priority, -r.admitted_seq))
+    def evict(
+        self, idle: Sequence[LiveReservation], running: Sequence[LiveReservation]
+    ) -> list[LiveReservation]:
+        """Idle sessions the CPU tier could not take go first (nothing runs there), oldest
+        first; then running work, lowest priority and most recently admitted first. Returns
+        the idle sessions left."""
+        order = [*idle, *sorted(running, key=lambda r: (r.priority, -r.admitted_seq))]
+        left = []
         for r in order:
             if self.done:
-                return
+                left.append(r)
+                continue
             key = (r.tenant, r.request_id)
             self.add(PlannedStep(Tier.EVICT, None, key, self.drop(r), 0, False))
+        return [r for r in left if r.suspended]
 
     def report_unfreed(self) -> None:
         """Blocks of taken reservations that stay on the GPU, and why."""
@@ -241,11 +269,11 @@ def plan(pool: PoolSnapshot, target: ReclaimTarget) -> ReclaimPlan:
         suspended = p.offload(suspended)
         if not p.done and target.max_tier >= Tier.COMPRESS and suspended and p.compress():
             suspended = p.offload(suspended)
+    if target.max_tier >= Tier.EVICT:
+        suspended = p.evict(suspended, running)
     if not p.done and target.max_tier >= Tier.OFFLOAD:
         full = Unreclaimable.CPU_TIER_FULL if pool.cpu is not None else Unreclaimable.NO_CPU_TIER
         p.excluded += [Exclusion(full, len(r.blocks), (r.tenant, r.request_id)) for r in suspended]
-    if target.max_tier >= Tier.EVICT:
-        p.evict(running)
     beyond = (running if target.max_tier < Tier.EVICT else []) + (
         suspended if target.max_tier < Tier.OFFLOAD else []
     )
@@ -274,9 +302,9 @@ class StepState(enum.Enum):
     FAILED = "FAILED"
 
 
-# The tiers a job may execute today; a plan with steps of another tier can be made (dry_run)
-# but not run until SuspendReservation and the LMCache driver exist.
-EXECUTABLE_TIERS = frozenset({Tier.FREE, Tier.EVICT})
+# The tiers a job can execute; a plan with steps of another can be made (dry_run), not run:
+# no engine kvquota drives can compress (LMCache's MP mode has no call for it).
+EXECUTABLE_TIERS = frozenset({Tier.FREE, Tier.OFFLOAD, Tier.EVICT})
 
 
 @dataclass(frozen=True, slots=True)

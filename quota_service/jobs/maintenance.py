@@ -10,6 +10,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from quota_service.config import Settings
+from quota_service.jobs.cpu_tier import CpuTier
 from quota_service.jobs.follower import Followers
 from quota_service.jobs.metrics import InstanceMetrics
 from quota_service.jobs.reclaim import ReclaimExecutor
@@ -30,6 +31,7 @@ class Maintenance:
     followers: Followers
     metrics: InstanceMetrics
     reclaim: ReclaimExecutor
+    cpu_tier: CpuTier
     settings: Settings
 
     async def reap_leases(self) -> int:
@@ -52,6 +54,8 @@ class Maintenance:
             ("dispatch sweep", self.ledger.dispatch_all),
             ("offboarding", self.offboarding.resume_all),
             ("reclaim steps", lambda: self.reclaim.run_open(self.settings.reaper_batch_size)),
+            # LMCache coordinators follow the ledger's quotas and pins; L1 fill is read.
+            ("cpu tier mirror", self.cpu_tier.mirror),
             ("metrics refresh", self.metrics.refresh),
             (
                 "tombstone purge",

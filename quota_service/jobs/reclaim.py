@@ -1,20 +1,29 @@
 """The reclaim executor every replica runs: it applies the steps of open reclaim jobs. Steps
 are claimed in the ledger, so replicas share the work and none is applied twice; an EVICT step
-first has the engine abort its reservation (through Termination, which keeps the blocks until
-the engine confirms), and is applied once the reservation ended preempted."""
+first deletes a suspended session's copy in the CPU tier and has the engine abort what runs
+(through Termination, which keeps the blocks until the engine confirms), and is applied once the
+reservation ended preempted. OFFLOAD and FREE steps are the ledger's alone."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import astuple
+
 from quota_service.core.model import EndReason
 from quota_service.core.reclaim import Preemption
+from quota_service.engine.lmcache import LmcacheError
+from quota_service.jobs.cpu_tier import CpuTier
 from quota_service.jobs.termination import Termination
 from quota_service.store.reclaim import ReclaimJobs
 
+log = logging.getLogger(__name__)
+
 
 class ReclaimExecutor:
-    def __init__(self, jobs: ReclaimJobs, termination: Termination) -> None:
+    def __init__(self, jobs: ReclaimJobs, termination: Termination, cpu_tier: CpuTier) -> None:
         self._jobs = jobs
         self._termination = termination
+        self._cpu_tier = cpu_tier
 
     async def run(self, job_id: str, budget: int) -> int:
         """Apply up to `budget` steps of one job, in order; stops early at a preemption whose
@@ -29,10 +38,28 @@ class ReclaimExecutor:
                 if outcome == asked:
                     break
                 asked = outcome
-                await self._termination.end(outcome.tenant, outcome.request_id, EndReason.PREEMPTED)
+                await self._preempt(outcome)
                 continue
             applied += 1
         return applied
+
+    async def _preempt(self, victim: Preemption) -> None:
+        """A suspended session's CPU-tier copy goes first (deleting is idempotent, so a crash
+        before the end repeats it harmlessly; pinned chunks stay); then the engine aborts what
+        runs, and the reservation ends preempted."""
+        try:
+            deleted = await self._cpu_tier.delete_session(victim.tenant, victim.request_id)
+        except LmcacheError as exc:
+            log.warning("CPU-tier delete of %s/%s failed (%s)", *astuple(victim), exc)
+            return  # tried again on the next pass
+        if deleted is not None:
+            log.info(
+                "evicted %s/%s from the CPU tier: %d chunks, %d pinned kept",
+                *astuple(victim),
+                deleted.requested,
+                deleted.skipped,
+            )
+        await self._termination.end(victim.tenant, victim.request_id, EndReason.PREEMPTED)
 
     async def run_open(self, budget: int) -> int:
         """Apply up to `budget` steps of open jobs, oldest job first."""

@@ -7,7 +7,8 @@ reservation's request_id). Until the engine confirms, the reservation keeps its 
 pending abort is recorded in the ledger; every replica's maintenance loop retries it, backing off
 per engine (a down engine is not called again for every request it ran), and after
 `engine_abort_hard_timeout_seconds` releases the blocks anyway, with reason ENGINE_UNREACHABLE.
-A Release needs no abort (the engine has finished), nor does an instance with no engine.
+A Release needs no abort (the engine has finished), nor does a suspended session (idle between
+turns) or an instance with no engine.
 """
 
 from __future__ import annotations
@@ -46,7 +47,11 @@ class Termination:
         """End it now if nothing runs it, or once its engine confirmed the abort; otherwise the
         abort stays pending and the reservation is returned as it is (still admitted)."""
         current = await self._ledger.get(tenant, request_id)
-        if current.state is not ReservationState.ADMITTED or reason is EndReason.RELEASED:
+        if (
+            current.state is not ReservationState.ADMITTED
+            or reason is EndReason.RELEASED
+            or current.suspended_at is not None  # idle between turns: nothing runs
+        ):
             return await self._ledger.end(tenant, request_id, reason, output_tokens)
         url = await self._ledger.engine_url(tenant, request_id)
         if url is None or await self._abort(url, request_id):

@@ -18,6 +18,7 @@ from quota_service.core.model import (
     Instance,
     InstanceSpec,
     InstanceState,
+    LmcacheEndpoint,
     QueueBounds,
     Tenant,
     TenantQuota,
@@ -97,9 +98,7 @@ def instance_from_row(row: RowMapping) -> Instance:
         QueueBounds(
             row["max_queued_requests"], row["target_ttft_seconds"], row["prefill_tokens_per_second"]
         ),
-        EngineEndpoints(row["engine_url"], row["kv_events_endpoint"], row["kv_replay_endpoint"])
-        if row["engine_url"]
-        else None,
+        _engine_from_row(row),
     )
     return Instance(
         spec=spec,
@@ -117,6 +116,9 @@ def instance_from_row(row: RowMapping) -> Instance:
         engine_resyncs=row["engine_resyncs"],
         engine_requests_running=row["engine_requests_running"],
         engine_checked_at=row["engine_checked_at"],
+        cpu_used_bytes=row["cpu_used_bytes"],
+        cpu_capacity_bytes=row["cpu_capacity_bytes"],
+        cpu_checked_at=row["cpu_checked_at"],
     )
 
 
@@ -271,9 +273,7 @@ class Catalog:
                     max_queued_requests=spec.queue.max_queued_requests,
                     target_ttft_seconds=spec.queue.target_ttft_seconds,
                     prefill_tokens_per_second=spec.queue.prefill_tokens_per_second,
-                    engine_url=spec.engine.url if spec.engine else None,
-                    kv_events_endpoint=spec.engine.kv_events if spec.engine else None,
-                    kv_replay_endpoint=spec.engine.kv_replay if spec.engine else None,
+                    **_engine_columns(spec.engine),
                 )
                 .on_conflict_do_nothing()
                 .returning(InstanceRow.instance)
@@ -300,12 +300,7 @@ class Catalog:
             statement = (
                 update(InstanceRow)
                 .where(InstanceRow.instance == instance)
-                .values(
-                    engine_url=engine.url,
-                    kv_events_endpoint=engine.kv_events,
-                    kv_replay_endpoint=engine.kv_replay,
-                    updated_at=func.now(),
-                )
+                .values(**_engine_columns(engine), updated_at=func.now())
                 .returning(InstanceRow.instance)
             )
             if (await conn.execute(statement)).first() is None:
@@ -353,3 +348,32 @@ def new_salt() -> str:
 
 def _quota_columns(quota: TenantQuota) -> dict[str, int]:
     return {name: getattr(quota, name) for name in TenantQuota.__dataclass_fields__}
+
+
+def _engine_columns(engine: EngineEndpoints | None) -> dict[str, object]:
+    lmcache = engine.lmcache if engine is not None else None
+    return {
+        "engine_url": engine.url if engine else None,
+        "kv_events_endpoint": engine.kv_events if engine else None,
+        "kv_replay_endpoint": engine.kv_replay if engine else None,
+        "lmcache_coordinator_url": lmcache.coordinator_url if lmcache else None,
+        "lmcache_instance_id": lmcache.instance_id if lmcache else None,
+        "lmcache_model_name": lmcache.model_name if lmcache else None,
+        "lmcache_world_size": lmcache.world_size if lmcache else None,
+    }
+
+
+def _engine_from_row(row: RowMapping) -> EngineEndpoints | None:
+    if not row["engine_url"]:
+        return None
+    lmcache = None
+    if row["lmcache_coordinator_url"]:
+        lmcache = LmcacheEndpoint(
+            row["lmcache_coordinator_url"],
+            row["lmcache_instance_id"],
+            row["lmcache_model_name"],
+            row["lmcache_world_size"],
+        )
+    return EngineEndpoints(
+        row["engine_url"], row["kv_events_endpoint"], row["kv_replay_endpoint"], lmcache
+    )

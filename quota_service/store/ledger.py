@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import RowMapping, text
+from sqlalchemy import RowMapping, TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core import admission, block_table, geometry, queueing
@@ -164,7 +164,13 @@ _ENQUEUE = text(
             :priority, 'QUEUED', :blocks, :tokens, :ttl,
             now(), now() + make_interval(secs => :wait), :virtual_start, :virtual_finish,
             CAST(:prompt_token_ids AS int[]))
-        ON CONFLICT DO NOTHING
+        -- An offloaded session that resumes queues again as it is (same holder, its session's
+        -- tokens kept for its prefix); any other existing row is an Admit's duplicate.
+        ON CONFLICT (tenant, request_id) DO UPDATE
+        SET state = 'QUEUED', queued_at = EXCLUDED.queued_at,
+            wait_deadline = EXCLUDED.wait_deadline, virtual_start = EXCLUDED.virtual_start,
+            virtual_finish = EXCLUDED.virtual_finish, suspended_at = NULL, offloaded_bytes = NULL
+        WHERE reservations.state = 'ADMITTED' AND reservations.offloaded_bytes IS NOT NULL
         RETURNING *
     ), pool AS (
         UPDATE instances
@@ -283,31 +289,31 @@ def _ewma(column: str) -> str:
     )
 
 
-_END_RESERVATION = text(
-    f"""
-    WITH ended AS (
-        UPDATE reservations
-        SET state = 'ENDED', ended_at = now(), end_reason = :reason,
-            output_tokens = :output_tokens
-        WHERE tenant = :tenant AND request_id = :request_id AND state = 'ADMITTED'
-          AND (NOT :lapsed_only OR lease_expires_at <= now())
-        RETURNING *
-    ), {
-        blocks.drop(
-            "DELETE FROM block_refs r USING ended e "
-            "WHERE r.holder_id = e.holder_id AND NOT r.released "
-            "RETURNING r.block_id, r.position, r.pinned, r.tenant"
-        )
-    }, forgotten AS (
-        DELETE FROM block_refs r USING ended e WHERE r.holder_id = e.holder_id AND r.released
-    ), {blocks.pool_counts("mean_hold_seconds = " + _ewma("i.mean_hold_seconds"), "ended e")},
+def _dropping_table(holder: str) -> TextClause:
+    """A statement that drops the whole block table of the reservation `holder` updates (a CTE
+    returning its row): its references go, tail first, and the pool and tenant counters follow.
+    An offloaded reservation's tokens left the tenant's tokens in flight when it was offloaded.
+    """
+    return text(
+        f"""
+    WITH holder AS ({holder}), {
+            blocks.drop(
+                "DELETE FROM block_refs r USING holder e "
+                "WHERE r.holder_id = e.holder_id AND NOT r.released "
+                "RETURNING r.block_id, r.position, r.pinned, r.tenant"
+            )
+        }, forgotten AS (
+        DELETE FROM block_refs r USING holder e WHERE r.holder_id = e.holder_id AND r.released
+    ), {blocks.pool_counts("mean_hold_seconds = " + _ewma("i.mean_hold_seconds"), "holder e")},
     account AS (
         UPDATE tenants t
         SET blocks_in_use = t.blocks_in_use - coalesce(c.removed, 0),
             pinned_blocks = t.pinned_blocks - coalesce(c.unpinned, 0),
-            tokens_in_flight = t.tokens_in_flight - e.reserved_tokens,
+            tokens_in_flight = t.tokens_in_flight
+                - CASE WHEN :offloading OR e.offloaded_bytes IS NULL THEN e.reserved_tokens
+                       ELSE 0 END,
             mean_hold_seconds = {_ewma("t.mean_hold_seconds")}
-        FROM ended e LEFT JOIN tenant_changes c ON c.tenant = e.tenant
+        FROM holder e LEFT JOIN tenant_changes c ON c.tenant = e.tenant
         WHERE t.tenant = e.tenant
     )
     SELECT request_id, {blocks.NOTIFY_RELEASED},
@@ -315,9 +321,48 @@ _END_RESERVATION = text(
            (SELECT count(*) FROM transitions
             WHERE state IN ('FREE', 'CACHED') AND state_before NOT IN ('FREE', 'CACHED'))
            AS freed_blocks
-    FROM ended
+    FROM holder
+    """
+    )
+
+
+_END_RESERVATION = _dropping_table(
+    """
+    UPDATE reservations
+    SET state = 'ENDED', ended_at = now(), end_reason = :reason, output_tokens = :output_tokens
+    WHERE tenant = :tenant AND request_id = :request_id AND state = 'ADMITTED'
+      AND (NOT :lapsed_only OR lease_expires_at <= now())
+    RETURNING *
     """
 )
+
+# OFFLOAD: a suspended reservation's blocks leave the GPU; it stays live, in the CPU tier.
+_OFFLOAD_RESERVATION = _dropping_table(
+    """
+    UPDATE reservations r
+    SET offloaded_bytes = r.reserved_blocks * coalesce(i.bytes_per_block, 0)
+    FROM instances i
+    WHERE r.tenant = :tenant AND r.request_id = :request_id AND r.state = 'ADMITTED'
+      AND r.suspended_at IS NOT NULL AND r.offloaded_bytes IS NULL AND i.instance = r.instance
+    RETURNING r.*
+    """
+)
+
+_SUSPEND = text(
+    """
+    UPDATE reservations
+    SET suspended_at = coalesce(suspended_at, now()),
+        prompt_token_ids = coalesce(CAST(:session AS int[]), prompt_token_ids)
+    WHERE tenant = :tenant AND request_id = :request_id AND state = 'ADMITTED'
+    """
+)
+
+_UNSUSPEND = text(
+    "UPDATE reservations SET suspended_at = NULL, prompt_token_ids = NULL "
+    "WHERE tenant = :tenant AND request_id = :request_id AND state = 'ADMITTED'"
+)
+
+_TENANT_WEIGHT = text("SELECT weight FROM tenants WHERE tenant = :tenant")
 
 # A statement may update a row only once, so what an end freed is recorded by a second one.
 _RECORD_FREED = text(
@@ -473,6 +518,8 @@ def reservation_from_row(row: RowMapping) -> Reservation:
         queued_at=row["queued_at"],
         wait_deadline=row["wait_deadline"],
         queue_position=row.get("queue_position"),
+        suspended_at=row.get("suspended_at"),
+        offloaded_bytes=row.get("offloaded_bytes"),
     )
 
 
@@ -669,22 +716,10 @@ class Ledger:
         pool_row = await conn.execute(_LOCK_POOL, {"instance": queued["instance"]})
         pool = pool_from_row(queued["instance"], pool_row.mappings().one())
         account = account_from_row(tenant, account_row)
-        salt = (await conn.execute(_TENANT_SALT, {"tenant": tenant})).mappings().one()
-        params = reservation_from_row(queued).params
-        token_ids = tuple(queued["prompt_token_ids"] or ())
-        request = AdmitRequest(params, token_ids, 0.0, queued["lease_ttl_seconds"])
-        table = block_table.layout(
-            params.prompt_tokens,
-            params.max_output_tokens,
-            params.n,
-            pool.block_size,
-            token_ids,
-            salt["cache_salt"],
-            pool.hash_algo,
-        )
-        hits = await lookup_prefix(conn, params.instance, tenant, table.hashes)
+        reservation = reservation_from_row(queued)
+        params = reservation.params
         try:
-            decision = admission.decide(request, pool, account, self._limits, table, hits)
+            decision, salt = await self._decide_queued(conn, reservation, queued, pool, account)
         except KvQuotaError:
             # Suspended, draining, or a quota cut below it: it waits (or times out) in place.
             return queueing.Step.SKIP
@@ -710,6 +745,32 @@ class Ledger:
             )
             assert promoted.mappings().one()["allocated"] == len(decision.new_hashes)
         return step
+
+    async def _decide_queued(
+        self,
+        conn: AsyncConnection,
+        reservation: Reservation,
+        row: RowMapping,
+        pool: InstancePool,
+        account: TenantAccount,
+    ) -> tuple[AdmissionPlan | Shortfall, RowMapping]:
+        """Whether a queued reservation fits now (its stored prompt, or a resumed session
+        that starts with it, gives its prefix hits), and its tenant's salt."""
+        salt = (await conn.execute(_TENANT_SALT, {"tenant": reservation.tenant})).mappings().one()
+        params = reservation.params
+        token_ids = admission.prompt_of(row["prompt_token_ids"] or (), params.prompt_tokens)
+        request = AdmitRequest(params, token_ids, 0.0, row["lease_ttl_seconds"])
+        table = block_table.layout(
+            params.prompt_tokens,
+            params.max_output_tokens,
+            params.n,
+            pool.block_size,
+            token_ids,
+            salt["cache_salt"],
+            pool.hash_algo,
+        )
+        hits = await lookup_prefix(conn, params.instance, reservation.tenant, table.hashes)
+        return admission.decide(request, pool, account, self._limits, table, hits), salt
 
     async def _dequeue(
         self,
@@ -808,6 +869,7 @@ class Ledger:
                     "lapsed_only": lapsed_only,
                     # Only work that ran to its end says how long requests really hold blocks.
                     "observed": reason is EndReason.RELEASED,
+                    "offloading": False,
                 }
                 ended = (await conn.execute(_END_RESERVATION, params)).mappings().first()
                 if ended is not None and reason is EndReason.PREEMPTED:
@@ -875,26 +937,76 @@ class Ledger:
             current = await self._get(conn, tenant, request_id)
             if current.state is ReservationState.QUEUED:
                 return current  # no lease yet: its wait budget is what bounds it
-            name = reservation_name(tenant, request_id)
-            if current.end_reason is EndReason.PREEMPTED:
-                raise preempted(name)
-            if current.state is ReservationState.ADMITTED or (
-                current.end_reason is EndReason.LEASE_EXPIRED
-            ):
-                raise KvQuotaError(
-                    Code.FAILED_PRECONDITION,
-                    "LEASE_EXPIRED",
-                    f"the lease of {name} expired; admit the request again",
-                    metadata={"name": name},
-                )
-            raise KvQuotaError(
-                Code.FAILED_PRECONDITION,
-                "RESERVATION_ENDED",
-                f"{name} already ended ({current.end_reason.value if current.end_reason else ''})",
-                metadata={"name": name},
-            )
+            raise _not_live(current)
 
         return await in_transaction(self._engine, work)
+
+    async def suspend(
+        self, tenant: str, request_id: str, session_token_ids: Sequence[int]
+    ) -> Reservation:
+        """Mark an admitted reservation idle between turns (a reclaim may then offload it);
+        the session's tokens, when given, say what the CPU tier holds of it. Idempotent."""
+
+        async def work(conn: AsyncConnection) -> Reservation:
+            current = await self._get(conn, tenant, request_id)
+            if current.state is not ReservationState.ADMITTED:
+                raise _not_live(current)
+            violation = admission.check_session_tokens(current, session_token_ids)
+            if violation:
+                raise invalid_request([violation])
+            params = {
+                "tenant": tenant,
+                "request_id": request_id,
+                "session": list(session_token_ids) or None,
+            }
+            await conn.execute(_SUSPEND, params)
+            return await self._get(conn, tenant, request_id)
+
+        return await in_transaction(self._engine, work)
+
+    async def resume(self, tenant: str, request_id: str, wait_seconds: float) -> Reservation:
+        """End a suspension. An offloaded reservation goes back through the instance's queue
+        (it is admitted at once when there is room and nobody waits ahead); with no wait budget
+        and no room it is refused and stays offloaded."""
+
+        async def work(conn: AsyncConnection) -> Reservation:
+            locked = await self._lock(conn, tenant, request_id)
+            current = await self._get(conn, tenant, request_id)
+            if current.state is not ReservationState.ADMITTED:
+                raise _not_live(current)
+            keys = {"tenant": tenant, "request_id": request_id}
+            if current.offloaded_bytes is None:
+                await conn.execute(_UNSUSPEND, keys)
+                return await self._get(conn, tenant, request_id)
+            account = (await conn.execute(_TENANT_WEIGHT, keys)).scalar_one()
+            # Without a wait budget it still passes through the queue (a moment's deadline),
+            # and is refused below unless admitted in this transaction.
+            back = AdmitRequest(current.params, (), max(wait_seconds, 1.0), None)
+            await self._enqueue(conn, back, current.reserved_blocks, locked["holder_id"], account)
+            await self._dispatch(conn, current.instance)
+            resumed = await self._get(conn, tenant, request_id)
+            if resumed.state is ReservationState.QUEUED and wait_seconds <= 0:
+                # Refused as an Admit would be; the rollback leaves it offloaded.
+                raise await self._resume_refusal(conn, resumed)
+            return resumed
+
+        return await in_transaction(self._engine, work)
+
+    async def _resume_refusal(self, conn: AsyncConnection, queued: Reservation) -> KvQuotaError:
+        keys = {"tenant": queued.tenant, "instance": queued.instance}
+        row = (await conn.execute(_LOCK_POOL_AND_ACCOUNT, keys)).mappings().one()
+        stored = await conn.execute(_GET_RESERVATION, {**keys, "request_id": queued.request_id})
+        pool, account = pool_from_row(queued.instance, row), account_from_row(queued.tenant, row)
+        decision, _ = await self._decide_queued(
+            conn, queued, stored.mappings().one(), pool, account
+        )
+        ahead = queued.queue_position or 0
+        shortfall = (
+            decision
+            if isinstance(decision, Shortfall)
+            else Shortfall("instance", queued.reserved_blocks, 0, 0, 0)  # others wait ahead
+        )
+        return await refusal(conn, shortfall, pool, account, row["now"], self._limits, ahead)
 
     async def reap_expired(self, batch: int) -> int:
         """End up to `batch` reservations whose lease ran out (LEASE_EXPIRED) and as many queued
@@ -1047,3 +1159,49 @@ def allocation_params(
         "pin": int(pinned),
         "hash_scope": hash_scope,
     }
+
+
+async def offload(conn: AsyncConnection, instance: str, tenant: str, request_id: str) -> int | None:
+    """OFFLOAD, in the caller's transaction (the instance and tenant locked): a suspended
+    reservation's blocks leave the GPU and its tokens leave the tenant's tokens in flight; it
+    stays live, in the CPU tier. Returns the blocks that freed, or None when it is not
+    suspended on the GPU (any more)."""
+    params = {
+        "instance": instance,
+        "tenant": tenant,
+        "request_id": request_id,
+        "observed": False,
+        "offloading": True,
+    }
+    offloaded = (await conn.execute(_OFFLOAD_RESERVATION, params)).mappings().first()
+    return None if offloaded is None else int(offloaded["freed_blocks"])
+
+
+def _not_live(current: Reservation) -> KvQuotaError:
+    """Why a reservation that is not admitted any more cannot be renewed, suspended or
+    resumed."""
+    name = reservation_name(current.tenant, current.request_id)
+    if current.end_reason is EndReason.PREEMPTED:
+        return preempted(name)
+    if current.state is ReservationState.ADMITTED or (
+        current.end_reason is EndReason.LEASE_EXPIRED
+    ):
+        return KvQuotaError(
+            Code.FAILED_PRECONDITION,
+            "LEASE_EXPIRED",
+            f"the lease of {name} expired; admit the request again",
+            metadata={"name": name},
+        )
+    if current.state is ReservationState.QUEUED:
+        return KvQuotaError(
+            Code.FAILED_PRECONDITION,
+            "NOT_ADMITTED",
+            f"{name} is still queued",
+            metadata={"name": name},
+        )
+    return KvQuotaError(
+        Code.FAILED_PRECONDITION,
+        "RESERVATION_ENDED",
+        f"{name} already ended ({current.end_reason.value if current.end_reason else ''})",
+        metadata={"name": name},
+    )

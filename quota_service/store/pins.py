@@ -57,8 +57,10 @@ _INSERT_PIN = text(
     f"""
     WITH pin AS (
         INSERT INTO pins (
-            holder_id, owner, pin_id, tenant, instance, prompt_tokens, pinned_blocks, prefix_hash)
-        VALUES (:holder, :owner, :pin_id, :tenant, :instance, :prompt_tokens, :blocks, :prefix)
+            holder_id, owner, pin_id, tenant, instance, prompt_tokens, pinned_blocks, prefix_hash,
+            token_ids)
+        VALUES (:holder, :owner, :pin_id, :tenant, :instance, :prompt_tokens, :blocks, :prefix,
+                CAST(:token_ids AS int[]))
         RETURNING holder_id
     ), {blocks.ALLOCATE}, {blocks.pool_counts()}, {blocks.tenant_additions()}
     SELECT (SELECT count(*) FROM allocated) AS allocated
@@ -165,6 +167,7 @@ class Pins:
                 "tenant": tenant,
                 "instance": instance,
                 "prompt_tokens": len(token_ids),
+                "token_ids": list(token_ids),
                 "blocks": len(hashes),
                 "prefix": hashes[-1],
                 **allocation_params(plan.hits, plan.new_hashes, scope, pinned=True),

@@ -16,6 +16,8 @@ from quota_service.core.model import EndReason, ReservationState
 from quota_service.core.names import reclaim_job_name
 from quota_service.core.pagination import Page
 from quota_service.core.reclaim import (
+    DEFAULT_WATERMARKS,
+    CpuWatermarks,
     Exclusion,
     HeldBlock,
     JobState,
@@ -32,9 +34,10 @@ from quota_service.core.reclaim import (
     UnreferencedBlock,
     check_executable,
     check_target,
+    cpu_tier,
     plan,
 )
-from quota_service.store import blocks
+from quota_service.store import blocks, ledger
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import in_transaction
 
@@ -47,7 +50,7 @@ _CACHED = text(
 # references and whether a pin holds it.
 _LIVE = text(
     """
-    SELECT r.tenant, r.request_id, r.priority,
+    SELECT r.tenant, r.request_id, r.priority, r.suspended_at IS NOT NULL AS suspended,
            row_number() OVER (ORDER BY r.admitted_at, r.holder_id) AS admitted_seq,
            array_agg(ref.block_id ORDER BY ref.position) AS block_ids,
            array_agg(ref.generation ORDER BY ref.position) AS generations,
@@ -57,7 +60,7 @@ _LIVE = text(
     JOIN block_refs ref ON ref.holder_id = r.holder_id AND NOT ref.released
     JOIN blocks b ON b.instance = ref.instance AND b.block_id = ref.block_id
     WHERE r.instance = :instance AND r.state = 'ADMITTED'
-    GROUP BY r.tenant, r.request_id, r.priority, r.admitted_at, r.holder_id
+    GROUP BY r.tenant, r.request_id, r.priority, r.suspended_at, r.admitted_at, r.holder_id
     ORDER BY admitted_seq
     """
 )
@@ -78,11 +81,14 @@ _PINNED_ONLY = text(
 )
 
 
-async def load_snapshot(engine: AsyncEngine, instance: str) -> PoolSnapshot:
-    """The instance's pool as the planner sees it. No reservation is suspended and no instance
-    has a CPU tier until SuspendReservation and the LMCache driver exist."""
-    # An instance's geometry never changes, so it is read apart (NOT_FOUND for no instance).
-    bytes_per_block = (await Catalog(engine).get_instance(instance)).spec.bytes_per_block or 0
+async def load_snapshot(
+    engine: AsyncEngine, instance: str, watermarks: CpuWatermarks = DEFAULT_WATERMARKS
+) -> PoolSnapshot:
+    """The instance's pool as the planner sees it, with its CPU tier as last read."""
+    # Geometry never changes and the CPU tier is read apart anyway (NOT_FOUND for no instance).
+    found = await Catalog(engine).get_instance(instance)
+    bytes_per_block = found.spec.bytes_per_block or 0
+    cpu = cpu_tier(found.cpu_used_bytes, found.cpu_capacity_bytes, watermarks)
     args = {"instance": instance}
     async with engine.connect() as conn:
         await conn.execution_options(isolation_level="REPEATABLE READ")
@@ -96,7 +102,7 @@ async def load_snapshot(engine: AsyncEngine, instance: str) -> PoolSnapshot:
                 r.request_id,
                 r.priority,
                 r.admitted_seq,
-                False,
+                r.suspended,
                 tuple(
                     HeldBlock(*entry)
                     for entry in zip(
@@ -109,7 +115,7 @@ async def load_snapshot(engine: AsyncEngine, instance: str) -> PoolSnapshot:
         active = frozenset(s for (s,) in await conn.execute(_ACTIVE_SCOPES, args) if s)
         pinned = tuple((scope, n) for scope, n in await conn.execute(_PINNED_ONLY, args))
         await conn.rollback()
-    return PoolSnapshot(bytes_per_block, cached, reservations, active, pinned, None)
+    return PoolSnapshot(bytes_per_block, cached, reservations, active, pinned, cpu)
 
 
 _INSERT_JOB = text(
@@ -205,6 +211,7 @@ _OPEN_JOBS = text(
 
 CHANGED_SINCE_PLAN = "the block was reused or evicted since the plan"
 GONE_SINCE_PLAN = "the reservation no longer exists"
+NOT_SUSPENDED_ANY_MORE = "the reservation was resumed or ended since the plan"
 
 
 def ended_before_preemption(reason: str) -> str:
@@ -297,8 +304,9 @@ def _same_request(
 class ReclaimJobs:
     """Reclaim jobs: planned from a snapshot, stored step by step, executed by any replica."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, watermarks: CpuWatermarks = DEFAULT_WATERMARKS) -> None:
         self._engine = engine
+        self._watermarks = watermarks
 
     async def create(
         self, request_id: str, instance: str, target: ReclaimTarget, dry_run: bool
@@ -311,7 +319,7 @@ class ReclaimJobs:
             return _same_request(await self.get(existing[0]), instance, target, dry_run)
         if target.tenant is not None:
             await Catalog(self._engine).get_tenant(target.tenant)  # NOT_FOUND for no tenant
-        result = plan(await load_snapshot(self._engine, instance), target)
+        result = plan(await load_snapshot(self._engine, instance, self._watermarks), target)
         if not dry_run:
             check_executable(result)
         job_id = f"reclaim-{secrets.token_hex(8)}"
@@ -379,6 +387,8 @@ class ReclaimJobs:
             outcome: _StepResult | Preemption
             if step["tier"] == Tier.FREE.name:
                 outcome = await _free_block(conn, step)
+            elif step["tier"] == Tier.OFFLOAD.name:
+                outcome = await _offloaded(conn, step)
             else:
                 outcome = await _preempted(conn, step)
             if isinstance(outcome, Preemption):
@@ -419,6 +429,14 @@ async def _free_block(conn: AsyncConnection, step: RowMapping) -> _StepResult:
     }
     freed = int((await conn.execute(_FREE_BLOCK, args)).mappings().one()["freed"])
     return freed, None if freed else CHANGED_SINCE_PLAN
+
+
+async def _offloaded(conn: AsyncConnection, step: RowMapping) -> _StepResult:
+    """OFFLOAD: the suspended reservation's blocks leave the GPU, unless it was resumed or
+    ended meanwhile."""
+    await conn.execute(blocks.LOCK_INSTANCE, {"instance": step["instance"]})
+    freed = await ledger.offload(conn, step["instance"], step["tenant"], step["request_id"])
+    return (0, NOT_SUSPENDED_ANY_MORE) if freed is None else (freed, None)
 
 
 async def _preempted(

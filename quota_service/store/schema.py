@@ -21,6 +21,7 @@ from sqlalchemy import (
     MetaData,
     Sequence,
     String,
+    Text,
     func,
     text,
 )
@@ -157,6 +158,14 @@ class InstanceRow(Base):
     engine_url: Mapped[str | None] = mapped_column(String(200))
     kv_events_endpoint: Mapped[str | None] = mapped_column(String(200))
     kv_replay_endpoint: Mapped[str | None] = mapped_column(String(200))
+    # The LMCache coordinator of its CPU tier, and its L1 as last read there.
+    lmcache_coordinator_url: Mapped[str | None] = mapped_column(String(200))
+    lmcache_instance_id: Mapped[str | None] = mapped_column(String(200))
+    lmcache_model_name: Mapped[str | None] = mapped_column(String(200))
+    lmcache_world_size: Mapped[int | None] = mapped_column(Integer)
+    cpu_used_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    cpu_capacity_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    cpu_checked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Reconciliation: the last event batch applied, resynchronisations, and drift (the engine
     # evicted a block the ledger still counts as referenced).
     last_event_seq: Mapped[int | None] = mapped_column(BigInteger)
@@ -227,6 +236,10 @@ class ReservationRow(Base):
     # When a reclaim ended it: how many blocks its end gave back (its last references), which
     # the reclaim step reports as what it really freed.
     freed_blocks: Mapped[int | None] = mapped_column(Integer)
+    # A multi-turn session idle between turns (SuspendReservation): since when, and, once a
+    # reclaim moved it to the CPU tier, the bytes it holds there (its GPU blocks are gone).
+    suspended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    offloaded_bytes: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         CheckConstraint("state IN ('QUEUED', 'ADMITTED', 'ENDED')", name="state"),
@@ -389,6 +402,10 @@ class PinRow(Base):
     pinned_blocks: Mapped[int] = mapped_column(Integer)
     # The last block's hash identifies the prefix (chained hashes cover every earlier token).
     prefix_hash: Mapped[bytes] = mapped_column(LargeBinary)
+    # The prefix's tokens and, once looked up, its LMCache chunk keys: what mirrors the pin
+    # onto the instance's CPU tier (kept after removal until the unpin is mirrored).
+    token_ids: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    chunk_keys: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
     state: Mapped[str] = mapped_column(String(16), server_default="ACTIVE")
     created_at: Mapped[CreatedAt]
     removed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -1,6 +1,7 @@
-"""Contract tests against a real vLLM on the CPU (`make test-engines`): a tiny random model made
-on the spot, served with KV events and a 64-block pool. The engine's Python is the one
-`make test-engines` builds (.venv-engines); without it the tests fail, they never skip."""
+"""Contract tests against a real vLLM and a real LMCache on the CPU (`make test-engines`): a tiny
+random model made on the spot, served with KV events and a 64-block pool; an LMCache coordinator
+and MP server. Their Pythons are the ones `make test-engines` builds (.venv-engines,
+.venv-lmcache); without them the tests fail, they never skip."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +39,13 @@ class Engine:
     python: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """Ports nothing listens on; held open together while chosen, so they differ."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +148,8 @@ def tiny_model(engine_python: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def free_ports() -> tuple[int, int, int]:
-    return _free_port(), _free_port(), _free_port()
+    http, events, replay = _free_ports(3)
+    return http, events, replay
 
 
 @pytest.fixture(scope="session")
@@ -167,3 +172,181 @@ def engine_at(model: Path, ports: tuple[int, int, int], python: Path) -> Engine:
         f"tcp://127.0.0.1:{replay_port}",
         python,
     )
+
+
+# LMCache, for the CPU tier: a coordinator and one MP server (DRAM L1, file-system L2) on
+# loopback, and a writer process standing in for vLLM's worker (LMCache's MP connector needs a
+# GPU; the writer stores chunks through the same ZMQ protocol from CPU tensors).
+LMCACHE_PYTHON = Path(
+    os.environ.get("KVQUOTA_LMCACHE_PYTHON", ROOT / ".venv-lmcache" / "bin" / "python")
+)
+LMCACHE_MODEL = "kvq-model"
+LMCACHE_INSTANCE = "mp-1"
+LMCACHE_L1_BYTES = 64 << 20  # allocated up front on the CPU: keep it small
+LMCACHE_STARTUP_SECONDS = 120
+
+
+@dataclass(frozen=True)
+class Lmcache:
+    coordinator_url: str
+    instance_id: str
+    model_name: str
+    rpc_url: str
+    python: Path
+
+
+def _lmcache_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "LMCACHE_TRACK_USAGE": "false",
+        "HF_HUB_OFFLINE": "1",
+        "LMCACHE_DISABLE_BANNER": "1",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+def _start(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("a") as log:
+        return subprocess.Popen(
+            command,
+            env=_lmcache_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _wait_until(ready: Callable[[], bool], process: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + LMCACHE_STARTUP_SECONDS
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"{what} exited with {process.returncode}")
+        try:
+            if ready():
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not start within {LMCACHE_STARTUP_SECONDS}s")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="session")
+def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
+    if not LMCACHE_PYTHON.exists():
+        pytest.fail(f"{LMCACHE_PYTHON} is missing: run `make test-engines`, which builds it")
+    lmcache_cli = [str(LMCACHE_PYTHON), "-m", "lmcache.cli.main"]
+    work = tmp_path_factory.mktemp("lmcache")
+    coordinator_port, rpc_port, http_port, metrics_port = _free_ports(4)
+    coordinator_url = f"http://127.0.0.1:{coordinator_port}"
+    coordinator = _start(
+        [*lmcache_cli, "coordinator", "--host", "127.0.0.1", "--port", str(coordinator_port)],
+        work / "coordinator.log",
+    )
+    _wait_until(
+        lambda: httpx.get(f"{coordinator_url}/healthz", timeout=2).status_code == 200,
+        coordinator,
+        "the LMCache coordinator",
+    )
+    l2 = {"type": "fs", "base_path": str(work / "l2")}
+    server = _start(
+        [
+            *lmcache_cli,
+            "server",
+            "--instance-id",
+            LMCACHE_INSTANCE,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(rpc_port),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(http_port),
+            "--chunk-size",
+            "256",
+            "--l1-size-gb",
+            str(LMCACHE_L1_BYTES / (1 << 30)),
+            "--eviction-policy",
+            "LRU",
+            "--l2-adapter",
+            json.dumps(l2),
+            "--coordinator-url",
+            coordinator_url,
+            "--coordinator-advertise-ip",
+            "127.0.0.1",
+            "--coordinator-event-reporting",
+            "--coordinator-heartbeat-interval",
+            "1",
+            "--coordinator-event-flush-interval",
+            "0.2",
+            "--prometheus-port",
+            str(metrics_port),
+        ],
+        work / "server.log",
+    )
+
+    def registered() -> bool:
+        members = httpx.get(f"{coordinator_url}/instances", timeout=2).json()["instances"]
+        return any(m["instance_id"] == LMCACHE_INSTANCE for m in members)
+
+    _wait_until(registered, server, "the LMCache MP server")
+    yield Lmcache(
+        coordinator_url,
+        LMCACHE_INSTANCE,
+        LMCACHE_MODEL,
+        f"tcp://127.0.0.1:{rpc_port}",
+        LMCACHE_PYTHON,
+    )
+    for process in (server, coordinator):
+        stop_vllm(process, signal.SIGINT)  # the same group stop: SIGINT lets them deregister
+
+
+class ChunkWriter:
+    """Stores token sequences into the MP server as vLLM's worker would (scripts/lmcache_writer.py
+    in LMCache's Python, one process for the session)."""
+
+    def __init__(self, lmcache: Lmcache) -> None:
+        self.process = subprocess.Popen(
+            [
+                str(lmcache.python),
+                str(ROOT / "scripts" / "lmcache_writer.py"),
+                "--rpc",
+                lmcache.rpc_url,
+                "--model",
+                lmcache.model_name,
+            ],
+            env=_lmcache_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert json.loads(self._answer()) == {"ready": True}
+
+    def _answer(self) -> str:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            pytest.fail(f"the LMCache writer exited with {self.process.wait()}")
+        return line
+
+    def store(self, salt: str, token_ids: Sequence[int]) -> int:
+        """Store the whole chunks; returns how many."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"salt": salt, "token_ids": list(token_ids)}) + "\n")
+        self.process.stdin.flush()
+        answer = json.loads(self._answer())
+        assert answer["stored"], answer
+        return int(answer["chunks"])
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def chunk_writer(lmcache: Lmcache) -> Iterator[ChunkWriter]:
+    writer = ChunkWriter(lmcache)
+    yield writer
+    writer.close()

@@ -49,7 +49,8 @@ CHECKS = {
                    FROM block_refs WHERE NOT released AND tenant IS NOT NULL
                    GROUP BY tenant) r USING (tenant)
         LEFT JOIN (SELECT tenant, sum(reserved_tokens) AS tokens FROM reservations
-                   WHERE state = 'ADMITTED' GROUP BY tenant) v USING (tenant)
+                   WHERE state = 'ADMITTED' AND offloaded_bytes IS NULL
+                   GROUP BY tenant) v USING (tenant)
         WHERE t.blocks_in_use <> coalesce(tb.blocks, 0) OR t.blocks_in_use <> coalesce(r.blocks, 0)
            OR t.pinned_blocks <> coalesce(tb.pinned, 0)
            OR t.tokens_in_flight <> coalesce(v.tokens, 0)
@@ -63,6 +64,14 @@ CHECKS = {
           ON r.tenant = tb.tenant AND r.instance = tb.instance AND r.block_id = tb.block_id
          AND r.generation = tb.generation
         WHERE tb.refs <> coalesce(r.refs, 0) OR tb.pin_refs <> coalesce(r.pins, 0)
+    """,
+    "an offloaded reservation is a suspended one with no block table": """
+        SELECT r.request_id FROM reservations r
+        WHERE r.offloaded_bytes IS NOT NULL AND (
+            r.state = 'QUEUED'
+            OR (r.state = 'ADMITTED' AND r.suspended_at IS NULL)
+            OR EXISTS (SELECT 1 FROM block_refs b
+                       WHERE b.holder_id = r.holder_id AND NOT b.released))
     """,
     "queue counters match the queued reservations": """
         SELECT i.instance FROM instances i

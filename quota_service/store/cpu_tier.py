@@ -1,0 +1,194 @@
+"""What the CPU tier (LMCache) should hold, as the ledger says: each salt's quota, each pin's
+prefix, each suspended session's tokens; and the CPU tier's fill as last read."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.core.model import LmcacheEndpoint
+
+# A salt's quota: what its tenants may hold in the CPU tier together (a namespace's tenants
+# share its salt). An offboarded tenant's salt is replaced, so its old one is no longer here.
+_SALT_QUOTAS = text(
+    """
+    SELECT coalesce(ns.cache_salt, t.cache_salt) AS salt,
+           sum(t.max_cpu_tier_bytes)::bigint AS limit_bytes
+    FROM tenants t LEFT JOIN namespaces ns ON ns.namespace = t.namespace
+    WHERE t.state <> 'DELETED'
+    GROUP BY 1
+    """
+)
+
+_COORDINATORS = text(
+    "SELECT DISTINCT lmcache_coordinator_url FROM instances "
+    "WHERE lmcache_coordinator_url IS NOT NULL ORDER BY 1"
+)
+
+_LMCACHE_INSTANCES = text(
+    """
+    SELECT instance, lmcache_coordinator_url, lmcache_instance_id, lmcache_model_name,
+           lmcache_world_size
+    FROM instances WHERE lmcache_coordinator_url IS NOT NULL ORDER BY instance
+    """
+)
+
+# Pins on instances with a CPU tier, with the salt their prefix is stored under. Removed pins
+# stay until their unpin was mirrored.
+_PINS = text(
+    """
+    SELECT p.holder_id, p.state = 'ACTIVE' AS wanted, p.token_ids, p.chunk_keys,
+           i.lmcache_coordinator_url, i.lmcache_instance_id, i.lmcache_model_name,
+           i.lmcache_world_size,
+           CASE WHEN p.owner LIKE 'namespaces/%' THEN owner_ns.cache_salt
+                ELSE coalesce(tenant_ns.cache_salt, t.cache_salt) END AS salt
+    FROM pins p
+    JOIN instances i ON i.instance = p.instance AND i.lmcache_coordinator_url IS NOT NULL
+    LEFT JOIN tenants t ON t.tenant = p.tenant
+    LEFT JOIN namespaces tenant_ns ON tenant_ns.namespace = t.namespace
+    LEFT JOIN namespaces owner_ns ON 'namespaces/' || owner_ns.namespace = p.owner
+    WHERE p.token_ids IS NOT NULL
+    ORDER BY p.holder_id
+    """
+)
+
+_SAVE_KEYS = text("UPDATE pins SET chunk_keys = :keys WHERE holder_id = :holder")
+
+_FORGET_UNPINNED = text(
+    "UPDATE pins SET token_ids = NULL, chunk_keys = NULL "
+    "WHERE holder_id = ANY (CAST(:holders AS bigint[])) AND state = 'REMOVED'"
+)
+
+_RECORD_USAGE = text(
+    """
+    UPDATE instances
+    SET cpu_used_bytes = :used, cpu_capacity_bytes = :capacity, cpu_checked_at = now()
+    WHERE instance = :instance
+    """
+)
+
+# A reservation's CPU tier and what it holds there: its salt and its session's tokens.
+_SESSION = text(
+    """
+    SELECT i.lmcache_coordinator_url, i.lmcache_instance_id, i.lmcache_model_name,
+           i.lmcache_world_size, coalesce(ns.cache_salt, t.cache_salt) AS salt,
+           r.prompt_token_ids AS session
+    FROM reservations r
+    JOIN instances i ON i.instance = r.instance
+    JOIN tenants t ON t.tenant = r.tenant
+    LEFT JOIN namespaces ns ON ns.namespace = t.namespace
+    WHERE r.tenant = :tenant AND r.request_id = :request_id
+    """
+)
+
+# One mirror pass at a time per coordinator, whichever replica runs it (pins are refcounted:
+# two passes deciding at once would both send the same change).
+_TRY_LOCK = text("SELECT pg_try_advisory_lock(hashtext('kvquota-cpu-tier:' || :key))")
+_UNLOCK = text("SELECT pg_advisory_unlock(hashtext('kvquota-cpu-tier:' || :key))")
+
+
+@dataclass(frozen=True, slots=True)
+class MirroredPin:
+    holder_id: int
+    where: LmcacheEndpoint
+    salt: str
+    token_ids: tuple[int, ...]
+    chunk_keys: tuple[str, ...] | None  # None: not looked up yet
+    wanted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """A suspended session as the CPU tier holds it."""
+
+    where: LmcacheEndpoint
+    salt: str
+    token_ids: tuple[int, ...]
+
+
+def _endpoint(row: Sequence[object]) -> LmcacheEndpoint:
+    url, instance_id, model_name, world_size = row
+    return LmcacheEndpoint(str(url), str(instance_id), str(model_name), int(str(world_size)))
+
+
+class CpuTierBooks:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    async def coordinators(self) -> list[str]:
+        async with self._engine.connect() as conn:
+            return [url for (url,) in await conn.execute(_COORDINATORS)]
+
+    async def salt_quotas(self) -> dict[str, int]:
+        """Salt → the CPU-tier bytes its tenants may hold together."""
+        async with self._engine.connect() as conn:
+            return {salt: limit for salt, limit in await conn.execute(_SALT_QUOTAS)}
+
+    async def instances(self) -> list[tuple[str, LmcacheEndpoint]]:
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(_LMCACHE_INSTANCES)
+            return [(row[0], _endpoint(row[1:])) for row in rows]
+
+    async def pins(self, coordinator_url: str) -> list[MirroredPin]:
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(_PINS)).mappings().all()
+        return [
+            MirroredPin(
+                row["holder_id"],
+                _endpoint(
+                    (
+                        row["lmcache_coordinator_url"],
+                        row["lmcache_instance_id"],
+                        row["lmcache_model_name"],
+                        row["lmcache_world_size"],
+                    )
+                ),
+                row["salt"],
+                tuple(row["token_ids"]),
+                tuple(row["chunk_keys"]) if row["chunk_keys"] is not None else None,
+                row["wanted"],
+            )
+            for row in rows
+            if row["lmcache_coordinator_url"] == coordinator_url and row["salt"] is not None
+        ]
+
+    async def save_chunk_keys(self, holder_id: int, keys: Sequence[str]) -> None:
+        async with self._engine.begin() as conn:
+            await conn.execute(_SAVE_KEYS, {"holder": holder_id, "keys": list(keys)})
+
+    async def forget_unpinned(self, holder_ids: Sequence[int]) -> None:
+        """Removed pins whose unpin the coordinator shows: nothing left to mirror of them."""
+        async with self._engine.begin() as conn:
+            await conn.execute(_FORGET_UNPINNED, {"holders": list(holder_ids)})
+
+    async def record_usage(self, instance: str, used_bytes: int, capacity_bytes: int) -> None:
+        params = {"instance": instance, "used": used_bytes, "capacity": capacity_bytes}
+        async with self._engine.begin() as conn:
+            await conn.execute(_RECORD_USAGE, params)
+
+    async def session(self, tenant: str, request_id: str) -> Session | None:
+        """The reservation's session in its instance's CPU tier (None: no CPU tier, or no
+        tokens were given when it was suspended)."""
+        async with self._engine.connect() as conn:
+            keys = {"tenant": tenant, "request_id": request_id}
+            row = (await conn.execute(_SESSION, keys)).first()
+        if row is None or row[0] is None or not row[5]:
+            return None
+        return Session(_endpoint(row[:4]), row[4], tuple(row[5]))
+
+    @asynccontextmanager
+    async def exclusive(self, key: str) -> AsyncIterator[bool]:
+        """Whether this replica holds the mirror of `key` for the block (False: another does)."""
+        async with self._engine.connect() as conn:
+            held = bool((await conn.execute(_TRY_LOCK, {"key": key})).scalar_one())
+            await conn.commit()
+            try:
+                yield held
+            finally:
+                if held:
+                    await conn.execute(_UNLOCK, {"key": key})
+                    await conn.commit()
