@@ -102,6 +102,12 @@ def _instance_row(i: resources_pb2.Instance) -> dict[str, object]:
         "live": i.live_reservations,
         # What the engine itself says it runs ("-" until the follower has read its metrics).
         "engine running": "-" if i.engine_requests_running < 0 else i.engine_requests_running,
+        # Its LMCache L1 as last read ("-": no CPU tier, or not read yet).
+        "cpu tier": (
+            f"{format_size(i.cpu_used_bytes)}/{format_size(i.cpu_capacity_bytes)}"
+            if i.HasField("cpu_check_time")
+            else "-"
+        ),
     }
 
 
@@ -139,6 +145,14 @@ def _register_instance(args: argparse.Namespace) -> int:
         kv_events_endpoint=args.kv_events or "",
         kv_replay_endpoint=args.kv_replay or "",
     )
+    if args.lmcache_coordinator:
+        engine.lmcache.CopyFrom(
+            resources_pb2.LmcacheEndpoint(
+                coordinator_url=args.lmcache_coordinator,
+                instance_id=args.lmcache_instance_id or "",
+                model_name=args.lmcache_model or "",
+            )
+        )
     request = admin_pb2.RegisterInstanceRequest(
         instance_id=args.name,
         model=args.model or "",
@@ -164,6 +178,15 @@ def parse_size(text: str) -> int:
     if match is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 4096)")
     return int(match.group(1)) * SIZE_UNITS[(match.group(2) or "").upper()]
+
+
+def format_size(size: int) -> str:
+    """Bytes in the largest binary unit that keeps a whole number above 1, e.g. 1.5GiB."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        scale = SIZE_UNITS[unit.upper()]
+        if size >= scale:
+            return f"{size / scale:.3g}{unit}"
+    return f"{size}B"
 
 
 def _step_row(step: resources_pb2.ReclaimStep) -> dict[str, object]:
@@ -252,6 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     register.add_argument("--kv-events", help="vLLM's KV-event publisher, e.g. tcp://host:5557")
     register.add_argument("--kv-replay", help="its replay socket, e.g. tcp://host:5558")
     register.add_argument("--model", help="the model name (default: what the engine serves)")
+    register.add_argument(
+        "--lmcache-coordinator",
+        help="the LMCache MP coordinator of its CPU tier, e.g. http://host:9300",
+    )
+    register.add_argument("--lmcache-instance-id", help="its MP server's --instance-id")
+    register.add_argument("--lmcache-model", help="the model name its KV is stored under")
     register.add_argument("--max-model-len", type=int, help="default: the engine's")
     register.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
     register.add_argument("--json", action="store_true", help="print JSON instead of a table")

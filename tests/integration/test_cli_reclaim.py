@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.api import server
 from quota_service.cli import main as cli_main
-from quota_service.cli import parse_size
+from quota_service.cli import format_size, parse_size
 from quota_service.config import Settings
 from quota_service.core.model import EndReason
 from quota_service.store.ledger import Ledger
@@ -29,6 +29,8 @@ def test_sizes() -> None:
     ]
     with pytest.raises(argparse.ArgumentTypeError):
         parse_size("2GB")  # decimal units are ambiguous next to GiB: refused
+    sizes = [0, 1023, 64 << 10, 64 << 20, 3 << 29, 5 << 40]
+    assert [format_size(n) for n in sizes] == ["0B", "1023B", "64KiB", "64MiB", "1.5GiB", "5TiB"]
 
 
 async def test_reclaim_prints_the_plan_and_the_result(
