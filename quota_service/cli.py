@@ -210,6 +210,7 @@ def _reclaim(args: argparse.Namespace) -> int:
         target_blocks=args.blocks or 0,
         target_bytes=args.target or 0,
         max_tier=resources_pb2.ReclaimTier.Value(f"RECLAIM_TIER_{args.max_tier.upper()}"),
+        min_tier=resources_pb2.ReclaimTier.Value(f"RECLAIM_TIER_{args.min_tier.upper()}"),
         dry_run=args.dry_run,
         request_id=args.request_id or f"cli-{uuid.uuid4().hex}",
     )
@@ -290,11 +291,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = reclaim.add_mutually_exclusive_group(required=True)
     target.add_argument("--target", type=parse_size, help="bytes to take back, e.g. 2GiB")
     target.add_argument("--blocks", type=int, help="blocks to take back")
+    tiers = ["free", "offload", "compress", "evict"]
     reclaim.add_argument(
-        "--max-tier",
+        "--max-tier", default="free", choices=tiers, help="the highest tier allowed (default: free)"
+    )
+    reclaim.add_argument(
+        "--min-tier",
         default="free",
-        choices=["free", "offload", "compress", "evict"],
-        help="the highest tier allowed (default: free)",
+        choices=tiers,
+        help="the lowest tier to use (default: free; offload skips freeing cached blocks)",
     )
     reclaim.add_argument("--dry-run", action="store_true", help="plan only")
     reclaim.add_argument("--request-id", help="idempotency key (default: a new one)")

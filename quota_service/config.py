@@ -14,7 +14,7 @@ from pathlib import Path
 
 from quota_service.core.admission import AdmissionLimits
 from quota_service.core.queueing import QueuePolicy
-from quota_service.core.reclaim import DEFAULT_WATERMARKS, CpuWatermarks
+from quota_service.core.reclaim import DEFAULT_WATERMARKS, CpuWatermarks, Tier
 
 ENV_PREFIX = "KVQUOTA_"
 
@@ -55,6 +55,12 @@ class Settings:
     # at or below the low watermark, and would compress only above the high one.
     cpu_offload_watermark: float = DEFAULT_WATERMARKS.offload
     cpu_compress_watermark: float = DEFAULT_WATERMARKS.compress
+    # The reclaim policy: the highest tier its jobs may use ("none" turns it off; "offload"
+    # touches only idle sessions), the share of an instance in use above which it reclaims
+    # while work waits, and how often at most it starts a job for one scope.
+    reclaim_policy_max_tier: str = "offload"
+    reclaim_policy_watermark: float = 0.95
+    reclaim_policy_cooldown_seconds: float = 30.0
     # Tombstones answer late releases through freed handles; after this they are purged.
     tombstone_retention_seconds: float = 86400.0
     shutdown_grace_seconds: float = 10.0
@@ -75,6 +81,7 @@ class Settings:
             "engine_abort_timeout_seconds",
             "engine_abort_hard_timeout_seconds",
             "metrics_refresh_seconds",
+            "reclaim_policy_cooldown_seconds",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -97,12 +104,28 @@ class Settings:
                 "CPU-tier watermarks must satisfy 0 < cpu_offload_watermark <= "
                 "cpu_compress_watermark <= 1"
             )
+        if self.reclaim_policy_max_tier != "none" and (
+            self.reclaim_policy_max_tier.upper() not in Tier.__members__
+        ):
+            tiers = ", ".join(t.name.lower() for t in Tier)
+            raise SettingsError(
+                f"{ENV_PREFIX}RECLAIM_POLICY_MAX_TIER must be none or one of {tiers}"
+            )
+        if not 0 < self.reclaim_policy_watermark <= 1:
+            raise SettingsError(f"{ENV_PREFIX}RECLAIM_POLICY_WATERMARK must be in (0, 1]")
         if self.shutdown_grace_seconds < 0:
             raise SettingsError(f"{ENV_PREFIX}SHUTDOWN_GRACE_SECONDS must not be negative")
 
     @property
     def queue_policy(self) -> QueuePolicy:
         return QueuePolicy(self.max_bypass_wait_seconds, self.dispatch_batch)
+
+    @property
+    def reclaim_policy_tier(self) -> Tier | None:
+        """None: the policy starts no job."""
+        if self.reclaim_policy_max_tier == "none":
+            return None
+        return Tier[self.reclaim_policy_max_tier.upper()]
 
     @property
     def cpu_watermarks(self) -> CpuWatermarks:

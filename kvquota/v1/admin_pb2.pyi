@@ -771,6 +771,7 @@ class CreateReclaimJobRequest(_message.Message):
     MAX_TIER_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MIN_TIER_FIELD_NUMBER: _builtins.int
     instance: _builtins.str
     """instances/{instance}"""
     tenant: _builtins.str
@@ -783,6 +784,10 @@ class CreateReclaimJobRequest(_message.Message):
     """Plan only: the job is stored as SUCCEEDED with its plan and never executed."""
     request_id: _builtins.str
     """Idempotency: a repeat with the same id returns the job it created."""
+    min_tier: _resources_pb2.ReclaimTier.ValueType
+    """The lowest tier to use (unset: FREE). Freeing cached blocks makes no room for admission,
+    which reuses them anyway: a job meant to let queued work in starts at OFFLOAD.
+    """
     def __init__(
         self,
         *,
@@ -793,10 +798,11 @@ class CreateReclaimJobRequest(_message.Message):
         max_tier: _resources_pb2.ReclaimTier.ValueType = ...,
         dry_run: _builtins.bool = ...,
         request_id: _builtins.str = ...,
+        min_tier: _resources_pb2.ReclaimTier.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "instance", b"instance", "max_tier", b"max_tier", "request_id", b"request_id", "target_blocks", b"target_blocks", "target_bytes", b"target_bytes", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "instance", b"instance", "max_tier", b"max_tier", "min_tier", b"min_tier", "request_id", b"request_id", "target_blocks", b"target_blocks", "target_bytes", b"target_bytes", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -139,7 +139,8 @@ class AdmissionServiceServicer:
 
     def SuspendReservation(self, request, context):
         """Marks an admitted reservation idle between turns of a multi-turn session: a reclaim may
-        then move it to the CPU tier (OFFLOAD) instead of preempting running work. Idempotent.
+        then move it to the CPU tier (OFFLOAD) instead of preempting running work. Its lease still
+        runs: renew it while the session lives. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

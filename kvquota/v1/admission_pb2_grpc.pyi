@@ -53,7 +53,8 @@ class AdmissionServiceStub:
     """
     SuspendReservation: _grpc.UnaryUnaryMultiCallable[_admission_pb2.SuspendReservationRequest, _resources_pb2.Reservation]
     """Marks an admitted reservation idle between turns of a multi-turn session: a reclaim may
-    then move it to the CPU tier (OFFLOAD) instead of preempting running work. Idempotent.
+    then move it to the CPU tier (OFFLOAD) instead of preempting running work. Its lease still
+    runs: renew it while the session lives. Idempotent.
     """
     ResumeReservation: _grpc.UnaryUnaryMultiCallable[_admission_pb2.ResumeReservationRequest, _resources_pb2.Reservation]
     """Ends a suspension; an offloaded reservation gets GPU blocks again (prefetching its
@@ -84,7 +85,8 @@ class AdmissionServiceAsyncStub(AdmissionServiceStub):
     """
     SuspendReservation: _aio.UnaryUnaryMultiCallable[_admission_pb2.SuspendReservationRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
     """Marks an admitted reservation idle between turns of a multi-turn session: a reclaim may
-    then move it to the CPU tier (OFFLOAD) instead of preempting running work. Idempotent.
+    then move it to the CPU tier (OFFLOAD) instead of preempting running work. Its lease still
+    runs: renew it while the session lives. Idempotent.
     """
     ResumeReservation: _aio.UnaryUnaryMultiCallable[_admission_pb2.ResumeReservationRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
     """Ends a suspension; an offloaded reservation gets GPU blocks again (prefetching its
@@ -160,7 +162,8 @@ class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_resources_pb2.Reservation, _abc.Awaitable[_resources_pb2.Reservation]]:
         """Marks an admitted reservation idle between turns of a multi-turn session: a reclaim may
-        then move it to the CPU tier (OFFLOAD) instead of preempting running work. Idempotent.
+        then move it to the CPU tier (OFFLOAD) instead of preempting running work. Its lease still
+        runs: renew it while the session lives. Idempotent.
         """
 
     @_abc_1.abstractmethod

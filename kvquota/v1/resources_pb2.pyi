@@ -1068,6 +1068,7 @@ class ReclaimJob(_message.Message):
     ACTUAL_BLOCKS_FIELD_NUMBER: _builtins.int
     STEPS_FIELD_NUMBER: _builtins.int
     EXCLUDED_FIELD_NUMBER: _builtins.int
+    MIN_TIER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """reclaimJobs/{job}"""
     request_id: _builtins.str
@@ -1081,6 +1082,7 @@ class ReclaimJob(_message.Message):
     state: Global___ReclaimJobState.ValueType
     expected_blocks: _builtins.int
     actual_blocks: _builtins.int
+    min_tier: Global___ReclaimTier.ValueType
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReclaimStep]: ...
     @_builtins.property
@@ -1100,10 +1102,11 @@ class ReclaimJob(_message.Message):
         actual_blocks: _builtins.int = ...,
         steps: _abc.Iterable[Global___ReclaimStep] | None = ...,
         excluded: _abc.Iterable[Global___ReclaimExclusion] | None = ...,
+        min_tier: Global___ReclaimTier.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["actual_blocks", b"actual_blocks", "dry_run", b"dry_run", "excluded", b"excluded", "expected_blocks", b"expected_blocks", "instance", b"instance", "max_tier", b"max_tier", "name", b"name", "request_id", b"request_id", "state", b"state", "steps", b"steps", "target_blocks", b"target_blocks", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actual_blocks", b"actual_blocks", "dry_run", b"dry_run", "excluded", b"excluded", "expected_blocks", b"expected_blocks", "instance", b"instance", "max_tier", b"max_tier", "min_tier", b"min_tier", "name", b"name", "request_id", b"request_id", "state", b"state", "steps", b"steps", "target_blocks", b"target_blocks", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,7 +14,7 @@ from quota_service.core import catalog, names, pagination
 from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
 from quota_service.core.model import DEFAULT_MAX_QUEUED_REQUESTS, QueueBounds, TenantState
 from quota_service.core.names import instance_id, tenant_id
-from quota_service.core.reclaim import ReclaimTarget
+from quota_service.core.reclaim import ReclaimTarget, Tier
 from quota_service.engine.vllm.http import EngineDescription, MetricsError, VllmHttp
 from quota_service.store.catalog import Catalog
 from quota_service.store.inspection import Inspection
@@ -300,6 +300,12 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         max_tier = convert.reclaim_tier(request.max_tier)
         if max_tier is None:
             violations.append(FieldViolation("max_tier", "name the highest tier allowed"))
+        min_tier = Tier.FREE
+        if request.min_tier:
+            given = convert.reclaim_tier(request.min_tier)
+            if given is None:
+                violations.append(FieldViolation("min_tier", "not a reclaim tier"))
+            min_tier = given or Tier.FREE
         request_violation = names.check_request_id(request.request_id, "request_id")
         if request_violation:
             violations.append(request_violation)
@@ -314,7 +320,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                     [FieldViolation("target_bytes", "the instance has no geometry; give blocks")]
                 )
             target_blocks = -(-request.target_bytes // spec.bytes_per_block)
-        target = ReclaimTarget(target_blocks, max_tier, tenant)
+        target = ReclaimTarget(target_blocks, max_tier, tenant, min_tier)
         job = await self._reclaim.create(request.request_id, instance, target, request.dry_run)
         return convert.reclaim_job(job)
 

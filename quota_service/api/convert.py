@@ -446,6 +446,7 @@ def reclaim_job(value: ReclaimJob) -> pb.ReclaimJob:
         tenant="" if value.target.tenant is None else names.tenant_name(value.target.tenant),
         target_blocks=value.target.target_blocks,
         max_tier=pb.ReclaimTier.Value(f"RECLAIM_TIER_{value.target.max_tier.name}"),
+        min_tier=pb.ReclaimTier.Value(f"RECLAIM_TIER_{value.target.min_tier.name}"),
         dry_run=value.dry_run,
         state=pb.ReclaimJobState.Value(f"RECLAIM_JOB_STATE_{value.state.value}"),
         expected_blocks=value.expected_blocks,

@@ -25,6 +25,7 @@ from quota_service.jobs.cpu_tier import CpuTier
 from quota_service.jobs.dispatcher import Dispatcher
 from quota_service.jobs.follower import Followers
 from quota_service.jobs.metrics import InstanceMetrics, serve_metrics
+from quota_service.jobs.policy import ReclaimPolicy
 from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
 from quota_service.store import migrate
@@ -151,6 +152,12 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         followers,
         metrics,
         ReclaimExecutor(reclaim, termination, cpu_tier),
+        ReclaimPolicy(
+            reclaim,
+            settings.reclaim_policy_tier,
+            settings.reclaim_policy_watermark,
+            settings.reclaim_policy_cooldown_seconds,
+        ),
         cpu_tier,
         settings,
     )

@@ -115,6 +115,7 @@ class ReclaimTarget:
     target_blocks: int
     max_tier: Tier
     tenant: str | None = None  # None: the whole instance
+    min_tier: Tier = Tier.FREE
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,18 +261,20 @@ def plan(pool: PoolSnapshot, target: ReclaimTarget) -> ReclaimPlan:
     """The steps, in order, that reach the target (or everything allowed, when it cannot be
     reached), and what stays and why."""
     p = _Planner(pool, target)
-    p.free_cached()
+    if target.min_tier <= Tier.FREE:
+        p.free_cached()
     scoped = [r for r in pool.reservations if target.tenant is None or r.tenant == target.tenant]
     # Coldest first: the reservation idle longest (admitted earliest) goes to the CPU first.
     suspended = sorted((r for r in scoped if r.suspended), key=lambda r: r.admitted_seq)
     running = [r for r in scoped if not r.suspended]
-    if target.max_tier >= Tier.OFFLOAD:
+    allowed = range(target.min_tier, target.max_tier + 1)
+    if Tier.OFFLOAD in allowed:
         suspended = p.offload(suspended)
-        if not p.done and target.max_tier >= Tier.COMPRESS and suspended and p.compress():
+        if not p.done and Tier.COMPRESS in allowed and suspended and p.compress():
             suspended = p.offload(suspended)
-    if target.max_tier >= Tier.EVICT:
+    if Tier.EVICT in allowed:
         suspended = p.evict(suspended, running)
-    if not p.done and target.max_tier >= Tier.OFFLOAD:
+    if not p.done and Tier.OFFLOAD in allowed:
         full = Unreclaimable.CPU_TIER_FULL if pool.cpu is not None else Unreclaimable.NO_CPU_TIER
         p.excluded += [Exclusion(full, len(r.blocks), (r.tenant, r.request_id)) for r in suspended]
     beyond = (running if target.max_tier < Tier.EVICT else []) + (
@@ -352,8 +355,13 @@ class ReclaimJob:
 
 
 def check_target(target: ReclaimTarget) -> None:
+    violations = []
     if target.target_blocks <= 0:
-        raise invalid_request([FieldViolation("target", "must be a positive number of blocks")])
+        violations.append(FieldViolation("target", "must be a positive number of blocks"))
+    if target.min_tier > target.max_tier:
+        violations.append(FieldViolation("min_tier", "must not be above max_tier"))
+    if violations:
+        raise invalid_request(violations)
 
 
 def check_executable(result: ReclaimPlan) -> None:
@@ -366,3 +374,62 @@ def check_executable(result: ReclaimPlan) -> None:
             "but not executed yet",
             metadata={"tiers": ",".join(t.name for t in tiers)},
         )
+
+
+# Policy: reclaim jobs started by the service itself.
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    instance: str
+    capacity_blocks: int
+    used_blocks: int  # referenced or pinned: what admission cannot reuse
+    queued_requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class TenantExcess:
+    tenant: str
+    excess_blocks: int  # held beyond its quota (the quota was cut below what it holds)
+    held: tuple[tuple[str, int], ...]  # (instance, blocks it holds there)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyJob:
+    instance: str
+    target: ReclaimTarget
+    cause: str
+
+
+# What the policy measures (blocks referenced or pinned) is what FREE cannot lower: cached blocks
+# are reusable by admission already, and a tenant's usage counts only what it references.
+POLICY_MIN_TIER = Tier.OFFLOAD
+
+
+def policy_jobs(
+    loads: Sequence[InstanceLoad],
+    excesses: Sequence[TenantExcess],
+    watermark: float,
+    max_tier: Tier,
+) -> list[PolicyJob]:
+    """The jobs the policy starts: an instance in use above its watermark while work waits
+    gives back down to the watermark; a tenant over its block quota gives back its excess,
+    from the instances where it holds most first."""
+    jobs = []
+    for load in loads:
+        over = load.used_blocks - int(watermark * load.capacity_blocks)
+        if load.queued_requests > 0 and over > 0:
+            cause = f"{load.used_blocks} of {load.capacity_blocks} blocks in use, work queued"
+            target = ReclaimTarget(over, max_tier, None, POLICY_MIN_TIER)
+            jobs.append(PolicyJob(load.instance, target, cause))
+    for excess in excesses:
+        left = excess.excess_blocks
+        for instance, held in sorted(excess.held, key=lambda h: (-h[1], h[0])):
+            if left <= 0:
+                break
+            take = min(left, held)
+            target = ReclaimTarget(take, max_tier, excess.tenant, POLICY_MIN_TIER)
+            cause = f"tenant {excess.tenant} holds {excess.excess_blocks} blocks over its quota"
+            jobs.append(PolicyJob(instance, target, cause))
+            left -= take
+    return jobs

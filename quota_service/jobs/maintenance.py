@@ -13,6 +13,7 @@ from quota_service.config import Settings
 from quota_service.jobs.cpu_tier import CpuTier
 from quota_service.jobs.follower import Followers
 from quota_service.jobs.metrics import InstanceMetrics
+from quota_service.jobs.policy import ReclaimPolicy
 from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
 from quota_service.store.inspection import Inspection
@@ -31,6 +32,7 @@ class Maintenance:
     followers: Followers
     metrics: InstanceMetrics
     reclaim: ReclaimExecutor
+    policy: ReclaimPolicy
     cpu_tier: CpuTier
     settings: Settings
 
@@ -53,6 +55,7 @@ class Maintenance:
             # Dispatch also on a timer: a notification may have been lost.
             ("dispatch sweep", self.ledger.dispatch_all),
             ("offboarding", self.offboarding.resume_all),
+            ("reclaim policy", self.policy.sweep),
             ("reclaim steps", lambda: self.reclaim.run_open(self.settings.reaper_batch_size)),
             # LMCache coordinators follow the ledger's quotas and pins; L1 fill is read.
             ("cpu tier mirror", self.cpu_tier.mirror),

@@ -20,6 +20,7 @@ from quota_service.core.reclaim import (
     CpuWatermarks,
     Exclusion,
     HeldBlock,
+    InstanceLoad,
     JobState,
     JobStep,
     LiveReservation,
@@ -29,6 +30,7 @@ from quota_service.core.reclaim import (
     ReclaimJob,
     ReclaimTarget,
     StepState,
+    TenantExcess,
     Tier,
     Unreclaimable,
     UnreferencedBlock,
@@ -121,9 +123,9 @@ async def load_snapshot(
 _INSERT_JOB = text(
     """
     INSERT INTO reclaim_jobs (job_id, request_id, instance, tenant, target_blocks, max_tier,
-                              dry_run, state, expected_blocks, excluded, finished_at)
-    VALUES (:job_id, :request_id, :instance, :tenant, :target_blocks, :max_tier, :dry_run,
-            :state, :expected_blocks, CAST(:excluded AS jsonb),
+                              min_tier, dry_run, state, expected_blocks, excluded, finished_at)
+    VALUES (:job_id, :request_id, :instance, :tenant, :target_blocks, :max_tier, :min_tier,
+            :dry_run, :state, :expected_blocks, CAST(:excluded AS jsonb),
             CASE WHEN :dry_run THEN now() END)
     ON CONFLICT (request_id) DO NOTHING
     RETURNING job_id
@@ -209,6 +211,31 @@ _OPEN_JOBS = text(
     "ORDER BY created_at LIMIT :limit"
 )
 
+# What the reclaim policy looks at: instances with work waiting, tenants over their block
+# quota (and where they hold blocks), and the scopes that already have a job running.
+_LOADED_INSTANCES = text(
+    """
+    SELECT instance, capacity_blocks, blocks_in_use + pinned_blocks AS used, queued_requests
+    FROM instances WHERE queued_requests > 0 AND state = 'ACTIVE' ORDER BY instance
+    """
+)
+_TENANTS_OVER_QUOTA = text(
+    """
+    SELECT t.tenant, t.blocks_in_use - t.max_blocks AS excess,
+           array_agg(tb.instance ORDER BY tb.instance) AS instances,
+           array_agg(tb.held ORDER BY tb.instance) AS held
+    FROM tenants t
+    JOIN (SELECT tenant, instance, count(*) AS held FROM tenant_blocks
+          GROUP BY tenant, instance) tb USING (tenant)
+    WHERE t.state IN ('ACTIVE', 'SUSPENDED') AND t.blocks_in_use > t.max_blocks
+    GROUP BY t.tenant, t.blocks_in_use, t.max_blocks ORDER BY t.tenant
+    """
+)
+_OPEN_SCOPES = text(
+    "SELECT DISTINCT instance, tenant FROM reclaim_jobs "
+    "WHERE state IN ('PLANNED', 'RUNNING') AND NOT dry_run"
+)
+
 CHANGED_SINCE_PLAN = "the block was reused or evicted since the plan"
 GONE_SINCE_PLAN = "the reservation no longer exists"
 NOT_SUSPENDED_ANY_MORE = "the reservation was resumed or ended since the plan"
@@ -275,7 +302,12 @@ async def _load_jobs(
             row["job_id"],
             row["request_id"],
             row["instance"],
-            ReclaimTarget(row["target_blocks"], Tier[row["max_tier"]], row["tenant"]),
+            ReclaimTarget(
+                row["target_blocks"],
+                Tier[row["max_tier"]],
+                row["tenant"],
+                Tier[row["min_tier"]],
+            ),
             row["dry_run"],
             JobState(row["state"]),
             row["expected_blocks"],
@@ -334,6 +366,7 @@ class ReclaimJobs:
                     "tenant": target.tenant,
                     "target_blocks": target.target_blocks,
                     "max_tier": target.max_tier.name,
+                    "min_tier": target.min_tier.name,
                     "dry_run": dry_run,
                     "state": (JobState.SUCCEEDED if dry_run else JobState.PLANNED).value,
                     "expected_blocks": result.total_blocks,
@@ -408,6 +441,20 @@ class ReclaimJobs:
             return True
 
         return await in_transaction(self._engine, work)
+
+    async def policy_inputs(
+        self,
+    ) -> tuple[list[InstanceLoad], list[TenantExcess], set[tuple[str, str | None]]]:
+        """Instances with work waiting, tenants over their block quota, and the (instance,
+        tenant) scopes that have a job open."""
+        async with self._engine.connect() as conn:
+            loads = [InstanceLoad(*row) for row in await conn.execute(_LOADED_INSTANCES)]
+            excesses = [
+                TenantExcess(tenant, excess, tuple(zip(instances, held, strict=True)))
+                for tenant, excess, instances, held in await conn.execute(_TENANTS_OVER_QUOTA)
+            ]
+            open_scopes = {(i, t) for i, t in await conn.execute(_OPEN_SCOPES)}
+        return loads, excesses, open_scopes
 
     async def open_jobs(self, limit: int) -> list[str]:
         """Jobs still to execute, oldest first."""

@@ -469,6 +469,7 @@ class ReclaimJobRow(Base):
     tenant: Mapped[str | None] = mapped_column(ForeignKey("tenants.tenant"))
     target_blocks: Mapped[int] = mapped_column(BigInteger)
     max_tier: Mapped[str] = mapped_column(String(16))
+    min_tier: Mapped[str] = mapped_column(String(16), server_default="FREE")
     dry_run: Mapped[bool] = mapped_column(Boolean)
     state: Mapped[str] = mapped_column(String(16))
     expected_blocks: Mapped[int] = mapped_column(BigInteger)
@@ -482,6 +483,7 @@ class ReclaimJobRow(Base):
             "state IN ('PLANNED', 'RUNNING', 'SUCCEEDED', 'FAILED', 'CANCELLED')", name="state"
         ),
         CheckConstraint("max_tier IN ('FREE', 'OFFLOAD', 'COMPRESS', 'EVICT')", name="max_tier"),
+        CheckConstraint("min_tier IN ('FREE', 'OFFLOAD', 'COMPRESS', 'EVICT')", name="min_tier"),
         Index(
             "ix_reclaim_jobs_open",
             "created_at",

@@ -12,15 +12,18 @@ from quota_service.core.reclaim import (
     CpuTier,
     Exclusion,
     HeldBlock,
+    InstanceLoad,
     LiveReservation,
     PoolSnapshot,
     ReclaimPlan,
     ReclaimTarget,
+    TenantExcess,
     Tier,
     Unreclaimable,
     UnreferencedBlock,
     check_executable,
     plan,
+    policy_jobs,
 )
 
 BPB = 100  # bytes per block
@@ -182,3 +185,43 @@ def test_offloading_a_request_that_shares_its_prefix_frees_only_its_own_blocks()
     assert taken(result) == [(Tier.OFFLOAD, ("acme", "idle"), 2)]
     assert result.steps[0].cpu_bytes == 300  # the CPU copy holds the whole context
     assert result.excluded == (Exclusion(Unreclaimable.SHARED, 1, ("acme", "idle")),)
+
+
+def test_evict_takes_idle_sessions_the_cpu_tier_cannot_hold_before_running_work() -> None:
+    idle = reservation("acme", "idle", private(1, 2), suspended=True, seq=1)
+    busy = reservation("acme", "busy", private(3, 4), seq=2)
+    full = cpu(1000, ratio=1.0)  # and nothing to compress
+    result = plan(pool((), (idle, busy), full), ReclaimTarget(2, Tier.EVICT))
+    assert taken(result) == [(Tier.EVICT, ("acme", "idle"), 2)]
+    # Room in the CPU tier: the idle session is offloaded instead, nothing is evicted.
+    roomy = plan(pool((), (idle, busy), cpu(0)), ReclaimTarget(2, Tier.EVICT))
+    assert taken(roomy) == [(Tier.OFFLOAD, ("acme", "idle"), 2)]
+
+
+def test_the_lowest_tier_skips_what_comes_before_it() -> None:
+    cached = (UnreferencedBlock(9, 0, 1, "tenants/acme"),)
+    idle = reservation("acme", "idle", private(1, 2), suspended=True)
+    target = ReclaimTarget(2, Tier.EVICT, None, Tier.OFFLOAD)
+    assert taken(plan(pool(cached, (idle,), cpu(0)), target)) == [
+        (Tier.OFFLOAD, ("acme", "idle"), 2)
+    ]
+    only_evict = replace(target, min_tier=Tier.EVICT)
+    assert taken(plan(pool(cached, (idle,), cpu(0)), only_evict)) == [
+        (Tier.EVICT, ("acme", "idle"), 2)
+    ]
+
+
+def test_the_policy_reclaims_down_to_the_watermark_and_a_tenant_s_excess() -> None:
+    loads = [
+        InstanceLoad("hot", 100, 98, 3),  # above 0.9 with work queued: 8 blocks
+        InstanceLoad("busy-idle", 100, 99, 0),  # nothing waits: left alone
+        InstanceLoad("cool", 100, 50, 5),
+    ]
+    excesses = [TenantExcess("acme", 10, (("hot", 4), ("cool", 20)))]
+    jobs = policy_jobs(loads, excesses, 0.9, Tier.OFFLOAD)
+    assert [(j.instance, j.target) for j in jobs] == [
+        ("hot", ReclaimTarget(8, Tier.OFFLOAD, None, Tier.OFFLOAD)),
+        ("cool", ReclaimTarget(10, Tier.OFFLOAD, "acme", Tier.OFFLOAD)),
+    ]
+    spread = policy_jobs([], [TenantExcess("acme", 10, (("a", 6), ("b", 6)))], 0.9, Tier.EVICT)
+    assert [(j.instance, j.target.target_blocks) for j in spread] == [("a", 6), ("b", 4)]

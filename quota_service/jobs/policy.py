@@ -1,0 +1,58 @@
+"""The reclaim policy every replica's maintenance loop runs: it starts reclaim jobs itself when
+an instance is in use above its watermark while work waits, and when a tenant holds more blocks
+than its quota (after a cut), up to the configured highest tier.
+
+At most one job per scope (instance, and tenant or all) is open at a time, and at most one is
+started per scope per cool-down period: its request_id names the scope and the period, so
+replicas that decide at the same moment create the same job once."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.reclaim import Tier, policy_jobs
+from quota_service.store.reclaim import ReclaimJobs
+
+log = logging.getLogger(__name__)
+
+
+class ReclaimPolicy:
+    def __init__(
+        self, jobs: ReclaimJobs, max_tier: Tier | None, watermark: float, cooldown_seconds: float
+    ) -> None:
+        self._jobs = jobs
+        self._max_tier = max_tier
+        self._watermark = watermark
+        self._cooldown = cooldown_seconds
+
+    async def sweep(self) -> int:
+        """Start the jobs the policy calls for now; returns how many this replica started."""
+        if self._max_tier is None:
+            return 0
+        loads, excesses, open_scopes = await self._jobs.policy_inputs()
+        period = int(time.time() // self._cooldown)
+        started = 0
+        for job in policy_jobs(loads, excesses, self._watermark, self._max_tier):
+            scope = (job.instance, job.target.tenant)
+            if scope in open_scopes:
+                continue
+            request_id = f"policy-{period}-{job.instance}-{job.target.tenant or '*'}"
+            try:
+                created = await self._jobs.create(request_id, job.instance, job.target, False)
+            except KvQuotaError as exc:
+                if exc.reason == "REQUEST_ID_REUSED":
+                    continue  # another replica started this scope's job for this period
+                raise
+            log.info(
+                "reclaim policy: %s on %s up to %s, %d blocks expected of %d (%s)",
+                created.job_id,
+                job.instance,
+                job.target.max_tier.name,
+                created.expected_blocks,
+                job.target.target_blocks,
+                job.cause,
+            )
+            started += 1
+        return started
