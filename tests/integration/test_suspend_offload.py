@@ -15,10 +15,17 @@ from quota_service.core.admission import AdmitRequest
 from quota_service.core.errors import Code, KvQuotaError
 from quota_service.core.model import EndReason, EngineEndpoints, LmcacheEndpoint, ReservationState
 from quota_service.core.reclaim import JobState, ReclaimTarget, Tier, Unreclaimable
+from quota_service.jobs.cpu_tier import CpuTier
+from quota_service.jobs.reclaim import ReclaimExecutor
+from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger
-from quota_service.store.reclaim import NOT_SUSPENDED_ANY_MORE, ReclaimJobs
+from quota_service.store.reclaim import (
+    NOT_SUSPENDED_ANY_MORE,
+    ReclaimJobs,
+    ended_before_preemption,
+)
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_tenant, counters, request
 
@@ -149,4 +156,54 @@ async def test_offload_needs_room_below_the_watermark_and_a_suspension(
     with pytest.raises(KvQuotaError) as ended:
         await ledger.resume("acme", "chat", 0.0)
     assert (ended.value.code, ended.value.reason) == (Code.FAILED_PRECONDITION, "RESERVATION_ENDED")
+    await assert_invariants(engine)
+
+
+async def test_a_dry_run_across_every_tier_and_its_execution_agree_but_for_what_changed(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """Cached blocks, an idle session the CPU tier takes, one it cannot, and running work: the
+    executed job gives back what the dry run said, less the steps whose subject changed in
+    between, each listed with its reason."""
+    # CPU tier: 1 MiB, offload watermark 0.8: room for one 4-block session (64 KiB) of two
+    # once 700 KiB are in use.
+    await with_cpu_tier(engine, blocks=40, cpu_used=700 << 10, cpu_capacity=1 << 20)
+    ledger = Ledger(engine, settings.admission_limits)
+    await ledger.admit(session("cached", 20_000))
+    await ledger.end("acme", "cached", EndReason.RELEASED, 1)  # 3 hashed blocks stay cached
+    for name, first in (("idle-1", 0), ("idle-2", 1000)):
+        await ledger.admit(session(name, first))
+        await ledger.suspend("acme", name, ())
+    for name, first in (("run-1", 2000), ("run-2", 3000)):
+        await ledger.admit(session(name, first))
+    jobs = ReclaimJobs(engine)
+    target = ReclaimTarget(15, Tier.EVICT)
+    dry = await jobs.create("dry", "gpu-0", target, dry_run=True)
+    expected = [(s.planned.tier, s.planned.reservation, s.planned.gpu_blocks) for s in dry.steps]
+    assert expected == [
+        *[(Tier.FREE, None, 1)] * 3,
+        (Tier.OFFLOAD, ("acme", "idle-1"), 4),  # the CPU tier holds one more session
+        (Tier.EVICT, ("acme", "idle-2"), 4),  # ... not two: the other is ended
+        (Tier.EVICT, ("acme", "run-2"), 4),  # then running work, newest first
+    ]
+    assert dry.expected_blocks == 15
+
+    job = await jobs.create("real", "gpu-0", target, dry_run=False)
+    assert [s.planned for s in job.steps] == [s.planned for s in dry.steps]
+    # Between plan and execution: "run-2" finishes, "idle-1" resumes.
+    await ledger.end("acme", "run-2", EndReason.RELEASED, 1)
+    await ledger.resume("acme", "idle-1", 0.0)
+    termination = Termination(ledger, abort_timeout_seconds=0.5, hard_timeout_seconds=5)
+    executor = ReclaimExecutor(jobs, termination, CpuTier(CpuTierBooks(engine)))
+    await executor.run(job.job_id, 100)
+    done = await jobs.get(job.job_id)
+    assert done.state is JobState.SUCCEEDED
+    assert [(s.planned.reservation, s.note) for s in done.differences] == [
+        (("acme", "idle-1"), NOT_SUSPENDED_ANY_MORE),
+        (("acme", "run-2"), ended_before_preemption("RELEASED")),
+    ]
+    changed = sum(s.planned.gpu_blocks for s in done.differences)
+    assert done.actual_blocks == done.expected_blocks - changed == 7
+    assert (await ledger.get("acme", "idle-2")).end_reason is EndReason.PREEMPTED
+    await termination.close()
     await assert_invariants(engine)
