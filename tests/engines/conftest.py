@@ -287,8 +287,12 @@ def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
     )
 
     def registered() -> bool:
-        members = httpx.get(f"{coordinator_url}/instances", timeout=2).json()["instances"]
-        return any(m["instance_id"] == LMCACHE_INSTANCE for m in members)
+        """Registered, and its L1's capacity declared (a batch that follows registration)."""
+        usage = httpx.get(f"{coordinator_url}/instances/{LMCACHE_INSTANCE}/usage", timeout=2)
+        if usage.status_code != 200:
+            return False
+        modules = usage.json()["modules"]
+        return any(m["tier"] == "l1" and m["capacity_bytes"] > 0 for m in modules)
 
     _wait_until(registered, server, "the LMCache MP server")
     yield Lmcache(
@@ -340,9 +344,10 @@ class ChunkWriter:
         return int(answer["chunks"])
 
     def close(self) -> None:
-        assert self.process.stdin is not None
+        assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.close()
         self.process.wait(timeout=60)
+        self.process.stdout.close()
 
 
 @pytest.fixture(scope="session")
