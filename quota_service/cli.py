@@ -308,6 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    # httpx logs every request line, and LMCache's URLs carry cache salts, which are secret.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         settings = load_settings()
         if getattr(args, "listen", None):

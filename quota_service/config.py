@@ -104,12 +104,12 @@ class Settings:
                 "CPU-tier watermarks must satisfy 0 < cpu_offload_watermark <= "
                 "cpu_compress_watermark <= 1"
             )
-        if self.reclaim_policy_max_tier != "none" and (
-            self.reclaim_policy_max_tier.upper() not in Tier.__members__
-        ):
-            tiers = ", ".join(t.name.lower() for t in Tier)
+        # Policy jobs start at OFFLOAD (FREE makes no room for admission): FREE alone is none.
+        policy_tiers = [t.name.lower() for t in Tier if t >= Tier.OFFLOAD]
+        if self.reclaim_policy_max_tier not in ("none", *policy_tiers):
             raise SettingsError(
-                f"{ENV_PREFIX}RECLAIM_POLICY_MAX_TIER must be none or one of {tiers}"
+                f"{ENV_PREFIX}RECLAIM_POLICY_MAX_TIER must be none or one of "
+                + ", ".join(policy_tiers)
             )
         if not 0 < self.reclaim_policy_watermark <= 1:
             raise SettingsError(f"{ENV_PREFIX}RECLAIM_POLICY_WATERMARK must be in (0, 1]")

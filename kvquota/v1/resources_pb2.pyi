@@ -885,6 +885,7 @@ class Reservation(_message.Message):
     WAIT_DEADLINE_FIELD_NUMBER: _builtins.int
     SUSPEND_TIME_FIELD_NUMBER: _builtins.int
     OFFLOADED_BYTES_FIELD_NUMBER: _builtins.int
+    OFFLOADED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """tenants/{tenant}/reservations/{request_id}"""
     tenant: _builtins.str
@@ -907,8 +908,10 @@ class Reservation(_message.Message):
     """While queued: how many queued requests on the instance are ahead of it."""
     offloaded_bytes: _builtins.int
     """Bytes it holds in the CPU tier once a reclaim offloaded it (its block table is empty
-    then); 0 while its blocks are on the GPU.
+    then; 0 when the instance has no geometry).
     """
+    offloaded: _builtins.bool
+    """In the CPU tier (offloaded), not on the GPU; stays set while a resume waits in the queue."""
     @_builtins.property
     def lease_expire_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -960,10 +963,11 @@ class Reservation(_message.Message):
         wait_deadline: _timestamp_pb2.Timestamp | None = ...,
         suspend_time: _timestamp_pb2.Timestamp | None = ...,
         offloaded_bytes: _builtins.int = ...,
+        offloaded: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "end_time", b"end_time", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "queue_time", b"queue_time", "suspend_time", b"suspend_time", "wait_deadline", b"wait_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "block_table", b"block_table", "end_reason", b"end_reason", "end_time", b"end_time", "instance", b"instance", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "name", b"name", "offloaded_bytes", b"offloaded_bytes", "output_tokens", b"output_tokens", "prefix_hit_blocks", b"prefix_hit_blocks", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "queue_position", b"queue_position", "queue_time", b"queue_time", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "reserved_tokens", b"reserved_tokens", "state", b"state", "suspend_time", b"suspend_time", "tenant", b"tenant", "wait_deadline", b"wait_deadline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "block_table", b"block_table", "end_reason", b"end_reason", "end_time", b"end_time", "instance", b"instance", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "name", b"name", "offloaded", b"offloaded", "offloaded_bytes", b"offloaded_bytes", "output_tokens", b"output_tokens", "prefix_hit_blocks", b"prefix_hit_blocks", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "queue_position", b"queue_position", "queue_time", b"queue_time", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "reserved_tokens", b"reserved_tokens", "state", b"state", "suspend_time", b"suspend_time", "tenant", b"tenant", "wait_deadline", b"wait_deadline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

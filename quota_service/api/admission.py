@@ -18,7 +18,7 @@ from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import FieldViolation, invalid_request, preempted
 from quota_service.core.model import EndReason, Reservation, ReservationState
 from quota_service.core.names import reservation_key, reservation_name
-from quota_service.jobs.cpu_tier import CpuTier
+from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.termination import Termination
 from quota_service.store.ledger import Ledger
 
@@ -27,7 +27,7 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     def __init__(
-        self, ledger: Ledger, waiters: Waiters, termination: Termination, cpu_tier: CpuTier
+        self, ledger: Ledger, waiters: Waiters, termination: Termination, cpu_tier: CpuTierMirror
     ) -> None:
         self._ledger = ledger
         self._waiters = waiters
@@ -153,11 +153,13 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
             await self._cpu_tier.prefetch_session(tenant, request_id)
         resumed = await self._ledger.resume(tenant, request_id, wait)
         if resumed.state is ReservationState.QUEUED:
-            try:
-                resumed = await self._until_admitted(resumed, wait)
-            except asyncio.CancelledError:
-                await asyncio.shield(self._abandon(resumed))
-                raise
+            # A caller that goes away leaves it queued: it is admitted, or its wait runs out
+            # and it goes back to the CPU tier. The session is not cancelled with the call.
+            resumed = await self._until_admitted(resumed, wait)
+            if resumed.offloaded_bytes is not None:  # its wait ran out: back in the CPU tier
+                raise queueing.queue_timeout(
+                    request.name, wait, self._ledger.min_retry_delay_seconds
+                )
         return convert.reservation(resumed)
 
     async def ReleaseBlocks(

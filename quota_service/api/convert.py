@@ -157,6 +157,7 @@ def reservation(value: Reservation) -> pb.Reservation:
     if value.queue_position is not None:
         message.queue_position = value.queue_position
     message.offloaded_bytes = value.offloaded_bytes or 0
+    message.offloaded = value.offloaded_bytes is not None
     if value.end_reason is not None:
         message.end_reason = _END_REASONS[value.end_reason]
     return message
@@ -188,9 +189,14 @@ def engine_endpoints(message: pb.EngineEndpoints) -> EngineEndpoints:
     lmcache = None
     if message.HasField("lmcache"):
         given = message.lmcache
-        if not given.coordinator_url.startswith(("http://", "https://")):
+        if not given.coordinator_url.startswith(("http://", "https://")) or (
+            len(given.coordinator_url) > MAX_ENDPOINT
+        ):
             violations.append(
-                FieldViolation("engine.lmcache.coordinator_url", "must be an http(s) URL")
+                FieldViolation(
+                    "engine.lmcache.coordinator_url",
+                    f"must be an http(s) URL of at most {MAX_ENDPOINT} characters",
+                )
             )
         for field, value in (
             ("engine.lmcache.instance_id", given.instance_id),

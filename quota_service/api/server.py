@@ -21,7 +21,7 @@ from quota_service.api.errors import ErrorInterceptor
 from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
 from quota_service.jobs import maintenance
-from quota_service.jobs.cpu_tier import CpuTier
+from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.dispatcher import Dispatcher
 from quota_service.jobs.follower import Followers
 from quota_service.jobs.metrics import InstanceMetrics, serve_metrics
@@ -64,7 +64,7 @@ class RunningServer:
     _listener: Listener
     _dispatcher: Dispatcher
     _termination: Termination
-    _cpu_tier: CpuTier
+    _cpu_tier: CpuTierMirror
     _followers: Followers
     _metrics: WSGIServer | None
 
@@ -109,7 +109,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     termination = Termination(
         ledger, settings.engine_abort_timeout_seconds, settings.engine_abort_hard_timeout_seconds
     )
-    cpu_tier = CpuTier(CpuTierBooks(engine))
+    cpu_tier = CpuTierMirror(CpuTierBooks(engine))
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(
         AdmissionServicer(ledger, waiters, termination, cpu_tier), server
     )

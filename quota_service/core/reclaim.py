@@ -90,12 +90,22 @@ class CpuWatermarks:
 DEFAULT_WATERMARKS = CpuWatermarks()
 
 
+# A CPU-tier reading older than this is not planned with (the mirror reads it every few
+# seconds while the coordinator answers).
+CPU_READING_MAX_AGE_SECONDS = 60.0
+
+
 def cpu_tier(
-    used_bytes: int | None, capacity_bytes: int | None, watermarks: CpuWatermarks
+    used_bytes: int | None,
+    capacity_bytes: int | None,
+    age_seconds: float | None,
+    watermarks: CpuWatermarks,
 ) -> CpuTier | None:
-    """An instance's CPU tier as last read (None: it has none, or it was never read). Nothing
+    """An instance's CPU tier as last read (None: it has none, or no recent reading). Nothing
     kvquota drives can compress, so its compression ratio is 1."""
-    if used_bytes is None or not capacity_bytes:
+    if used_bytes is None or not capacity_bytes or age_seconds is None:
+        return None
+    if age_seconds > CPU_READING_MAX_AGE_SECONDS:
         return None
     return CpuTier(used_bytes, capacity_bytes, watermarks.offload, watermarks.compress, 0, 1.0)
 

@@ -5,8 +5,9 @@ CPU-tier copy, prefetches a resumed session back into L1, and reads how full L1 
 coordinator's calls are synchronous and have no job ids, so every call here is either
 idempotent by nature (quota PUT/DELETE, delete, lookup, reads), and retried after a timeout or
 a 5xx, or a refcount change (pin, unpin) that is never retried blindly: the pin mirror decides
-what to send from the coordinator's own counts (core/lmcache.py), so a replay after a lost
-answer sends nothing twice.
+what to send from the coordinator's own counts (core/pin_mirror.py), so a replay after a lost
+answer sends nothing twice. Salts are secret: they never appear in an error (paths are reported
+as templates).
 
 LMCache works in chunks (256 tokens by default): only whole chunks are stored, pinned or
 counted, and a chunk's key chains over every token before it, so keys come from the coordinator
@@ -25,7 +26,7 @@ import httpx
 from quota_service.core.model import LmcacheEndpoint
 
 GIB = float(1 << 30)
-TIMEOUT_SECONDS = 5.0
+TIMEOUT_SECONDS = 2.0
 RETRIES = 3
 RETRY_DELAY_SECONDS = 0.2
 
@@ -78,22 +79,29 @@ class LmcacheCoordinator:
         path: str,
         body: Mapping[str, object] | None = None,
         *,
+        salt: str = "",
         params: Mapping[str, str] | None = None,
         retry: bool = True,
     ) -> Any:
-        """One call; a retryable one is repeated after a connection error, a timeout or a 5xx."""
+        """One call to `path` ("{salt}" stands for the salt); a retryable one is repeated after a
+        connection error, a timeout or a 5xx. Whatever goes wrong raises LmcacheError."""
         attempts = RETRIES if retry else 1
+        url = path.replace("{salt}", salt or "_default")  # the coordinator's name for ""
         for attempt in range(attempts):
             try:
-                response = await self._client.request(method, path, json=body, params=params)
-            except httpx.TransportError as exc:
+                response = await self._client.request(method, url, json=body, params=params)
+            except httpx.HTTPError as exc:
                 failure = f"{method} {path}: {type(exc).__name__}"
             else:
-                failure = f"{method} {path}: {response.status_code} {response.text}"
+                # The coordinator echoes requests in its errors: only the status is kept.
+                failure = f"{method} {path}: HTTP {response.status_code}"
                 if response.status_code < 500:
                     if response.is_error:
                         raise LmcacheError(failure)
-                    return response.json()
+                    try:
+                        return response.json()
+                    except ValueError:
+                        raise LmcacheError(f"{method} {path}: not JSON") from None
             if attempt + 1 < attempts:
                 await asyncio.sleep(RETRY_DELAY_SECONDS * 2**attempt)
         raise LmcacheError(failure)
@@ -101,10 +109,10 @@ class LmcacheCoordinator:
     # Quotas (per cache_salt; the coordinator enforces them on L2).
 
     async def set_quota(self, salt: str, limit_bytes: int) -> None:
-        await self._call("PUT", f"/quota/{_salt_path(salt)}", {"limit_gb": limit_bytes / GIB})
+        await self._call("PUT", "/quota/{salt}", {"limit_gb": limit_bytes / GIB}, salt=salt)
 
     async def delete_quota(self, salt: str) -> None:
-        await self._call("DELETE", f"/quota/{_salt_path(salt)}")
+        await self._call("DELETE", "/quota/{salt}", salt=salt)
 
     async def quotas(self) -> dict[str, int]:
         """Salt → limit in bytes, for salts that have a quota."""
@@ -114,12 +122,6 @@ class LmcacheCoordinator:
             for row in listed["by_cache_salt"]
             if row["quota_exists"]
         }
-
-    async def quota_usage(self, salt: str, tier: str) -> tuple[int | None, int]:
-        """(limit in bytes, or None without a quota; bytes used) of a salt on tier l1 or l2."""
-        row = await self._call("GET", f"/quota/{_salt_path(salt)}", params={"tier": tier})
-        limit = round(row["quota_limit_gb"] * GIB) if row["quota_exists"] else None
-        return limit, round(row["usage_gb"] * GIB)
 
     # Chunks: keys, placements, pins, deletes, prefetches.
 
@@ -213,22 +215,13 @@ class LmcacheCoordinator:
         )
         if server is None:
             raise LmcacheError(f"no MP server {where.instance_id!r} is registered")
-        async with httpx.AsyncClient(timeout=self._client.timeout) as direct:
-            response = await direct.get(f"http://{server['ip']}:{server['http_port']}/status")
-            response.raise_for_status()
-        status = response.json()
-        return Capabilities(int(status["chunk_size"]), await self.usage(where), False)
-
-    async def healthy(self) -> bool:
+        # The MP server's admin HTTP answers the same way the coordinator does.
+        direct = LmcacheCoordinator(f"http://{server['ip']}:{server['http_port']}")
         try:
-            return bool((await self._call("GET", "/healthz", retry=False))["status"] == "healthy")
-        except LmcacheError:
-            return False
-
-
-def _salt_path(salt: str) -> str:
-    """The coordinator names the empty salt `_default` in paths."""
-    return salt or "_default"
+            status = await direct._call("GET", "/status")
+        finally:
+            await direct.close()
+        return Capabilities(int(status["chunk_size"]), await self.usage(where), False)
 
 
 def _tokens(where: LmcacheEndpoint, salt: str, token_ids: Sequence[int]) -> dict[str, object]:

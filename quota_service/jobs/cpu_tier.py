@@ -1,7 +1,12 @@
 """The CPU tier's shell: keeps each LMCache coordinator in step with the ledger (every salt's
-quota, every pin), reads how full each instance's L1 is, and moves sessions in and out of it
-for resume and eviction. Every replica's maintenance loop runs the mirror; an advisory lock
-per coordinator lets one replica at a time decide what to send."""
+quota, every pin), reads each instance's CPU tier (its L1 and what it can do), and moves sessions
+in and out of it for resume and eviction. Every replica's maintenance loop runs the mirror; an
+advisory lock per coordinator lets one replica at a time decide what to send, and a coordinator
+that fails is left alone for a backoff, so a down CPU tier never holds the loop up for long.
+
+A coordinator's answers are parsed here; any way one goes wrong (refused, unreachable, or a
+reply of an unexpected shape) is logged and retried on a later pass, never raised to a caller
+that did not ask for the CPU tier."""
 
 from __future__ import annotations
 
@@ -9,19 +14,26 @@ import asyncio
 import logging
 from collections import defaultdict
 
-from quota_service.core.cpu_tier import PinChain, pin_changes
-from quota_service.engine.lmcache import DeleteResult, LmcacheCoordinator, LmcacheError
+from quota_service.core.backoff import Backoff
+from quota_service.core.pin_mirror import PinChain, pin_changes
+from quota_service.engine.lmcache import DeleteResult, LmcacheCoordinator
 from quota_service.store.cpu_tier import CpuTierBooks, MirroredPin
 
 log = logging.getLogger(__name__)
 
-PREFETCH_TIMEOUT_SECONDS = 10.0
+# A resume waits this long at most for its session to come back into L1 (best effort: what is
+# not there yet the engine recomputes).
+PREFETCH_TIMEOUT_SECONDS = 5.0
+# After a coordinator failed: leave it alone 1 s, 2 s, ... up to 60 s.
+BACKOFF_INITIAL_SECONDS = 1.0
+BACKOFF_MAX_SECONDS = 60.0
 
 
-class CpuTier:
+class CpuTierMirror:
     def __init__(self, books: CpuTierBooks) -> None:
         self._books = books
         self._clients: dict[str, LmcacheCoordinator] = {}
+        self._backoff = Backoff(BACKOFF_INITIAL_SECONDS, BACKOFF_MAX_SECONDS)
 
     def _client(self, url: str) -> LmcacheCoordinator:
         client = self._clients.get(url)
@@ -29,29 +41,42 @@ class CpuTier:
             client = self._clients[url] = LmcacheCoordinator(url)
         return client
 
+    def _ready(self, url: str) -> bool:
+        return self._backoff.ready(url, asyncio.get_running_loop().time())
+
+    def _failed(self, url: str, what: str, exc: Exception) -> None:
+        delay = self._backoff.failed(url, asyncio.get_running_loop().time())
+        log.warning("CPU tier at %s: %s failed (%s); next try in %ss", url, what, exc, delay)
+
     async def close(self) -> None:
         for client in self._clients.values():
             await client.close()
 
     async def mirror(self) -> int:
-        """One pass over every coordinator; returns how many changes it sent. A coordinator
-        that fails is tried again on the next pass."""
+        """One pass over every coordinator; returns how many changes it sent."""
         changes = 0
         for url in await self._books.coordinators():
+            if not self._ready(url):
+                continue
             async with self._books.exclusive(url) as held:
                 if not held:
                     continue  # another replica mirrors this coordinator now
                 try:
                     changes += await self._mirror_quotas(url) + await self._mirror_pins(url)
-                except LmcacheError as exc:
-                    log.warning("CPU tier at %s: mirror failed (%s)", url, exc)
+                except Exception as exc:
+                    self._failed(url, "mirror", exc)
+                    continue
+            self._backoff.succeeded(url)
         for instance, where in await self._books.instances():
-            try:
-                usage = await self._client(where.coordinator_url).usage(where)
-            except LmcacheError as exc:
-                log.info("CPU tier of %s: usage unknown (%s)", instance, exc)
+            if not self._ready(where.coordinator_url):
                 continue
-            await self._books.record_usage(instance, usage.used_bytes, usage.capacity_bytes)
+            try:
+                found = await self._client(where.coordinator_url).capabilities(where)
+            except Exception as exc:
+                self._failed(where.coordinator_url, f"reading {instance}'s CPU tier", exc)
+                continue
+            used, capacity = found.l1.used_bytes, found.l1.capacity_bytes
+            await self._books.record_usage(instance, used, capacity)
         return changes
 
     async def _mirror_quotas(self, url: str) -> int:
@@ -97,23 +122,26 @@ class CpuTier:
 
     async def prefetch_session(self, tenant: str, request_id: str) -> None:
         """Bring a resuming session's chunks from L2 back into L1 before its blocks are
-        allocated again. Best effort: what is not found is recomputed by the engine."""
+        allocated again. Best effort, and bounded: what is not found the engine recomputes."""
         session = await self._books.session(tenant, request_id)
-        if session is None:
+        if session is None or not self._ready(session.where.coordinator_url):
             return
         client = self._client(session.where.coordinator_url)
+
+        async def prefetch() -> tuple[int, int]:
+            started = await client.prefetch(session.where, session.salt, session.token_ids)
+            return await client.prefetch_done(session.where, started) if started else (0, 0)
+
         try:
-            prefetch = await client.prefetch(session.where, session.salt, session.token_ids)
-            if prefetch:
-                found, asked = await asyncio.wait_for(
-                    client.prefetch_done(session.where, prefetch), PREFETCH_TIMEOUT_SECONDS
-                )
-                log.info("prefetched %d of %d chunks of %s/%s", found, asked, tenant, request_id)
-        except (LmcacheError, TimeoutError) as exc:
-            log.warning("prefetch of %s/%s failed (%s)", tenant, request_id, exc)
+            found, asked = await asyncio.wait_for(prefetch(), PREFETCH_TIMEOUT_SECONDS)
+        except Exception as exc:
+            self._failed(session.where.coordinator_url, "prefetch", exc)
+            return
+        log.info("prefetched %d of %d chunks of %s/%s", found, asked, tenant, request_id)
 
     async def delete_session(self, tenant: str, request_id: str) -> DeleteResult | None:
-        """Drop an evicted session's chunks from its CPU tier; pinned chunks stay."""
+        """Drop an evicted session's chunks from its CPU tier; pinned chunks stay. Raises when
+        the coordinator cannot do it now (the caller tries again later)."""
         session = await self._books.session(tenant, request_id)
         if session is None:
             return None

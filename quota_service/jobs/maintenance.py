@@ -10,7 +10,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from quota_service.config import Settings
-from quota_service.jobs.cpu_tier import CpuTier
+from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.follower import Followers
 from quota_service.jobs.metrics import InstanceMetrics
 from quota_service.jobs.policy import ReclaimPolicy
@@ -33,7 +33,7 @@ class Maintenance:
     metrics: InstanceMetrics
     reclaim: ReclaimExecutor
     policy: ReclaimPolicy
-    cpu_tier: CpuTier
+    cpu_tier: CpuTierMirror
     settings: Settings
 
     async def reap_leases(self) -> int:

@@ -8,6 +8,7 @@ replicas that decide at the same moment create the same job once."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -38,13 +39,17 @@ class ReclaimPolicy:
             scope = (job.instance, job.target.tenant)
             if scope in open_scopes:
                 continue
-            request_id = f"policy-{period}-{job.instance}-{job.target.tenant or '*'}"
+            # A scope's id, bounded in length whatever the names.
+            digest = hashlib.sha256(f"{job.instance}/{job.target.tenant}".encode()).hexdigest()
+            request_id = f"policy-{period}-{digest[:32]}"
             try:
+                if not (await self._jobs.preview(job.instance, job.target)).steps:
+                    continue  # nothing it may take: no job (an empty one every period is noise)
                 created = await self._jobs.create(request_id, job.instance, job.target, False)
             except KvQuotaError as exc:
-                if exc.reason == "REQUEST_ID_REUSED":
-                    continue  # another replica started this scope's job for this period
-                raise
+                if exc.reason != "REQUEST_ID_REUSED":  # else another replica was first
+                    log.warning("reclaim policy on %s: %s", job.instance, exc)
+                continue
             log.info(
                 "reclaim policy: %s on %s up to %s, %d blocks expected of %d (%s)",
                 created.job_id,

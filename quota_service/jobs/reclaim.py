@@ -11,8 +11,7 @@ from dataclasses import astuple
 
 from quota_service.core.model import EndReason
 from quota_service.core.reclaim import Preemption
-from quota_service.engine.lmcache import LmcacheError
-from quota_service.jobs.cpu_tier import CpuTier
+from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.termination import Termination
 from quota_service.store.reclaim import ReclaimJobs
 
@@ -20,7 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class ReclaimExecutor:
-    def __init__(self, jobs: ReclaimJobs, termination: Termination, cpu_tier: CpuTier) -> None:
+    def __init__(
+        self, jobs: ReclaimJobs, termination: Termination, cpu_tier: CpuTierMirror
+    ) -> None:
         self._jobs = jobs
         self._termination = termination
         self._cpu_tier = cpu_tier
@@ -49,9 +50,9 @@ class ReclaimExecutor:
         runs, and the reservation ends preempted."""
         try:
             deleted = await self._cpu_tier.delete_session(victim.tenant, victim.request_id)
-        except LmcacheError as exc:
+        except Exception as exc:
             log.warning("CPU-tier delete of %s/%s failed (%s)", *astuple(victim), exc)
-            return  # tried again on the next pass
+            return
         if deleted is not None:
             log.info(
                 "evicted %s/%s from the CPU tier: %d chunks, %d pinned kept",

@@ -360,6 +360,10 @@ def _engine_columns(engine: EngineEndpoints | None) -> dict[str, object]:
         "lmcache_instance_id": lmcache.instance_id if lmcache else None,
         "lmcache_model_name": lmcache.model_name if lmcache else None,
         "lmcache_world_size": lmcache.world_size if lmcache else None,
+        # A CPU tier's reading is read again from whatever tier the instance has now.
+        "cpu_used_bytes": None,
+        "cpu_capacity_bytes": None,
+        "cpu_checked_at": None,
     }
 
 

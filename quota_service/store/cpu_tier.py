@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -37,31 +38,24 @@ _LMCACHE_INSTANCES = text(
     """
 )
 
-# Pins on instances with a CPU tier, with the salt their prefix is stored under. Removed pins
-# stay until their unpin was mirrored.
+# The pins a coordinator must hold, and the unpins it still has to see.
 _PINS = text(
     """
-    SELECT p.holder_id, p.state = 'ACTIVE' AS wanted, p.token_ids, p.chunk_keys,
-           i.lmcache_coordinator_url, i.lmcache_instance_id, i.lmcache_model_name,
-           i.lmcache_world_size,
-           CASE WHEN p.owner LIKE 'namespaces/%' THEN owner_ns.cache_salt
-                ELSE coalesce(tenant_ns.cache_salt, t.cache_salt) END AS salt
-    FROM pins p
-    JOIN instances i ON i.instance = p.instance AND i.lmcache_coordinator_url IS NOT NULL
-    LEFT JOIN tenants t ON t.tenant = p.tenant
-    LEFT JOIN namespaces tenant_ns ON tenant_ns.namespace = t.namespace
-    LEFT JOIN namespaces owner_ns ON 'namespaces/' || owner_ns.namespace = p.owner
-    WHERE p.token_ids IS NOT NULL
-    ORDER BY p.holder_id
+    -- Pins are fleet-wide at a coordinator: no MP server is named.
+    SELECT holder_id, wanted, token_ids, chunk_keys, coordinator_url, '' AS instance_id,
+           model_name, world_size, cache_salt
+    FROM cpu_tier_pins WHERE coordinator_url = :url ORDER BY holder_id
     """
 )
 
-_SAVE_KEYS = text("UPDATE pins SET chunk_keys = :keys WHERE holder_id = :holder")
+_SAVE_KEYS = text("UPDATE cpu_tier_pins SET chunk_keys = :keys WHERE holder_id = :holder")
 
 _FORGET_UNPINNED = text(
-    "UPDATE pins SET token_ids = NULL, chunk_keys = NULL "
-    "WHERE holder_id = ANY (CAST(:holders AS bigint[])) AND state = 'REMOVED'"
+    "DELETE FROM cpu_tier_pins WHERE holder_id = ANY (CAST(:holders AS bigint[])) AND NOT wanted"
 )
+
+# Coordinators with pins to mirror, including ones no instance names any more.
+_PIN_COORDINATORS = text("SELECT DISTINCT coordinator_url FROM cpu_tier_pins")
 
 _RECORD_USAGE = text(
     """
@@ -110,9 +104,9 @@ class Session:
     token_ids: tuple[int, ...]
 
 
-def _endpoint(row: Sequence[object]) -> LmcacheEndpoint:
+def _endpoint(row: Sequence[Any]) -> LmcacheEndpoint:
     url, instance_id, model_name, world_size = row
-    return LmcacheEndpoint(str(url), str(instance_id), str(model_name), int(str(world_size)))
+    return LmcacheEndpoint(str(url), str(instance_id), str(model_name), int(world_size or 1))
 
 
 class CpuTierBooks:
@@ -120,8 +114,11 @@ class CpuTierBooks:
         self._engine = engine
 
     async def coordinators(self) -> list[str]:
+        """Every coordinator an instance names, or that still holds pins to undo."""
         async with self._engine.connect() as conn:
-            return [url for (url,) in await conn.execute(_COORDINATORS)]
+            urls = {url for (url,) in await conn.execute(_COORDINATORS)}
+            urls |= {url for (url,) in await conn.execute(_PIN_COORDINATORS)}
+        return sorted(urls)
 
     async def salt_quotas(self) -> dict[str, int]:
         """Salt → the CPU-tier bytes its tenants may hold together."""
@@ -135,25 +132,24 @@ class CpuTierBooks:
 
     async def pins(self, coordinator_url: str) -> list[MirroredPin]:
         async with self._engine.connect() as conn:
-            rows = (await conn.execute(_PINS)).mappings().all()
+            rows = (await conn.execute(_PINS, {"url": coordinator_url})).mappings().all()
         return [
             MirroredPin(
                 row["holder_id"],
                 _endpoint(
                     (
-                        row["lmcache_coordinator_url"],
-                        row["lmcache_instance_id"],
-                        row["lmcache_model_name"],
-                        row["lmcache_world_size"],
+                        row["coordinator_url"],
+                        row["instance_id"],
+                        row["model_name"],
+                        row["world_size"],
                     )
                 ),
-                row["salt"],
+                row["cache_salt"],
                 tuple(row["token_ids"]),
                 tuple(row["chunk_keys"]) if row["chunk_keys"] is not None else None,
                 row["wanted"],
             )
             for row in rows
-            if row["lmcache_coordinator_url"] == coordinator_url and row["salt"] is not None
         ]
 
     async def save_chunk_keys(self, holder_id: int, keys: Sequence[str]) -> None:
@@ -161,7 +157,7 @@ class CpuTierBooks:
             await conn.execute(_SAVE_KEYS, {"holder": holder_id, "keys": list(keys)})
 
     async def forget_unpinned(self, holder_ids: Sequence[int]) -> None:
-        """Removed pins whose unpin the coordinator shows: nothing left to mirror of them."""
+        """Unwanted pins the coordinator shows gone: nothing is left to mirror of them."""
         async with self._engine.begin() as conn:
             await conn.execute(_FORGET_UNPINNED, {"holders": list(holder_ids)})
 

@@ -125,7 +125,8 @@ _PROMOTE_RESERVATION = text(
         UPDATE reservations
         SET state = 'ADMITTED', reserved_blocks = :blocks, prefix_hit_blocks = :hit_count,
             lease_ttl_seconds = :ttl, lease_expires_at = now() + make_interval(secs => :ttl),
-            admitted_at = now(), prompt_token_ids = NULL
+            admitted_at = now(), prompt_token_ids = NULL, suspended_at = NULL,
+            offloaded_bytes = NULL
         WHERE tenant = :tenant AND request_id = :request_id AND state = 'QUEUED'
         RETURNING *
         """,
@@ -165,11 +166,12 @@ _ENQUEUE = text(
             now(), now() + make_interval(secs => :wait), :virtual_start, :virtual_finish,
             CAST(:prompt_token_ids AS int[]))
         -- An offloaded session that resumes queues again as it is (same holder, its session's
-        -- tokens kept for its prefix); any other existing row is an Admit's duplicate.
+        -- tokens kept for its prefix, offloaded_bytes kept until admitted: a resume that runs
+        -- out of wait goes back to the CPU tier); any other row is an Admit's duplicate.
         ON CONFLICT (tenant, request_id) DO UPDATE
         SET state = 'QUEUED', queued_at = EXCLUDED.queued_at,
             wait_deadline = EXCLUDED.wait_deadline, virtual_start = EXCLUDED.virtual_start,
-            virtual_finish = EXCLUDED.virtual_finish, suspended_at = NULL, offloaded_bytes = NULL
+            virtual_finish = EXCLUDED.virtual_finish, suspended_at = NULL
         WHERE reservations.state = 'ADMITTED' AND reservations.offloaded_bytes IS NOT NULL
         RETURNING *
     ), pool AS (
@@ -190,25 +192,39 @@ _ENQUEUE = text(
 )
 
 # Leaving the queue without being admitted: cancelled, timed out, or its tenant offboarded.
+# A resumed session whose wait ran out is not ended: it goes back to the CPU tier, suspended.
 _DEQUEUE = text(
     """
-    WITH ended AS (
-        UPDATE reservations
-        SET state = 'ENDED', ended_at = now(), end_reason = :reason, prompt_token_ids = NULL
+    WITH leaving AS (
+        SELECT tenant, request_id, offloaded_bytes IS NOT NULL AND :reason = 'QUEUE_TIMEOUT'
+               AS back_to_cpu
+        FROM reservations
         WHERE tenant = :tenant AND request_id = :request_id AND state = 'QUEUED'
           AND (NOT :lapsed_only OR wait_deadline <= now())
-        RETURNING *
+    ), ended AS (
+        UPDATE reservations r
+        SET state = 'ENDED', ended_at = now(), end_reason = :reason, prompt_token_ids = NULL
+        FROM leaving l
+        WHERE r.tenant = l.tenant AND r.request_id = l.request_id AND NOT l.back_to_cpu
+        RETURNING r.*
+    ), offloaded AS (
+        UPDATE reservations r SET state = 'ADMITTED', suspended_at = now()
+        FROM leaving l
+        WHERE r.tenant = l.tenant AND r.request_id = l.request_id AND l.back_to_cpu
+        RETURNING r.*
+    ), left_queue AS (
+        SELECT * FROM ended UNION ALL SELECT * FROM offloaded
     ), pool AS (
         UPDATE instances i
         SET queued_requests = i.queued_requests - 1,
             queued_prompt_tokens = i.queued_prompt_tokens - e.prompt_tokens
-        FROM ended e WHERE i.instance = e.instance
+        FROM left_queue e WHERE i.instance = e.instance
     ), account AS (
         UPDATE tenants t SET queued_requests = t.queued_requests - 1
-        FROM ended e WHERE t.tenant = e.tenant
+        FROM left_queue e WHERE t.tenant = e.tenant
     )
     SELECT request_id, pg_notify('kvquota_events', 'changed:' || tenant || '/' || request_id)
-    FROM ended
+    FROM left_queue
     """
 )
 
@@ -275,7 +291,7 @@ _LOCK_FOR_RESERVATION = text(
 )
 
 _RESERVATION_KEYS = text(
-    "SELECT instance, holder_id, state, priority FROM reservations "
+    "SELECT now() AS now, instance, holder_id, state, priority FROM reservations "
     "WHERE tenant = :tenant AND request_id = :request_id"
 )
 
@@ -329,7 +345,8 @@ def _dropping_table(holder: str) -> TextClause:
 _END_RESERVATION = _dropping_table(
     """
     UPDATE reservations
-    SET state = 'ENDED', ended_at = now(), end_reason = :reason, output_tokens = :output_tokens
+    SET state = 'ENDED', ended_at = now(), end_reason = :reason, output_tokens = :output_tokens,
+        prompt_token_ids = NULL
     WHERE tenant = :tenant AND request_id = :request_id AND state = 'ADMITTED'
       AND (NOT :lapsed_only OR lease_expires_at <= now())
     RETURNING *
@@ -340,7 +357,8 @@ _END_RESERVATION = _dropping_table(
 _OFFLOAD_RESERVATION = _dropping_table(
     """
     UPDATE reservations r
-    SET offloaded_bytes = r.reserved_blocks * coalesce(i.bytes_per_block, 0)
+    SET offloaded_bytes = coalesce(i.bytes_per_block, 0) * (
+        SELECT count(*) FROM block_refs b WHERE b.holder_id = r.holder_id AND NOT b.released)
     FROM instances i
     WHERE r.tenant = :tenant AND r.request_id = :request_id AND r.state = 'ADMITTED'
       AND r.suspended_at IS NOT NULL AND r.offloaded_bytes IS NULL AND i.instance = r.instance
@@ -972,17 +990,22 @@ class Ledger:
         async def work(conn: AsyncConnection) -> Reservation:
             locked = await self._lock(conn, tenant, request_id)
             current = await self._get(conn, tenant, request_id)
-            if current.state is not ReservationState.ADMITTED:
+            resuming = current.offloaded_bytes is not None
+            if current.state is ReservationState.QUEUED and resuming:
+                return current  # a retried resume waits where the first one queued it
+            if current.state is not ReservationState.ADMITTED or (
+                current.lease_expires_at is not None and current.lease_expires_at <= locked["now"]
+            ):
                 raise _not_live(current)
             keys = {"tenant": tenant, "request_id": request_id}
-            if current.offloaded_bytes is None:
+            if not resuming:
                 await conn.execute(_UNSUSPEND, keys)
                 return await self._get(conn, tenant, request_id)
-            account = (await conn.execute(_TENANT_WEIGHT, keys)).scalar_one()
+            weight = (await conn.execute(_TENANT_WEIGHT, keys)).scalar_one()
             # Without a wait budget it still passes through the queue (a moment's deadline),
             # and is refused below unless admitted in this transaction.
             back = AdmitRequest(current.params, (), max(wait_seconds, 1.0), None)
-            await self._enqueue(conn, back, current.reserved_blocks, locked["holder_id"], account)
+            await self._enqueue(conn, back, current.reserved_blocks, locked["holder_id"], weight)
             await self._dispatch(conn, current.instance)
             resumed = await self._get(conn, tenant, request_id)
             if resumed.state is ReservationState.QUEUED and wait_seconds <= 0:
@@ -1162,7 +1185,8 @@ def allocation_params(
 
 
 async def offload(conn: AsyncConnection, instance: str, tenant: str, request_id: str) -> int | None:
-    """OFFLOAD, in the caller's transaction (the instance and tenant locked): a suspended
+    """OFFLOAD, in the caller's transaction (the instance locked first; the statement takes
+    the tenant's row after it, as admission does): a suspended
     reservation's blocks leave the GPU and its tokens leave the tenant's tokens in flight; it
     stays live, in the CPU tier. Returns the blocks that freed, or None when it is not
     suspended on the GPU (any more)."""

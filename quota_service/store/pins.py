@@ -57,11 +57,17 @@ _INSERT_PIN = text(
     f"""
     WITH pin AS (
         INSERT INTO pins (
-            holder_id, owner, pin_id, tenant, instance, prompt_tokens, pinned_blocks, prefix_hash,
-            token_ids)
-        VALUES (:holder, :owner, :pin_id, :tenant, :instance, :prompt_tokens, :blocks, :prefix,
-                CAST(:token_ids AS int[]))
+            holder_id, owner, pin_id, tenant, instance, prompt_tokens, pinned_blocks, prefix_hash)
+        VALUES (:holder, :owner, :pin_id, :tenant, :instance, :prompt_tokens, :blocks, :prefix)
         RETURNING holder_id
+    ), cpu_tier AS (
+        -- What the instance's CPU tier must pin too, as it is now (salt, coordinator): an unpin
+        -- later reaches the same pins there whatever changed meanwhile.
+        INSERT INTO cpu_tier_pins (
+            holder_id, coordinator_url, model_name, world_size, cache_salt, token_ids)
+        SELECT :holder, lmcache_coordinator_url, lmcache_model_name, lmcache_world_size, :salt,
+               CAST(:token_ids AS int[])
+        FROM instances WHERE instance = :instance AND lmcache_coordinator_url IS NOT NULL
     ), {blocks.ALLOCATE}, {blocks.pool_counts()}, {blocks.tenant_additions()}
     SELECT (SELECT count(*) FROM allocated) AS allocated
     """
@@ -75,6 +81,8 @@ _UNPIN = text(
         UPDATE pins SET state = 'REMOVED', removed_at = now()
         WHERE holder_id = :holder AND state = 'ACTIVE'
         RETURNING holder_id
+    ), cpu_tier AS (
+        UPDATE cpu_tier_pins c SET wanted = false FROM removed x WHERE c.holder_id = x.holder_id
     ), {
         blocks.drop(
             "DELETE FROM block_refs r USING removed x WHERE r.holder_id = x.holder_id "
@@ -168,6 +176,7 @@ class Pins:
                 "instance": instance,
                 "prompt_tokens": len(token_ids),
                 "token_ids": list(token_ids),
+                "salt": salt,
                 "blocks": len(hashes),
                 "prefix": hashes[-1],
                 **allocation_params(plan.hits, plan.new_hashes, scope, pinned=True),

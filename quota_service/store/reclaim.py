@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import RowMapping, TextClause, text
@@ -28,6 +29,7 @@ from quota_service.core.reclaim import (
     PoolSnapshot,
     Preemption,
     ReclaimJob,
+    ReclaimPlan,
     ReclaimTarget,
     StepState,
     TenantExcess,
@@ -90,7 +92,10 @@ async def load_snapshot(
     # Geometry never changes and the CPU tier is read apart anyway (NOT_FOUND for no instance).
     found = await Catalog(engine).get_instance(instance)
     bytes_per_block = found.spec.bytes_per_block or 0
-    cpu = cpu_tier(found.cpu_used_bytes, found.cpu_capacity_bytes, watermarks)
+    age = None
+    if found.cpu_checked_at is not None:
+        age = (datetime.now(UTC) - found.cpu_checked_at).total_seconds()
+    cpu = cpu_tier(found.cpu_used_bytes, found.cpu_capacity_bytes, age, watermarks)
     args = {"instance": instance}
     async with engine.connect() as conn:
         await conn.execution_options(isolation_level="REPEATABLE READ")
@@ -172,7 +177,7 @@ _FREE_BLOCK = text(
 )
 
 _RESERVATION_END = text(
-    "SELECT state, end_reason, freed_blocks FROM reservations "
+    "SELECT state, end_reason, freed_blocks, offloaded_bytes FROM reservations "
     "WHERE tenant = :tenant AND request_id = :request_id"
 )
 
@@ -239,6 +244,7 @@ _OPEN_SCOPES = text(
 CHANGED_SINCE_PLAN = "the block was reused or evicted since the plan"
 GONE_SINCE_PLAN = "the reservation no longer exists"
 NOT_SUSPENDED_ANY_MORE = "the reservation was resumed or ended since the plan"
+OFFLOADED_SINCE_PLAN = "the reservation left the GPU for the CPU tier since the plan"
 
 
 def ended_before_preemption(reason: str) -> str:
@@ -384,6 +390,11 @@ class ReclaimJobs:
         job = await self.get(await in_transaction(self._engine, work))
         return _same_request(job, instance, target, dry_run)
 
+    async def preview(self, instance: str, target: ReclaimTarget) -> ReclaimPlan:
+        """The plan a job would get now, stored nowhere."""
+        check_target(target)
+        return plan(await load_snapshot(self._engine, instance, self._watermarks), target)
+
     async def get(self, job_id: str) -> ReclaimJob:
         async with self._engine.connect() as conn:
             found = await _load_jobs(conn, _JOB, {"job_id": job_id})
@@ -494,6 +505,8 @@ async def _preempted(
     row = (await conn.execute(_RESERVATION_END, keys)).mappings().first()
     if row is None:
         return 0, GONE_SINCE_PLAN
+    if row["offloaded_bytes"] is not None and row["state"] != ReservationState.ENDED.value:
+        return 0, OFFLOADED_SINCE_PLAN
     if row["state"] != ReservationState.ENDED.value:
         return Preemption(step["tenant"], step["request_id"])
     if row["end_reason"] != EndReason.PREEMPTED.value:

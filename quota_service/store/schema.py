@@ -402,10 +402,6 @@ class PinRow(Base):
     pinned_blocks: Mapped[int] = mapped_column(Integer)
     # The last block's hash identifies the prefix (chained hashes cover every earlier token).
     prefix_hash: Mapped[bytes] = mapped_column(LargeBinary)
-    # The prefix's tokens and, once looked up, its LMCache chunk keys: what mirrors the pin
-    # onto the instance's CPU tier (kept after removal until the unpin is mirrored).
-    token_ids: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
-    chunk_keys: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
     state: Mapped[str] = mapped_column(String(16), server_default="ACTIVE")
     created_at: Mapped[CreatedAt]
     removed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -414,6 +410,29 @@ class PinRow(Base):
         CheckConstraint("state IN ('ACTIVE', 'REMOVED')", name="state"),
         Index("uq_pins_owner_pin_id", "owner", "pin_id", unique=True),
     )
+
+
+class CpuTierPinRow(Base):
+    """A pin as the instance's CPU tier (an LMCache coordinator) must hold it: written with the
+    pin, marked unwanted by the unpin, and deleted once the coordinator shows it gone. It keeps
+    what it was pinned under (coordinator, model, salt), so a salt rotated or an endpoint changed
+    since never strands a pin there."""
+
+    __tablename__ = "cpu_tier_pins"
+
+    # The pin's holder id (not a foreign key: a removed pin may be forgotten first).
+    holder_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    coordinator_url: Mapped[str] = mapped_column(String(200))
+    model_name: Mapped[str] = mapped_column(String(200))
+    world_size: Mapped[int] = mapped_column(Integer)
+    # Secret, as the tenant's: never logged.
+    cache_salt: Mapped[str] = mapped_column(String(128))
+    token_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    # The prefix's chunk keys, once the coordinator named them.
+    chunk_keys: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    wanted: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
+
+    __table_args__ = (Index("ix_cpu_tier_pins_coordinator_url", "coordinator_url"),)
 
 
 class TombstoneRow(Base):

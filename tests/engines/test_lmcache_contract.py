@@ -23,7 +23,7 @@ from quota_service.core.model import (
 )
 from quota_service.core.reclaim import JobState, ReclaimTarget, Tier
 from quota_service.engine.lmcache import LmcacheCoordinator
-from quota_service.jobs.cpu_tier import CpuTier
+from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
@@ -97,7 +97,7 @@ async def test_quotas_are_mirrored_per_salt_and_follow_the_ledger(
     lmcache: Lmcache, engine: AsyncEngine, settings: Settings
 ) -> None:
     await register(engine, lmcache, ("acme", GIB), ("bolt", 256 << 20))
-    tier = CpuTier(CpuTierBooks(engine))
+    tier = CpuTierMirror(CpuTierBooks(engine))
     try:
         assert await tier.mirror() == 2
         acme, bolt = await salt_of(engine, "acme"), await salt_of(engine, "bolt")
@@ -140,7 +140,7 @@ async def test_pins_are_mirrored_once_and_survive_a_reclaim_delete(
 
     pins = Pins(engine, settings.admission_limits)
     system_prompt = session_tokens[: 2 * CHUNK]
-    tier = CpuTier(CpuTierBooks(engine))
+    tier = CpuTierMirror(CpuTierBooks(engine))
     coordinator = LmcacheCoordinator(lmcache.coordinator_url)
     where = endpoint(lmcache)
     try:
@@ -229,7 +229,7 @@ async def test_a_resumed_session_is_prefetched_back_into_l1(
     params = AdmitParams("resumer", "chat", "gpu-0", len(prompt), 1, 1, 0)
     await ledger.admit(AdmitRequest(params, prompt, 0.0, None))
     await ledger.suspend("resumer", "chat", session_tokens)
-    tier = CpuTier(CpuTierBooks(engine))
+    tier = CpuTierMirror(CpuTierBooks(engine))
     try:
         await tier.mirror()
         jobs = ReclaimJobs(engine)

@@ -29,7 +29,7 @@ from quota_service.core.reclaim import JobState, ReclaimTarget, Tier
 from quota_service.engine.vllm.events import BlockStored
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
-from quota_service.jobs.cpu_tier import CpuTier
+from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
@@ -224,7 +224,7 @@ async def test_an_evict_step_aborts_the_running_request(vllm: Engine, engine: As
     ledger = await register_tiny(vllm, engine)
     termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
     jobs = ReclaimJobs(engine)
-    executor = ReclaimExecutor(jobs, termination, CpuTier(CpuTierBooks(engine)))
+    executor = ReclaimExecutor(jobs, termination, CpuTierMirror(CpuTierBooks(engine)))
 
     async def evict(request_id: str) -> None:
         target = ReclaimTarget(1, Tier.EVICT, "acme")

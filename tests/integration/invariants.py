@@ -65,11 +65,10 @@ CHECKS = {
          AND r.generation = tb.generation
         WHERE tb.refs <> coalesce(r.refs, 0) OR tb.pin_refs <> coalesce(r.pins, 0)
     """,
-    "an offloaded reservation is a suspended one with no block table": """
+    "an offloaded reservation is suspended (or queued to resume) with no block table": """
         SELECT r.request_id FROM reservations r
         WHERE r.offloaded_bytes IS NOT NULL AND (
-            r.state = 'QUEUED'
-            OR (r.state = 'ADMITTED' AND r.suspended_at IS NULL)
+            (r.state = 'ADMITTED' AND r.suspended_at IS NULL)
             OR EXISTS (SELECT 1 FROM block_refs b
                        WHERE b.holder_id = r.holder_id AND NOT b.released))
     """,

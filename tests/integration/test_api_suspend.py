@@ -80,7 +80,11 @@ async def test_suspend_offload_and_resume_over_grpc(
         if current.offloaded_bytes:
             break
         await asyncio.sleep(0.1)
-    assert (current.offloaded_bytes, list(current.block_table)) == (4 * 16384, [])
+    assert (current.offloaded, current.offloaded_bytes, list(current.block_table)) == (
+        True,
+        4 * 16384,
+        [],
+    )
 
     # The CPU tier does not answer here: the prefetch is best effort, the blocks come back.
     resumed = await gateway.ResumeReservation(admission_pb2.ResumeReservationRequest(name=name))
@@ -90,7 +94,7 @@ async def test_suspend_offload_and_resume_over_grpc(
         4,
         3,
     )
-    assert not resumed.HasField("suspend_time")
+    assert not resumed.HasField("suspend_time") and not resumed.offloaded
     again = await gateway.ResumeReservation(admission_pb2.ResumeReservationRequest(name=name))
     assert again.block_table == resumed.block_table  # not suspended: nothing changes
     await gateway.Release(admission_pb2.ReleaseRequest(name=name))

@@ -16,7 +16,7 @@ from quota_service.core.admission import AdmitRequest
 from quota_service.core.errors import Code, KvQuotaError
 from quota_service.core.model import EndReason, EngineEndpoints, ReservationState
 from quota_service.core.reclaim import JobState, ReclaimTarget, StepState, Tier
-from quota_service.jobs.cpu_tier import CpuTier
+from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
@@ -63,10 +63,8 @@ async def test_evict_preempts_lowest_priority_newest_first_and_reports_what_it_f
         (Tier.EVICT, ("acme", "old"), 4),
     ]
     termination = Termination(ledger, abort_timeout_seconds=0.5, hard_timeout_seconds=5.0)
-    assert (
-        await ReclaimExecutor(jobs, termination, CpuTier(CpuTierBooks(engine))).run(job.job_id, 10)
-        == 2
-    )
+    executor = ReclaimExecutor(jobs, termination, CpuTierMirror(CpuTierBooks(engine)))
+    assert await executor.run(job.job_id, 10) == 2
     assert await jobs.run_step(job.job_id) is False
     done = await jobs.get(job.job_id)
     assert (done.state, done.actual_blocks, done.differences) == (JobState.SUCCEEDED, 6, ())
@@ -100,7 +98,7 @@ async def test_an_evict_step_waits_for_the_engine_and_says_why_it_got_less(
     job = await jobs.create("evict", "gpu-0", ReclaimTarget(8, Tier.EVICT), dry_run=False)
     assert [s.planned.reservation for s in job.steps] == [("acme", "second"), ("acme", "first")]
     termination = Termination(ledger, abort_timeout_seconds=0.2, hard_timeout_seconds=60.0)
-    executor = ReclaimExecutor(jobs, termination, CpuTier(CpuTierBooks(engine)))
+    executor = ReclaimExecutor(jobs, termination, CpuTierMirror(CpuTierBooks(engine)))
     assert await executor.run(job.job_id, 10) == 0  # the abort is pending
     assert (await ledger.get("acme", "second")).state is ReservationState.ADMITTED
     assert (await counters(engine))["instance:gpu-0"]["blocks_in_use"] == 8

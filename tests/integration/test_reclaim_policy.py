@@ -13,7 +13,7 @@ from quota_service.config import Settings
 from quota_service.core.model import ReservationState
 from quota_service.core.pagination import Page
 from quota_service.core.reclaim import ReclaimTarget, Tier
-from quota_service.jobs.cpu_tier import CpuTier
+from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.policy import ReclaimPolicy
 from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
@@ -37,6 +37,9 @@ async def test_a_hot_instance_with_work_waiting_preempts_down_to_its_watermark(
     waiting, _ = await ledger.admit(replace(request("waiting", 63, 1), wait_timeout_seconds=60))
     assert waiting.state is ReservationState.QUEUED
     jobs = ReclaimJobs(engine)
+    # Allowed only to offload, with no idle session to take: no job, not even an empty one.
+    assert await ReclaimPolicy(jobs, Tier.OFFLOAD, 0.9, 30).sweep() == 0
+    assert await jobs.list_jobs(Page(10, None)) == []
     policy = ReclaimPolicy(jobs, Tier.EVICT, watermark=0.9, cooldown_seconds=30)
     # Two replicas decide at the same moment: one job.
     assert list(await asyncio.gather(policy.sweep(), policy.sweep())) == [1, 1]
@@ -45,7 +48,7 @@ async def test_a_hot_instance_with_work_waiting_preempts_down_to_its_watermark(
     assert [s.planned.reservation for s in job.steps] == [("acme", "r3")]  # newest first
     assert await policy.sweep() == 0  # its scope has a job open
     termination = Termination(ledger, abort_timeout_seconds=0.5, hard_timeout_seconds=5)
-    executor = ReclaimExecutor(jobs, termination, CpuTier(CpuTierBooks(engine)))
+    executor = ReclaimExecutor(jobs, termination, CpuTierMirror(CpuTierBooks(engine)))
     assert await executor.run(job.job_id, 10) == 1
     assert await ledger.dispatch("gpu-0") == 1
     assert (await ledger.get("acme", "waiting")).state is ReservationState.ADMITTED

@@ -4,6 +4,7 @@ instance's queue (at once when there is room), or is refused and leaves it offlo
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
@@ -15,7 +16,7 @@ from quota_service.core.admission import AdmitRequest
 from quota_service.core.errors import Code, KvQuotaError
 from quota_service.core.model import EndReason, EngineEndpoints, LmcacheEndpoint, ReservationState
 from quota_service.core.reclaim import JobState, ReclaimTarget, Tier, Unreclaimable
-from quota_service.jobs.cpu_tier import CpuTier
+from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
@@ -112,6 +113,20 @@ async def test_a_resume_without_room_is_refused_or_waits_in_the_queue(
     assert (still.state, still.offloaded_bytes) == (ReservationState.ADMITTED, 4 * BLOCK_BYTES)
     await assert_invariants(engine)
 
+    # A resume whose wait runs out does not end the session: it goes back to the CPU tier.
+    short = await ledger.resume("acme", "chat", 1.0)
+    assert short.state is ReservationState.QUEUED
+    assert await ledger.resume("acme", "chat", 1.0) == short  # a retry joins the same wait
+    await asyncio.sleep(1.1)
+    assert await ledger.dispatch("gpu-0") == 0  # its deadline passed: out of the queue
+    back_in_cpu = await ledger.get("acme", "chat")
+    assert (back_in_cpu.state, back_in_cpu.offloaded_bytes) == (
+        ReservationState.ADMITTED,
+        4 * BLOCK_BYTES,
+    )
+    assert back_in_cpu.suspended_at is not None
+    await assert_invariants(engine)
+
     queued = await ledger.resume("acme", "chat", 30.0)
     assert queued.state is ReservationState.QUEUED
     await ledger.end("acme", "big", EndReason.RELEASED, 1)
@@ -194,7 +209,7 @@ async def test_a_dry_run_across_every_tier_and_its_execution_agree_but_for_what_
     await ledger.end("acme", "run-2", EndReason.RELEASED, 1)
     await ledger.resume("acme", "idle-1", 0.0)
     termination = Termination(ledger, abort_timeout_seconds=0.5, hard_timeout_seconds=5)
-    executor = ReclaimExecutor(jobs, termination, CpuTier(CpuTierBooks(engine)))
+    executor = ReclaimExecutor(jobs, termination, CpuTierMirror(CpuTierBooks(engine)))
     await executor.run(job.job_id, 100)
     done = await jobs.get(job.job_id)
     assert done.state is JobState.SUCCEEDED

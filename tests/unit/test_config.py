@@ -34,6 +34,9 @@ def test_environment_overrides_file(tmp_path: Path) -> None:
         ({"KVQUOTA_DB_POOL_SIZE": "0"}, "DB_POOL_SIZE"),
         ({"KVQUOTA_DEFAULT_LEASE_TTL_SECONDS": "7200"}, "lease TTLs"),
         ({"KVQUOTA_CONFIG": "/nonexistent/kvquota.toml"}, "KVQUOTA_CONFIG"),
+        ({"KVQUOTA_RECLAIM_POLICY_MAX_TIER": "free"}, "none or one of offload"),
+        ({"KVQUOTA_RECLAIM_POLICY_WATERMARK": "1.5"}, "RECLAIM_POLICY_WATERMARK"),
+        ({"KVQUOTA_CPU_OFFLOAD_WATERMARK": "0.95"}, "CPU-tier watermarks"),
     ],
 )
 def test_bad_settings_say_which(environ: dict[str, str], message: str) -> None:
