@@ -22,7 +22,29 @@ from quota_service.core.block_table import BlockHandle
 # plus the entry's distance from the table's end, so a table's tail goes before its head.
 LRU_SPAN = 1 << 20
 
-ALLOCATE = """
+
+def metering(shares: str, pins: str) -> str:
+    """A CTE appending, per tenant, one usage event with the blocks it started or stopped
+    holding by share (`shares`: tenant, k, delta) and its change of pinned blocks (`pins`:
+    tenant, delta); see core/metering.py. Tenants with no change get no event."""
+    return f"""metered_{shares} AS (
+        INSERT INTO usage_events (tenant, instance, blocks, pinned)
+        SELECT tenant, :instance,
+               coalesce(jsonb_object_agg(k, delta) FILTER (WHERE k IS NOT NULL AND delta <> 0),
+                        '{{}}'::jsonb),
+               sum(pins)::int
+        FROM (SELECT tenant, k::text AS k, delta, 0 AS pins FROM {shares}
+              UNION ALL
+              SELECT tenant, NULL, 0, delta FROM ({pins}) p(tenant, delta)) x
+        GROUP BY tenant
+        HAVING bool_or(delta <> 0) OR sum(pins) <> 0
+        ORDER BY tenant
+    )"""
+
+
+_NEWLY_PINNED = "SELECT tenant, count(*) FROM tenant_refs WHERE pinned GROUP BY tenant"
+
+ALLOCATE = f"""
     hit AS (
         SELECT u.block_id, (u.ord - 1)::int AS position
         FROM unnest(CAST(:hit_ids AS int[])) WITH ORDINALITY AS u(block_id, ord)
@@ -79,12 +101,29 @@ ALLOCATE = """
         WHERE :tenant IS NOT NULL
         ON CONFLICT (tenant, instance, block_id) DO UPDATE
         SET refs = t.refs + 1, pin_refs = t.pin_refs + :pin
-        RETURNING t.tenant, (t.refs = 1) AS added, (:pin = 1 AND t.pin_refs = 1) AS pinned
+        RETURNING t.tenant, t.block_id, (t.refs = 1) AS added,
+                  (:pin = 1 AND t.pin_refs = 1) AS pinned
     ), transitions AS (
         SELECT b.state AS state_before, a.state FROM hit_before b JOIN hit_after a USING (block_id)
         UNION ALL
         SELECT state_before, state FROM allocated
-    )"""
+    ), joined AS (
+        -- Blocks the tenant starts holding, and how many other tenants held each (the
+        -- statement's own insert is not seen here).
+        SELECT r.tenant, r.block_id,
+               (SELECT count(*) FROM tenant_blocks o
+                WHERE o.instance = :instance AND o.block_id = r.block_id) AS others
+        FROM tenant_refs r WHERE r.added
+    ), joined_shares AS (
+        SELECT tenant, others + 1 AS k, count(*) AS delta FROM joined GROUP BY tenant, others
+        UNION ALL
+        -- Each other holder now shares the block one way more.
+        SELECT o.tenant, m.k, sum(m.delta) FROM joined j
+        JOIN tenant_blocks o ON o.instance = :instance AND o.block_id = j.block_id
+        CROSS JOIN LATERAL (VALUES (j.others, -1), (j.others + 1, 1)) AS m(k, delta)
+        WHERE j.others > 0
+        GROUP BY o.tenant, m.k
+    ), {metering("joined_shares", _NEWLY_PINNED)}"""
 
 
 def drop(dropped: str) -> str:
@@ -134,13 +173,29 @@ def drop(dropped: str) -> str:
         DELETE FROM tenant_blocks t USING per_tenant p
         WHERE t.tenant = p.tenant AND t.instance = :instance AND t.block_id = p.block_id
           AND t.refs <= p.refs
-        RETURNING t.tenant, true AS removed, t.pin_refs > 0 AS unpinned
+        RETURNING t.tenant, true AS removed, t.pin_refs > 0 AS unpinned, t.block_id
     ), tenant_changes AS (
         SELECT tenant, count(*) FILTER (WHERE removed) AS removed,
                count(*) FILTER (WHERE unpinned) AS unpinned
-        FROM (SELECT * FROM tenant_kept UNION ALL SELECT * FROM tenant_gone) c
+        FROM (SELECT tenant, removed, unpinned FROM tenant_kept
+              UNION ALL SELECT tenant, removed, unpinned FROM tenant_gone) c
         GROUP BY tenant
-    )"""
+    ), left_blocks AS (
+        -- Blocks a tenant stops holding, and how many tenants held each, it included.
+        SELECT g.tenant, g.block_id,
+               (SELECT count(*) FROM tenant_blocks o
+                WHERE o.instance = :instance AND o.block_id = g.block_id) AS holders
+        FROM tenant_gone g
+    ), left_shares AS (
+        SELECT tenant, holders AS k, -count(*) AS delta FROM left_blocks GROUP BY tenant, holders
+        UNION ALL
+        -- Each remaining holder now shares the block one way less.
+        SELECT o.tenant, m.k, sum(m.delta) FROM left_blocks l
+        JOIN tenant_blocks o
+          ON o.instance = :instance AND o.block_id = l.block_id AND o.tenant <> l.tenant
+        CROSS JOIN LATERAL (VALUES (l.holders, -1), (l.holders - 1, 1)) AS m(k, delta)
+        GROUP BY o.tenant, m.k
+    ), {metering("left_shares", "SELECT tenant, -unpinned FROM tenant_changes")}"""
 
 
 def pool_counts(extra_set: str = "", extra_from: str = "") -> str:

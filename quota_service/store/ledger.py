@@ -29,6 +29,7 @@ from quota_service.core.errors import (
 )
 from quota_service.core.hashing import HashAlgo
 from quota_service.core.model import (
+    AdmitParams,
     EndReason,
     Holding,
     InstancePool,
@@ -89,6 +90,10 @@ def _admitting(
     its block table, and the pool and tenant counters move, all at once."""
     return f"""
     WITH reservation AS ({reservation}),
+    counted AS (
+        INSERT INTO usage_events (tenant, instance, tokens_reserved, admitted, cpu_bytes)
+        SELECT tenant, instance, reserved_tokens, 1, -was_offloaded FROM reservation
+    ),
     {blocks.ALLOCATE}, {blocks.pool_counts(pool_extra)},
     {blocks.tenant_additions(", tokens_in_flight = tokens_in_flight + :tokens" + tenant_extra)}
     {more_ctes}
@@ -113,7 +118,7 @@ _INSERT_RESERVATION = text(
             :priority, 'ADMITTED', :blocks, :tokens, :hit_count,
             :ttl, now() + make_interval(secs => :ttl), now())
         ON CONFLICT DO NOTHING
-        RETURNING *
+        RETURNING *, 0::bigint AS was_offloaded
         """
     )
 )
@@ -128,7 +133,10 @@ _PROMOTE_RESERVATION = text(
             admitted_at = now(), prompt_token_ids = NULL, suspended_at = NULL,
             offloaded_bytes = NULL
         WHERE tenant = :tenant AND request_id = :request_id AND state = 'QUEUED'
-        RETURNING *
+        -- A resumed session's bytes leave the CPU tier (the subquery sees the row as it was).
+        RETURNING *, coalesce((SELECT o.offloaded_bytes FROM reservations o
+                               WHERE o.tenant = reservations.tenant
+                                 AND o.request_id = reservations.request_id), 0) AS was_offloaded
         """,
         pool_extra="queued_requests = i.queued_requests - 1, "
         "queued_prompt_tokens = i.queued_prompt_tokens - :prompt_tokens",
@@ -182,6 +190,9 @@ _ENQUEUE = text(
     ), account AS (
         UPDATE tenants SET queued_requests = queued_requests + 1
         FROM reservation WHERE tenants.tenant = :tenant
+    ), counted AS (
+        INSERT INTO usage_events (tenant, instance, queued)
+        SELECT tenant, instance, 1 FROM reservation
     ), tag AS (
         INSERT INTO fair_tags AS f (instance, tenant, priority, last_finish)
         SELECT instance, tenant, priority, :virtual_finish FROM reservation
@@ -212,6 +223,13 @@ _DEQUEUE = text(
         FROM leaving l
         WHERE r.tenant = l.tenant AND r.request_id = l.request_id AND l.back_to_cpu
         RETURNING r.*
+    ), counted AS (
+        INSERT INTO usage_events (tenant, instance, refused, cpu_bytes)
+        SELECT tenant, instance,
+               CASE WHEN end_reason = 'QUEUE_TIMEOUT'
+                    THEN jsonb_build_object('QUEUE_TIMEOUT', 1) ELSE '{}'::jsonb END,
+               -coalesce(offloaded_bytes, 0)
+        FROM ended WHERE end_reason = 'QUEUE_TIMEOUT' OR offloaded_bytes IS NOT NULL
     ), left_queue AS (
         SELECT * FROM ended UNION ALL SELECT * FROM offloaded
     ), pool AS (
@@ -320,6 +338,13 @@ def _dropping_table(holder: str) -> TextClause:
             )
         }, forgotten AS (
         DELETE FROM block_refs r USING holder e WHERE r.holder_id = e.holder_id AND r.released
+    ), counted AS (
+        -- Output tokens at release; CPU-tier bytes taken by an offload or given back by the
+        -- end of an offloaded reservation.
+        INSERT INTO usage_events (tenant, instance, output_tokens, cpu_bytes)
+        SELECT tenant, instance, coalesce(output_tokens, 0),
+               CASE WHEN :offloading THEN offloaded_bytes ELSE -coalesce(offloaded_bytes, 0) END
+        FROM holder WHERE output_tokens IS NOT NULL OR offloaded_bytes IS NOT NULL
     ), {blocks.pool_counts("mean_hold_seconds = " + _ewma("i.mean_hold_seconds"), "holder e")},
     account AS (
         UPDATE tenants t
@@ -381,6 +406,24 @@ _UNSUSPEND = text(
 )
 
 _TENANT_WEIGHT = text("SELECT weight FROM tenants WHERE tenant = :tenant")
+
+# Refusals of an admission, metered per reason (a malformed request or an unknown tenant or
+# instance is not one: nothing was asked of a real pool).
+METERED_REFUSALS = frozenset(
+    {
+        "TENANT_QUOTA_EXCEEDED",
+        "INSTANCE_OVERLOADED",
+        "QUEUE_FULL",
+        "REQUEST_EXCEEDS_CAPACITY",
+        "CONTEXT_LENGTH_EXCEEDED",
+        "TENANT_SUSPENDED",
+        "INSTANCE_DRAINING",
+    }
+)
+_METER_REFUSAL = text(
+    "INSERT INTO usage_events (tenant, instance, refused) "
+    "VALUES (:tenant, :instance, jsonb_build_object(CAST(:reason AS text), 1))"
+)
 
 # A statement may update a row only once, so what an end freed is recorded by a second one.
 _RECORD_FREED = text(
@@ -566,7 +609,17 @@ class Ledger:
                 return await in_transaction(self._engine, lambda conn: self._admit(conn, request))
             except _DuplicateRace:
                 continue  # the next attempt finds the winner's row and replays it
+            except KvQuotaError as refused:
+                if refused.reason in METERED_REFUSALS:
+                    await self._meter_refusal(request.params, refused.reason)
+                raise
         raise AssertionError("a duplicate Admit raced twice under the tenant's row lock")
+
+    async def _meter_refusal(self, params: AdmitParams, reason: str) -> None:
+        """The refusal rolled the Admit back: it is metered on its own."""
+        keys = {"tenant": params.tenant, "instance": params.instance, "reason": reason}
+        async with self._engine.begin() as conn:
+            await conn.execute(_METER_REFUSAL, keys)
 
     async def _admit(self, conn: AsyncConnection, request: AdmitRequest) -> tuple[Reservation, str]:
         p = request.params

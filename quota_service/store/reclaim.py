@@ -187,6 +187,14 @@ _STEP_DONE = text(
         UPDATE reclaim_steps SET state = :state, actual_blocks = :actual, note = :note,
                                  applied_at = now()
         WHERE job_id = :job_id AND seq = :seq
+        RETURNING tier, tenant
+    ), counted AS (
+        -- Metered for the tenant whose reservation the step took (FREE takes blocks nobody
+        -- holds).
+        INSERT INTO usage_events (tenant, instance, reclaimed)
+        SELECT s.tenant, j.instance, jsonb_build_object(s.tier, :actual)
+        FROM step s JOIN reclaim_jobs j ON j.job_id = :job_id
+        WHERE s.tenant IS NOT NULL AND :actual > 0
     )
     UPDATE reclaim_jobs SET state = 'RUNNING' WHERE job_id = :job_id AND state = 'PLANNED'
     """

@@ -6,6 +6,7 @@ too, so a bug above the store cannot over-commit an instance even if it tried.
 from __future__ import annotations
 
 from datetime import datetime
+from decimal import Decimal
 from typing import Annotated
 
 from sqlalchemy import (
@@ -19,6 +20,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    Numeric,
     Sequence,
     String,
     Text,
@@ -382,7 +384,11 @@ class TenantBlockRow(Base):
     refs: Mapped[int] = mapped_column(Integer)
     pin_refs: Mapped[int] = mapped_column(Integer)
 
-    __table_args__ = (CheckConstraint("refs > 0 AND pin_refs BETWEEN 0 AND refs", name="refs"),)
+    __table_args__ = (
+        CheckConstraint("refs > 0 AND pin_refs BETWEEN 0 AND refs", name="refs"),
+        # Who else holds a block: metering charges a block shared k ways 1/k to each.
+        Index("ix_tenant_blocks_instance_block_id", "instance", "block_id"),
+    )
 
 
 class PinRow(Base):
@@ -540,3 +546,65 @@ class ReclaimStepRow(Base):
         CheckConstraint("state IN ('PLANNED', 'APPLIED', 'SKIPPED', 'FAILED')", name="state"),
         CheckConstraint("tier IN ('FREE', 'OFFLOAD', 'COMPRESS', 'EVICT')", name="tier"),
     )
+
+
+class UsageEventRow(Base):
+    """One change of what a tenant holds on an instance, or of its counters (core/metering.py):
+    appended by the statement that makes the change, consumed by the hourly rollup."""
+
+    __tablename__ = "usage_events"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    tenant: Mapped[ResourceId]
+    instance: Mapped[ResourceId]
+    # Δ blocks held, keyed by how many tenants shared each then ({"1": 4, "2": -2}).
+    blocks: Mapped[dict[str, int]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    pinned: Mapped[int] = mapped_column(Integer, server_default="0")
+    cpu_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    tokens_reserved: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    output_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    admitted: Mapped[int] = mapped_column(Integer, server_default="0")
+    queued: Mapped[int] = mapped_column(Integer, server_default="0")
+    refused: Mapped[dict[str, int]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    reclaimed: Mapped[dict[str, int]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    # The closed hour that accounted it (NULL: not rolled up yet).
+    hour: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_usage_events_open", "at", postgresql_where=text("hour IS NULL")),)
+
+
+class UsageHourRow(Base):
+    """A closed hour of one tenant on one instance: integrals in block-microseconds (per share
+    k), counters, and the levels at its end that the next hour starts from. Never updated."""
+
+    __tablename__ = "usage_hours"
+
+    hour: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    tenant: Mapped[ResourceId] = mapped_column(primary_key=True)
+    instance: Mapped[ResourceId] = mapped_column(primary_key=True)
+    block_us: Mapped[dict[str, int]] = mapped_column(JSONB)
+    pinned_block_us: Mapped[int] = mapped_column(BigInteger)
+    cpu_byte_us: Mapped[Decimal] = mapped_column(Numeric(38, 0))
+    tokens_reserved: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    admitted: Mapped[int] = mapped_column(BigInteger)
+    queued: Mapped[int] = mapped_column(BigInteger)
+    refused: Mapped[dict[str, int]] = mapped_column(JSONB)
+    reclaimed: Mapped[dict[str, int]] = mapped_column(JSONB)
+    bytes_per_block: Mapped[int | None] = mapped_column(BigInteger)
+    end_blocks: Mapped[dict[str, int]] = mapped_column(JSONB)
+    end_pinned: Mapped[int] = mapped_column(BigInteger)
+    end_cpu_bytes: Mapped[int] = mapped_column(BigInteger)
+
+
+class UsageClosedHourRow(Base):
+    """Hours the rollup has closed, in order: the row is written in the transaction that
+    writes the hour, so an hour closes once, whichever replica gets there first."""
+
+    __tablename__ = "usage_closed_hours"
+
+    hour: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    closed_at: Mapped[CreatedAt]
+    events: Mapped[int] = mapped_column(BigInteger)
+    late_events: Mapped[int] = mapped_column(BigInteger)

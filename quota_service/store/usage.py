@@ -1,0 +1,148 @@
+"""Usage in the ledger: the hourly rollup that closes hours from the events the ledger's own
+statements append (core/metering.py integrates them).
+
+Closing an hour is one transaction under a transaction-level advisory lock, so replicas close
+each hour once, in order: it reads the previous hour's end levels and every event not accounted
+yet up to the hour's end (an event that committed after its own hour closed counts from this
+hour's start), writes the hour's rows and marks exactly the events it read with it (one that
+commits meanwhile is left to the next hour). A closed hour is never written again."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import RowMapping, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from quota_service.core.metering import HOUR_US, HourUsage, Levels, UsageEvent, integrate_hour
+from quota_service.store.database import in_transaction
+
+_LOCK = text("SELECT pg_advisory_xact_lock(hashtext('kvquota-usage-rollup'))")
+_LAST_CLOSED = text("SELECT max(hour) FROM usage_closed_hours")
+_FIRST_OPEN_EVENT = text("SELECT min(at) FROM usage_events WHERE hour IS NULL")
+_END_LEVELS = text(
+    "SELECT tenant, instance, end_blocks, end_pinned, end_cpu_bytes FROM usage_hours "
+    "WHERE hour = :hour"
+)
+_OPEN_EVENTS = text("SELECT * FROM usage_events WHERE hour IS NULL AND at < :end ORDER BY at, id")
+_BYTES_PER_BLOCK = text("SELECT instance, bytes_per_block FROM instances")
+_INSERT_HOUR = text(
+    """
+    INSERT INTO usage_hours (
+        hour, tenant, instance, block_us, pinned_block_us, cpu_byte_us, tokens_reserved,
+        output_tokens, admitted, queued, refused, reclaimed, bytes_per_block, end_blocks,
+        end_pinned, end_cpu_bytes)
+    SELECT :hour, u.tenant, u.instance, u.block_us, u.pinned_block_us, u.cpu_byte_us,
+           u.tokens_reserved, u.output_tokens, u.admitted, u.queued, u.refused, u.reclaimed,
+           u.bytes_per_block, u.end_blocks, u.end_pinned, u.end_cpu_bytes
+    FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS u(
+        tenant text, instance text, block_us jsonb, pinned_block_us bigint,
+        cpu_byte_us numeric, tokens_reserved bigint, output_tokens bigint, admitted bigint,
+        queued bigint, refused jsonb, reclaimed jsonb, bytes_per_block bigint,
+        end_blocks jsonb, end_pinned bigint, end_cpu_bytes bigint)
+    """
+)
+_MARK_EVENTS = text("UPDATE usage_events SET hour = :hour WHERE id = ANY (CAST(:ids AS bigint[]))")
+_CLOSE = text(
+    "INSERT INTO usage_closed_hours (hour, events, late_events) VALUES (:hour, :events, :late)"
+)
+
+
+def _micros(at: datetime) -> int:
+    return (at - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
+
+
+def _at(micros: int) -> datetime:
+    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=micros)
+
+
+def _counts(value: Mapping[str, int]) -> dict[int, int]:
+    return {int(k): int(v) for k, v in value.items()}
+
+
+def _event(row: RowMapping) -> UsageEvent:
+    return UsageEvent(
+        _micros(row["at"]),
+        row["tenant"],
+        row["instance"],
+        _counts(row["blocks"]),
+        row["pinned"],
+        row["cpu_bytes"],
+        row["tokens_reserved"],
+        row["output_tokens"],
+        row["admitted"],
+        row["queued"],
+        dict(row["refused"]),
+        dict(row["reclaimed"]),
+    )
+
+
+def _row(usage: HourUsage, bytes_per_block: int | None) -> dict[str, object]:
+    return {
+        "tenant": usage.tenant,
+        "instance": usage.instance,
+        "block_us": {str(k): v for k, v in sorted(usage.block_us.items())},
+        "pinned_block_us": usage.pinned_block_us,
+        "cpu_byte_us": usage.cpu_byte_us,
+        "tokens_reserved": usage.tokens_reserved,
+        "output_tokens": usage.output_tokens,
+        "admitted": usage.admitted,
+        "queued": usage.queued,
+        "refused": usage.refused,
+        "reclaimed": usage.reclaimed,
+        "bytes_per_block": bytes_per_block,
+        "end_blocks": {str(k): v for k, v in sorted(usage.end.blocks.items())},
+        "end_pinned": usage.end.pinned,
+        "end_cpu_bytes": usage.end.cpu_bytes,
+    }
+
+
+class UsageRollup:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    async def close_due(self, now: datetime, grace: timedelta) -> int:
+        """Close every hour that ended more than `grace` before `now`, oldest first; returns
+        how many."""
+        closed = 0
+        while await in_transaction(self._engine, lambda conn: self._close_next(conn, now, grace)):
+            closed += 1
+        return closed
+
+    async def _close_next(self, conn: AsyncConnection, now: datetime, grace: timedelta) -> bool:
+        await conn.execute(_LOCK)
+        last = (await conn.execute(_LAST_CLOSED)).scalar_one_or_none()
+        start: dict[tuple[str, str], Levels] = {}
+        if last is not None:
+            ended = await conn.execute(_END_LEVELS, {"hour": last})
+            start = {
+                (r.tenant, r.instance): Levels(_counts(r.end_blocks), r.end_pinned, r.end_cpu_bytes)
+                for r in ended
+            }
+        first_event = (await conn.execute(_FIRST_OPEN_EVENT)).scalar_one_or_none()
+        carried = any(not levels.empty for levels in start.values())
+        if last is not None and (carried or first_event is not None):
+            hour = last + timedelta(hours=1)
+            if not carried and first_event is not None:
+                # Nothing held and nothing happened until the next event: skip the empty hours.
+                hour = max(hour, _at(_micros(first_event) // HOUR_US * HOUR_US))
+        elif first_event is not None:
+            hour = _at(_micros(first_event) // HOUR_US * HOUR_US)
+        else:
+            return False
+        end = hour + timedelta(hours=1)
+        if end + grace > now:
+            return False
+        unaccounted = (await conn.execute(_OPEN_EVENTS, {"end": end})).mappings().all()
+        events = [_event(r) for r in unaccounted]
+        sizes = {i: b for i, b in await conn.execute(_BYTES_PER_BLOCK)}
+        usage = integrate_hour(_micros(hour), start, events)
+        if usage:
+            hours = json.dumps([_row(u, sizes.get(u.instance)) for u in usage])
+            await conn.execute(_INSERT_HOUR, {"hour": hour, "rows": hours})
+        await conn.execute(_MARK_EVENTS, {"hour": hour, "ids": [r["id"] for r in unaccounted]})
+        late = sum(1 for e in events if e.at_us < _micros(hour))
+        await conn.execute(_CLOSE, {"hour": hour, "events": len(events), "late": late})
+        return True

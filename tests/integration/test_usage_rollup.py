@@ -1,0 +1,156 @@
+"""Metering in the ledger: the statements that change what tenants hold append usage events
+(shares of blocks held by several tenants included), and the hourly rollup integrates them
+exactly, once, whichever replica closes the hour."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from fractions import Fraction
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.metering import MICROS
+from quota_service.core.model import EndReason, ReservationState
+from quota_service.store.catalog import Catalog
+from quota_service.store.ledger import Ledger
+from quota_service.store.usage import UsageRollup
+from tests.integration.ledger_fixtures import add_instance, add_tenant, request
+
+HOUR = datetime(2026, 11, 29, 10, tzinfo=UTC)
+PROMPT = tuple(range(63))  # 3 full blocks and a partial one with the output token
+
+
+async def scripted(engine: AsyncEngine, seconds: list[int]) -> None:
+    """The controlled clock: the ledger's transactions, in the order they ran (their events
+    share their start time), get these times."""
+    async with engine.begin() as conn:
+        query = text("SELECT DISTINCT at FROM usage_events ORDER BY at")
+        times = [at for (at,) in await conn.execute(query)]
+        assert len(times) == len(seconds)
+        for at, second in zip(times, seconds, strict=True):
+            await conn.execute(
+                text("UPDATE usage_events SET at = :new WHERE at = :at"),
+                {"new": HOUR + timedelta(seconds=second), "at": at},
+            )
+
+
+async def events(engine: AsyncEngine) -> list[tuple[str, dict[str, int]]]:
+    async with engine.connect() as conn:
+        query = "SELECT tenant, blocks FROM usage_events WHERE blocks <> '{}' ORDER BY id"
+        rows = await conn.execute(text(query))
+        return [(tenant, dict(blocks)) for tenant, blocks in rows]
+
+
+async def test_shared_blocks_are_metered_and_an_hour_adds_up_exactly(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    await add_instance(engine, blocks=64)
+    catalog = Catalog(engine)
+    await catalog.create_namespace("pub")
+    for tenant in ("acme", "bolt"):
+        await add_tenant(engine, tenant)
+        await catalog.update_tenant(tenant, {"namespace": "pub"})
+    ledger = Ledger(engine, settings.admission_limits)
+    await ledger.admit(replace(request("r1", 63, 1), prompt_token_ids=PROMPT))
+    shared = replace(request("r2", 63, 1, tenant="bolt"), prompt_token_ids=PROMPT)
+    assert (await ledger.admit(shared))[0].prefix_hit_blocks == 3
+    await ledger.end("bolt", "r2", EndReason.RELEASED, 1)
+    await ledger.end("acme", "r1", EndReason.RELEASED, 1)
+    assert await events(engine) == [
+        ("acme", {"1": 4}),
+        # bolt joins acme's 3 prompt blocks: both now hold them two ways.
+        ("acme", {"1": -3, "2": 3}),
+        ("bolt", {"1": 1, "2": 3}),
+        ("acme", {"1": 3, "2": -3}),
+        ("bolt", {"1": -1, "2": -3}),
+        ("acme", {"1": -4}),
+    ]
+    await scripted(engine, [10, 20, 70, 100])
+
+    rollup = UsageRollup(engine)
+    grace = timedelta(minutes=5)
+    too_soon = HOUR + timedelta(hours=1, minutes=4)
+    assert await rollup.close_due(too_soon, grace) == 0  # still within the grace period
+    later = HOUR + timedelta(hours=3)
+    # Two replicas at once: the hour is closed once.
+    assert sorted(await asyncio.gather(*(rollup.close_due(later, grace) for _ in range(2)))) == [
+        0,
+        1,
+    ]
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text("SELECT tenant, block_us FROM usage_hours WHERE hour = :hour ORDER BY tenant"),
+            {"hour": HOUR},
+        )
+        hours = {tenant: {int(k): v for k, v in block_us.items()} for tenant, block_us in rows}
+    # acme: 4 blocks alone 10..20 s, 1 alone and 3 shared 20..70 s, 4 alone 70..100 s.
+    assert hours["acme"] == {1: 210 * MICROS, 2: 150 * MICROS}
+    assert hours["bolt"] == {1: 50 * MICROS, 2: 150 * MICROS}
+    fair = {t: sum(Fraction(us, k) for k, us in b.items()) / MICROS for t, b in hours.items()}
+    assert fair == {"acme": 285, "bolt": 125}
+    # Conservation: acme's 4 blocks held 10..100 s and bolt's own block 20..70 s.
+    assert sum(fair.values()) == 4 * 90 + 50
+    async with engine.connect() as conn:
+        counters = await conn.execute(
+            text(
+                "SELECT tenant, admitted, tokens_reserved, output_tokens FROM usage_hours "
+                "WHERE hour = :hour ORDER BY tenant"
+            ),
+            {"hour": HOUR},
+        )
+        assert [tuple(r) for r in counters] == [("acme", 1, 64, 1), ("bolt", 1, 64, 1)]
+
+    # A late event (its hour had closed) counts in the next hour; the closed one never changes.
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO usage_events (at, tenant, instance, blocks) "
+                "VALUES (:at, 'acme', 'gpu-0', CAST(:blocks AS jsonb))"
+            ),
+            {"at": HOUR + timedelta(minutes=30), "blocks": '{"1": 1}'},
+        )
+    assert await rollup.close_due(HOUR + timedelta(hours=5), grace) == 3  # hours 1, 2, 3
+    async with engine.connect() as conn:
+        closed = (
+            await conn.execute(
+                text("SELECT hour, events, late_events FROM usage_closed_hours ORDER BY hour")
+            )
+        ).all()
+        next_hour = (
+            await conn.execute(
+                text("SELECT block_us FROM usage_hours WHERE hour = :hour AND tenant = 'acme'"),
+                {"hour": HOUR + timedelta(hours=1)},
+            )
+        ).scalar_one()
+    assert [(c.events, c.late_events) for c in closed] == [(10, 0), (1, 1), (0, 0), (0, 0)]
+    assert next_hour == {"1": 3600 * MICROS}
+
+
+async def test_refusals_and_queueing_are_counted_by_reason(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    await add_instance(engine, blocks=8)
+    await add_tenant(engine, "acme")
+    ledger = Ledger(engine, settings.admission_limits)
+    await ledger.admit(request("big", 100, 27))  # 8 blocks: all of them
+    for attempt in range(2):
+        with pytest.raises(KvQuotaError):
+            await ledger.admit(request(f"no-room-{attempt}", 16, 1))
+    waiting, _ = await ledger.admit(replace(request("waits", 16, 1), wait_timeout_seconds=60))
+    assert waiting.state is ReservationState.QUEUED
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text(
+                "SELECT sum(admitted), sum(queued), jsonb_agg(refused) FILTER "
+                "(WHERE refused <> '{}') FROM usage_events WHERE tenant = 'acme'"
+            )
+        )
+        admitted, queued, refused = rows.one()
+    assert (admitted, queued) == (1, 1)
+    assert refused == [{"INSTANCE_OVERLOADED": 1}] * 2
