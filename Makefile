@@ -76,9 +76,10 @@ format: $(STAMP) ## Apply ruff's fixes and formatting
 proto: $(STAMP) ## Regenerate kvquota/v1 from proto/kvquota/v1
 	$(BIN)/python scripts/protogen.py
 
-bench: $(STAMP) ## Admit latency and throughput; KV-event subscriber rate and lag against the simulated host
-	$(BIN)/python bench/admit_latency.py
-	$(BIN)/python bench/kv_events.py
+bench: $(STAMP) ## Admit latency and throughput; KV-event subscriber rate and lag; usage export at 1M records
+	$(BIN)/python -m bench.admit_latency
+	$(BIN)/python -m bench.kv_events
+	$(BIN)/python -m bench.usage_export
 
 clean: ## Remove the virtual environment and the embedded database
 	rm -rf $(VENV) $(ENGINES) $(LMCACHE) .kvquota

@@ -13,37 +13,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
-from pathlib import Path
 
 import grpc
-import psycopg
-from sqlalchemy import make_url
 
+from bench.harness import throwaway_server
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
-from quota_service.store import embedded, migrate
-
-ADDRESS = re.compile(r"serving gRPC on (\S+)")
-
-
-def server_url() -> str:
-    configured = os.environ.get("KVQUOTA_DATABASE_URL")
-    if configured:
-        return configured
-    try:
-        url = "postgresql://postgres@127.0.0.1:5432/postgres"
-        psycopg.connect(url, connect_timeout=2).close()
-        return url
-    except psycopg.OperationalError:
-        return embedded.start(Path(tempfile.mkdtemp(prefix="kvquota-bench-")))
 
 
 async def setup(address: str, capacities: list[int]) -> None:
@@ -145,26 +123,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    root = server_url()
-    database = f"kvq_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(root, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{database}"')
-    url = make_url(root).set(database=database).render_as_string(hide_password=False)
-    server = None
-    try:
-        migrate.upgrade(url)
-        env = {**os.environ, "KVQUOTA_DATABASE_URL": url, "KVQUOTA_GRPC_LISTEN": "127.0.0.1:0"}
-        server = subprocess.Popen(
-            [sys.executable, "-m", "quota_service.cli", "serve"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        assert server.stdout is not None
-        address = next(m.group(1) for line in server.stdout if (m := ADDRESS.search(line)))
-        asyncio.run(setup(address, args.capacity))
-        results = []
+    results = []
+    with throwaway_server() as served:
+        asyncio.run(setup(served.address, args.capacity))
         for capacity in args.capacity:
             for prefix in args.prefix_tokens:
                 for concurrency in args.concurrency:
@@ -173,14 +134,8 @@ def main() -> None:
                         f"concurrency {concurrency}, {args.seconds:g} s",
                         file=sys.stderr,
                     )
-                    run = drive(address, capacity, prefix, concurrency, args.seconds)
+                    run = drive(served.address, capacity, prefix, concurrency, args.seconds)
                     results.append(asyncio.run(run))
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=30)
-        with psycopg.connect(root, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
     if args.json:
         print(json.dumps(results, indent=2))
         return

@@ -3,7 +3,7 @@ event batches at a target rate, driven by a simulated block pool (stores, and ev
 is full); this process subscribes, decodes every batch, and measures the rate it receives and the
 lag (receive time minus the batch's timestamp), per second, so a growing lag shows.
 
-    python bench/kv_events.py --rate 10000 --seconds 10 [--json]
+    python -m bench.kv_events --rate 10000 --seconds 10 [--json]
 """
 
 from __future__ import annotations

@@ -10,14 +10,17 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from datetime import UTC, datetime
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
 
-from kvquota.v1 import admin_pb2, admin_pb2_grpc, resources_pb2
+from kvquota.v1 import admin_pb2, admin_pb2_grpc, billing_pb2, billing_pb2_grpc, resources_pb2
+from quota_service import usage_export
 from quota_service.config import Settings, SettingsError, load_settings
 
 log = logging.getLogger("kvquota")
@@ -168,6 +171,95 @@ def _register_instance(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hour(text: str) -> Timestamp:
+    """An ISO 8601 time ('2026-11-29T10:00Z'; UTC unless it says otherwise)."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a time: {text!r} (e.g. 2026-11-29T10:00Z)") from None
+    stamp = Timestamp()
+    stamp.FromDatetime(when if when.tzinfo else when.replace(tzinfo=UTC))
+    return stamp
+
+
+def _usage(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.server) as channel:
+        stub = billing_pb2_grpc.BillingServiceStub(channel)
+        tenant = f"tenants/{args.tenant}" if args.tenant else ""
+        if args.action == "summary":
+            summary = stub.GetUsageSummary(
+                billing_pb2.GetUsageSummaryRequest(
+                    start_time=args.start, end_time=args.end, tenant=tenant
+                )
+            )
+            if args.json:
+                print(json.dumps(_as_dict(summary), indent=2))
+            else:
+                _print_rows([_summary_row(t) for t in summary.tenants])
+            return 0
+        request = billing_pb2.ExportUsageRequest(
+            start_time=args.start,
+            end_time=args.end,
+            tenant=tenant,
+            instance=f"instances/{args.instance}" if args.instance else "",
+        )
+        out = open(args.output, "wb") if args.output else sys.stdout.buffer  # noqa: SIM115
+        try:
+            _export(stub.ExportUsage(request), usage_export.writer(args.format, out), args)
+        finally:
+            if args.output:
+                out.close()
+    return 0
+
+
+def _export(
+    records: Iterable[billing_pb2.UsageRecord],
+    writer: usage_export.Writer,
+    args: argparse.Namespace,
+) -> None:
+    """Write the rows as the records stream in, a batch at a time; progress on stderr."""
+    start, end = args.start.ToMicroseconds(), args.end.ToMicroseconds()
+    batch: list[tuple[str, ...]] = []
+    exported = rows = 0
+    for record in records:
+        batch.extend(usage_export.focus_rows(record))
+        exported += 1
+        if len(batch) >= EXPORT_BATCH_ROWS:
+            rows += len(batch)
+            writer.write(batch)
+            batch = []
+            done = (record.hour_start.ToMicroseconds() - start) / (end - start)
+            _progress(done, f"{exported:,} records, {rows:,} rows")
+    rows += len(batch)
+    writer.write(batch)
+    writer.close()
+    _progress(1.0, f"{exported:,} records, {rows:,} rows")
+    print(file=sys.stderr)
+
+
+def _progress(done: float, what: str) -> None:
+    filled = int(done * PROGRESS_WIDTH)
+    bar = "#" * filled + "." * (PROGRESS_WIDTH - filled)
+    print(f"\r[{bar}] {done:4.0%} {what}", end="", file=sys.stderr, flush=True)
+
+
+def _summary_row(t: billing_pb2.UsageRecord) -> dict[str, object]:
+    return {
+        "tenant": t.tenant,
+        "GPU block-s": f"{t.gpu_block_seconds:.1f}",
+        "fair share block-s": f"{t.fair_share_block_seconds:.1f}",
+        "pinned block-s": f"{t.pinned_block_seconds:.1f}",
+        "GPU GiB-h": f"{t.gpu_gib_hours:.4f}",
+        "CPU GiB-h": f"{t.cpu_gib_hours:.4f}",
+        "admitted": t.requests_admitted,
+        "queued": t.requests_queued,
+        "refused": sum(t.requests_refused.values()),
+        "output tokens": t.output_tokens,
+    }
+
+
+EXPORT_BATCH_ROWS = 5000
+PROGRESS_WIDTH = 30
 SIZE_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 POLL_SECONDS = 0.5
 
@@ -305,6 +397,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     reclaim.add_argument("--request-id", help="idempotency key (default: a new one)")
     reclaim.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
     reclaim.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    usage = commands.add_parser("usage", help="usage of closed hours, for billing")
+    usage_commands = usage.add_subparsers(dest="action", required=True)
+    export = usage_commands.add_parser("export", help="FOCUS-style rows of a range of hours")
+    summary = usage_commands.add_parser("summary", help="per-tenant totals of a range of hours")
+    for command in (export, summary):
+        command.add_argument(
+            "--from", dest="start", required=True, type=_hour, help="e.g. 2026-11-29T00:00Z"
+        )
+        command.add_argument("--to", dest="end", required=True, type=_hour, help="exclusive")
+        command.add_argument("--tenant", help="only this tenant")
+        command.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
+    export.add_argument("--instance", help="only this instance")
+    export.add_argument("--format", choices=usage_export.FORMATS, default="csv")
+    export.add_argument("--output", help="a file (default: standard output)")
+    summary.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -321,7 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(settings, args)
     if args.command == "migrate":
         return _migrate(settings, args)
-    commands_over_grpc = {"instance": _register_instance, "reclaim": _reclaim}
+    commands_over_grpc = {
+        "instance": _register_instance,
+        "reclaim": _reclaim,
+        "usage": _usage,
+    }
     try:
         return commands_over_grpc.get(args.command, _list)(args)
     except grpc.RpcError as exc:

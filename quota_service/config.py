@@ -61,6 +61,9 @@ class Settings:
     reclaim_policy_max_tier: str = "offload"
     reclaim_policy_watermark: float = 0.95
     reclaim_policy_cooldown_seconds: float = 30.0
+    # Usage: an hour is closed (and billed) this long after it ended, so that transactions
+    # that started within it have committed their events.
+    usage_close_grace_seconds: float = 300.0
     # Tombstones answer late releases through freed handles; after this they are purged.
     tombstone_retention_seconds: float = 86400.0
     shutdown_grace_seconds: float = 10.0
@@ -82,6 +85,7 @@ class Settings:
             "engine_abort_hard_timeout_seconds",
             "metrics_refresh_seconds",
             "reclaim_policy_cooldown_seconds",
+            "usage_close_grace_seconds",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -14,9 +14,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
+from kvquota.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    admission_pb2,
+    admission_pb2_grpc,
+    billing_pb2,
+    billing_pb2_grpc,
+)
 from quota_service.api.admin import AdminServicer
 from quota_service.api.admission import AdmissionServicer
+from quota_service.api.billing import BillingServicer
 from quota_service.api.errors import ErrorInterceptor
 from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
@@ -39,12 +47,14 @@ from quota_service.store.offboarding import Offboarding
 from quota_service.store.pins import Pins
 from quota_service.store.reclaim import ReclaimJobs
 from quota_service.store.reconcile import Reconciler
+from quota_service.store.usage import UsageBook, UsageRollup
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAMES = (
     admission_pb2.DESCRIPTOR.services_by_name["AdmissionService"].full_name,
     admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+    billing_pb2.DESCRIPTOR.services_by_name["BillingService"].full_name,
 )
 # Prompt token ids of a 128k-token context fit comfortably; anything larger is refused by gRPC.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -119,6 +129,9 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     reclaim = ReclaimJobs(engine, settings.cpu_watermarks)
     admin = AdminServicer(Catalog(engine), pins, offboarding, inspection, reclaim)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
+    billing_pb2_grpc.add_BillingServiceServicer_to_server(
+        BillingServicer(UsageBook(engine)), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -159,6 +172,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
             settings.reclaim_policy_cooldown_seconds,
         ),
         cpu_tier,
+        UsageRollup(engine),
         settings,
     )
     running = asyncio.create_task(maintenance.run(jobs, stop))

@@ -175,3 +175,63 @@ def integrate_hour(
         meter.close(hour_start_us, tenant, instance)
         for (tenant, instance), meter in sorted(meters.items())
     ]
+
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class BilledHour:
+    """A closed hour as billed: its usage and the instance's bytes per block (None without
+    its geometry: GiB-hours are then 0)."""
+
+    usage: HourUsage
+    bytes_per_block: int | None
+
+    def _gib_hours(self, block_seconds: Fraction) -> Fraction:
+        return block_seconds * (self.bytes_per_block or 0) / GIB / 3600
+
+    @property
+    def gpu_gib_hours(self) -> Fraction:
+        return self._gib_hours(self.usage.gpu_block_seconds)
+
+    @property
+    def fair_share_gib_hours(self) -> Fraction:
+        return self._gib_hours(self.usage.fair_block_seconds)
+
+    @property
+    def cpu_gib_hours(self) -> Fraction:
+        return self.usage.cpu_byte_seconds / GIB / 3600
+
+
+@dataclass(slots=True)
+class UsageTotals:
+    """Closed hours added up (a tenant's over a range): GiB-hours are summed hour by hour,
+    each with its instance's bytes per block."""
+
+    gpu_block_seconds: Fraction = Fraction()
+    fair_share_block_seconds: Fraction = Fraction()
+    pinned_block_seconds: Fraction = Fraction()
+    gpu_gib_hours: Fraction = Fraction()
+    fair_share_gib_hours: Fraction = Fraction()
+    cpu_gib_hours: Fraction = Fraction()
+    counters: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)
+    reclaimed: Counter[str] = field(default_factory=Counter)
+
+    def add(self, hour: BilledHour) -> None:
+        usage = hour.usage
+        self.gpu_block_seconds += usage.gpu_block_seconds
+        self.fair_share_block_seconds += usage.fair_block_seconds
+        self.pinned_block_seconds += usage.pinned_block_seconds
+        self.gpu_gib_hours += hour.gpu_gib_hours
+        self.fair_share_gib_hours += hour.fair_share_gib_hours
+        self.cpu_gib_hours += hour.cpu_gib_hours
+        self.counters.update(
+            tokens_reserved=usage.tokens_reserved,
+            output_tokens=usage.output_tokens,
+            admitted=usage.admitted,
+            queued=usage.queued,
+        )
+        self.refused.update(usage.refused)
+        self.reclaimed.update(usage.reclaimed)

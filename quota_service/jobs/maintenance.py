@@ -8,6 +8,7 @@ import asyncio
 import logging
 from contextlib import suppress
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from quota_service.config import Settings
 from quota_service.jobs.cpu_tier import CpuTierMirror
@@ -19,6 +20,7 @@ from quota_service.jobs.termination import Termination
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import Offboarding
+from quota_service.store.usage import UsageRollup
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class Maintenance:
     reclaim: ReclaimExecutor
     policy: ReclaimPolicy
     cpu_tier: CpuTierMirror
+    usage: UsageRollup
     settings: Settings
 
     async def reap_leases(self) -> int:
@@ -45,6 +48,10 @@ class Maintenance:
             total += ended
             if ended < batch:
                 return total
+
+    async def close_usage_hours(self) -> int:
+        grace = timedelta(seconds=self.settings.usage_close_grace_seconds)
+        return await self.usage.close_due(datetime.now(UTC), grace)
 
     async def sweep(self) -> None:
         steps = (
@@ -59,6 +66,7 @@ class Maintenance:
             ("reclaim steps", lambda: self.reclaim.run_open(self.settings.reaper_batch_size)),
             # LMCache coordinators follow the ledger's quotas and pins; L1 fill is read.
             ("cpu tier mirror", self.cpu_tier.mirror),
+            ("usage rollup", self.close_usage_hours),
             ("metrics refresh", self.metrics.refresh),
             (
                 "tombstone purge",

@@ -10,13 +10,20 @@ commits meanwhile is left to the next hour). A closed hour is never written agai
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import RowMapping, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from quota_service.core.metering import HOUR_US, HourUsage, Levels, UsageEvent, integrate_hour
+from quota_service.core.metering import (
+    HOUR_US,
+    BilledHour,
+    HourUsage,
+    Levels,
+    UsageEvent,
+    integrate_hour,
+)
 from quota_service.store.database import in_transaction
 
 _LOCK = text("SELECT pg_advisory_xact_lock(hashtext('kvquota-usage-rollup'))")
@@ -45,6 +52,19 @@ _INSERT_HOUR = text(
     """
 )
 _MARK_EVENTS = text("UPDATE usage_events SET hour = :hour WHERE id = ANY (CAST(:ids AS bigint[]))")
+# Closed hours in a range, in a stable order (the export's bytes depend on it).
+_HOURS = text(
+    """
+    SELECT * FROM usage_hours
+    WHERE hour >= :start AND hour < :end
+      AND (CAST(:tenant AS text) IS NULL OR tenant = :tenant)
+      AND (CAST(:instance AS text) IS NULL OR instance = :instance)
+    ORDER BY hour, tenant, instance
+    """
+)
+# Rows fetched at a time while streaming: memory stays bounded whatever the range.
+STREAM_BATCH = 1000
+
 _CLOSE = text(
     "INSERT INTO usage_closed_hours (hour, events, late_events) VALUES (:hour, :events, :late)"
 )
@@ -146,3 +166,39 @@ class UsageRollup:
         late = sum(1 for e in events if e.at_us < _micros(hour))
         await conn.execute(_CLOSE, {"hour": hour, "events": len(events), "late": late})
         return True
+
+
+def billed_hour(row: RowMapping) -> BilledHour:
+    usage = HourUsage(
+        _micros(row["hour"]),
+        row["tenant"],
+        row["instance"],
+        _counts(row["block_us"]),
+        row["pinned_block_us"],
+        int(row["cpu_byte_us"]),
+        row["tokens_reserved"],
+        row["output_tokens"],
+        row["admitted"],
+        row["queued"],
+        dict(row["refused"]),
+        dict(row["reclaimed"]),
+        Levels(_counts(row["end_blocks"]), row["end_pinned"], row["end_cpu_bytes"]),
+    )
+    return BilledHour(usage, row["bytes_per_block"])
+
+
+class UsageBook:
+    """Closed hours, for export."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    async def hours(
+        self, start: datetime, end: datetime, tenant: str | None, instance: str | None
+    ) -> AsyncIterator[BilledHour]:
+        """The closed hours in [start, end), by hour, tenant and instance, streamed."""
+        params = {"start": start, "end": end, "tenant": tenant, "instance": instance}
+        async with self._engine.connect() as conn:
+            result = await conn.stream(_HOURS.execution_options(yield_per=STREAM_BATCH), params)
+            async for row in result.mappings():
+                yield billed_hour(row)

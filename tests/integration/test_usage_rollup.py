@@ -47,9 +47,8 @@ async def events(engine: AsyncEngine) -> list[tuple[str, dict[str, int]]]:
         return [(tenant, dict(blocks)) for tenant, blocks in rows]
 
 
-async def test_shared_blocks_are_metered_and_an_hour_adds_up_exactly(
-    engine: AsyncEngine, settings: Settings
-) -> None:
+async def shared_prompt_timeline(engine: AsyncEngine, settings: Settings) -> None:
+    """Two tenants of one namespace share a prompt's 3 blocks for 50 s of the hour HOUR."""
     await add_instance(engine, blocks=64)
     catalog = Catalog(engine)
     await catalog.create_namespace("pub")
@@ -73,6 +72,11 @@ async def test_shared_blocks_are_metered_and_an_hour_adds_up_exactly(
     ]
     await scripted(engine, [10, 20, 70, 100])
 
+
+async def test_shared_blocks_are_metered_and_an_hour_adds_up_exactly(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    await shared_prompt_timeline(engine, settings)
     rollup = UsageRollup(engine)
     grace = timedelta(minutes=5)
     too_soon = HOUR + timedelta(hours=1, minutes=4)
