@@ -5,6 +5,7 @@ exactly, once, whichever replica closes the hour."""
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from fractions import Fraction
@@ -17,10 +18,14 @@ from quota_service.config import Settings
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.metering import MICROS
 from quota_service.core.model import EndReason, ReservationState
+from quota_service.core.reclaim import ReclaimTarget, Tier
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
+from quota_service.store.pins import Pins
+from quota_service.store.reclaim import ReclaimJobs
 from quota_service.store.usage import UsageRollup
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
+from tests.integration.test_suspend_offload import with_cpu_tier
 
 HOUR = datetime(2026, 11, 29, 10, tzinfo=UTC)
 PROMPT = tuple(range(63))  # 3 full blocks and a partial one with the output token
@@ -158,3 +163,81 @@ async def test_refusals_and_queueing_are_counted_by_reason(
         admitted, queued, refused = rows.one()
     assert (admitted, queued) == (1, 1)
     assert refused == [{"INSTANCE_OVERLOADED": 1}] * 2
+
+
+async def test_fair_shares_add_up_to_the_referenced_blocks_whatever_happens(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """Random admissions and releases of shared and private prompts by three tenants of one
+    namespace, each at its own scripted second: the hour's fair shares add up to the physical
+    block-seconds of the referenced blocks, measured from the ledger after each step."""
+    await add_instance(engine, blocks=256)
+    catalog = Catalog(engine)
+    await catalog.create_namespace("pub")
+    tenants = ("acme", "bolt", "cora")
+    for tenant in tenants:
+        await add_tenant(engine, tenant)
+        await catalog.update_tenant(tenant, {"namespace": "pub"})
+    ledger = Ledger(engine, settings.admission_limits)
+    prompts = [tuple(range(p * 1000, p * 1000 + 63)) for p in range(3)]
+    chooser = random.Random(7)
+    live: list[tuple[str, str]] = []
+    referenced_after: list[int] = []  # distinct referenced blocks after each step
+    for step in range(40):
+        if live and chooser.random() < 0.45:
+            tenant, request_id = live.pop(chooser.randrange(len(live)))
+            await ledger.end(tenant, request_id, EndReason.RELEASED, 1)
+        else:
+            tenant, prompt = chooser.choice(tenants), chooser.choice(prompts)
+            admit = replace(request(f"s{step}", 63, 1, tenant=tenant), prompt_token_ids=prompt)
+            await ledger.admit(admit)
+            live.append((tenant, f"s{step}"))
+        async with engine.connect() as conn:
+            query = "SELECT count(DISTINCT (instance, block_id)) FROM tenant_blocks"
+            referenced_after.append((await conn.execute(text(query))).scalar_one())
+    await scripted(engine, [10 * (step + 1) for step in range(40)])
+    assert await UsageRollup(engine).close_due(HOUR + timedelta(hours=1), timedelta(0)) == 1
+    physical = sum(n * 10 for n in referenced_after[:-1]) + referenced_after[-1] * (3600 - 400)
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text("SELECT block_us FROM usage_hours WHERE hour = :hour"), {"hour": HOUR}
+        )
+        fair = sum(
+            (Fraction(int(us), int(k)) for (block_us,) in rows for k, us in block_us.items()),
+            Fraction(),
+        )
+    assert fair / MICROS == physical
+
+
+async def test_pins_the_cpu_tier_and_reclaims_are_metered(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    await with_cpu_tier(engine, blocks=32, cpu_used=0, cpu_capacity=1 << 30)
+    ledger = Ledger(engine, settings.admission_limits)
+    pins = Pins(engine, settings.admission_limits)
+    await pins.pin("tenants/acme", "system", "gpu-0", tuple(range(32)))  # 2 blocks
+    await ledger.admit(replace(request("chat", 63, 1), prompt_token_ids=tuple(range(63))))
+    await ledger.suspend("acme", "chat", ())
+    jobs = ReclaimJobs(engine)
+    job = await jobs.create("offload", "gpu-0", ReclaimTarget(2, Tier.OFFLOAD), dry_run=False)
+    while await jobs.run_step(job.job_id):
+        pass
+    await ledger.end("acme", "chat", EndReason.CANCELLED)
+    await pins.unpin("tenants/acme", "system")
+    async with engine.connect() as conn:
+        totals = (
+            await conn.execute(
+                text(
+                    "SELECT array_agg(pinned ORDER BY id) FILTER (WHERE pinned <> 0), "
+                    "array_agg(cpu_bytes ORDER BY id) FILTER (WHERE cpu_bytes <> 0), "
+                    "jsonb_agg(reclaimed) FILTER (WHERE reclaimed <> '{}') "
+                    "FROM usage_events WHERE tenant = 'acme'"
+                )
+            )
+        ).one()
+    pinned, cpu_bytes, reclaimed = totals
+    assert pinned == [2, -2]
+    # The whole session (4 blocks) went to the CPU tier, and left it when it ended; the GPU
+    # got back the 2 blocks the pin did not hold.
+    assert cpu_bytes == [4 * 16384, -4 * 16384]
+    assert reclaimed == [{"OFFLOAD": 2}]

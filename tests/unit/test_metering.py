@@ -8,10 +8,13 @@ from fractions import Fraction
 import pytest
 
 from quota_service.core.metering import (
+    GIB,
     HOUR_US,
     MICROS,
+    BilledHour,
     Levels,
     UsageEvent,
+    UsageTotals,
     integrate_hour,
 )
 
@@ -72,3 +75,18 @@ def test_a_late_event_counts_from_the_hour_it_reaches() -> None:
     assert acme.gpu_block_seconds == 3600
     with pytest.raises(ValueError):
         integrate_hour(0, {}, [UsageEvent(HOUR_US, "acme", "gpu-0")])
+
+
+def test_gib_hours_use_the_instance_s_bytes_per_block_and_totals_add_hours() -> None:
+    acme, bolt = integrate_hour(0, {}, timeline())
+    billed = BilledHour(acme, bytes_per_block=GIB // 4)  # four blocks make a GiB
+    assert billed.gpu_gib_hours == Fraction(360, 4 * 3600)
+    assert billed.fair_share_gib_hours == Fraction(310, 4 * 3600)
+    assert billed.cpu_gib_hours == Fraction(4 * BLOCK * 3500, GIB * 3600)
+    assert BilledHour(acme, None).gpu_gib_hours == 0  # no geometry: no bytes
+    totals = UsageTotals()
+    for hour in (billed, BilledHour(bolt, GIB // 4)):
+        totals.add(hour)
+    assert totals.fair_share_block_seconds == 310 + 50
+    assert totals.counters["admitted"] == 2
+    assert totals.refused == {"TENANT_QUOTA_EXCEEDED": 1}
