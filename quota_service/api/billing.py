@@ -39,48 +39,36 @@ def _timestamp(micros: int) -> Timestamp:
     return stamp
 
 
-def usage_record(hour: BilledHour) -> pb.UsageRecord:
-    usage = hour.usage
-    return pb.UsageRecord(
-        hour_start=_timestamp(usage.hour_start_us),
-        hour_end=_timestamp(usage.hour_start_us + HOUR_US),
-        tenant=tenant_name(usage.tenant),
-        instance=instance_name(usage.instance),
-        gpu_block_seconds=float(usage.gpu_block_seconds),
-        fair_share_block_seconds=float(usage.fair_block_seconds),
-        pinned_block_seconds=float(usage.pinned_block_seconds),
-        gpu_gib_hours=float(hour.gpu_gib_hours),
-        fair_share_gib_hours=float(hour.fair_share_gib_hours),
-        cpu_gib_hours=float(hour.cpu_gib_hours),
-        tokens_reserved=usage.tokens_reserved,
-        output_tokens=usage.output_tokens,
-        requests_admitted=usage.admitted,
-        requests_queued=usage.queued,
-        requests_refused=usage.refused,
-        blocks_reclaimed=usage.reclaimed,
-    )
-
-
-def _totals_record(
-    tenant: str, totals: UsageTotals, start: Timestamp, end: Timestamp
+def _record(
+    totals: UsageTotals, start: Timestamp, end: Timestamp, tenant: str, instance: str | None
 ) -> pb.UsageRecord:
+    counts = totals.counts
     return pb.UsageRecord(
         hour_start=start,
         hour_end=end,
         tenant=tenant_name(tenant),
+        instance=instance_name(instance) if instance else "",
         gpu_block_seconds=float(totals.gpu_block_seconds),
         fair_share_block_seconds=float(totals.fair_share_block_seconds),
         pinned_block_seconds=float(totals.pinned_block_seconds),
         gpu_gib_hours=float(totals.gpu_gib_hours),
         fair_share_gib_hours=float(totals.fair_share_gib_hours),
         cpu_gib_hours=float(totals.cpu_gib_hours),
-        tokens_reserved=totals.counters["tokens_reserved"],
-        output_tokens=totals.counters["output_tokens"],
-        requests_admitted=totals.counters["admitted"],
-        requests_queued=totals.counters["queued"],
-        requests_refused=dict(totals.refused),
-        blocks_reclaimed=dict(totals.reclaimed),
+        tokens_reserved=counts.tokens_reserved,
+        output_tokens=counts.output_tokens,
+        requests_admitted=counts.admitted,
+        requests_queued=counts.queued,
+        requests_refused=counts.refused,
+        blocks_reclaimed=counts.reclaimed,
     )
+
+
+def usage_record(hour: BilledHour) -> pb.UsageRecord:
+    totals = UsageTotals()
+    totals.add(hour)
+    usage = hour.usage
+    start, end = _timestamp(usage.hour_start_us), _timestamp(usage.hour_start_us + HOUR_US)
+    return _record(totals, start, end, usage.tenant, usage.instance)
 
 
 class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
@@ -108,7 +96,7 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
             start_time=request.start_time,
             end_time=request.end_time,
             tenants=[
-                _totals_record(t, totals[t], request.start_time, request.end_time)
+                _record(totals[t], request.start_time, request.end_time, t, None)
                 for t in sorted(totals)
             ],
         )

@@ -27,6 +27,28 @@ HOUR_US = 3600 * MICROS
 
 
 @dataclass(frozen=True, slots=True)
+class Counts:
+    """What is counted rather than integrated over time."""
+
+    tokens_reserved: int = 0
+    output_tokens: int = 0
+    admitted: int = 0
+    queued: int = 0
+    refused: Mapping[str, int] = field(default_factory=dict)  # reason → requests
+    reclaimed: Mapping[str, int] = field(default_factory=dict)  # tier → blocks
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(
+            self.tokens_reserved + other.tokens_reserved,
+            self.output_tokens + other.output_tokens,
+            self.admitted + other.admitted,
+            self.queued + other.queued,
+            dict(Counter(self.refused) + Counter(other.refused)),
+            dict(Counter(self.reclaimed) + Counter(other.reclaimed)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class UsageEvent:
     at_us: int  # microseconds since the epoch
     tenant: str
@@ -35,12 +57,7 @@ class UsageEvent:
     blocks: Mapping[int, int] = field(default_factory=dict)
     pinned: int = 0  # Δ blocks the tenant pins
     cpu_bytes: int = 0  # Δ bytes the tenant holds in the CPU tier
-    tokens_reserved: int = 0
-    output_tokens: int = 0
-    admitted: int = 0
-    queued: int = 0
-    refused: Mapping[str, int] = field(default_factory=dict)  # reason → requests
-    reclaimed: Mapping[str, int] = field(default_factory=dict)  # tier → blocks
+    counts: Counts = Counts()
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +81,7 @@ class HourUsage:
     block_us: Mapping[int, int]  # k → ∫ blocks shared k ways dt
     pinned_block_us: int
     cpu_byte_us: int
-    tokens_reserved: int
-    output_tokens: int
-    admitted: int
-    queued: int
-    refused: Mapping[str, int]
-    reclaimed: Mapping[str, int]
+    counts: Counts
     end: Levels  # carried into the next hour
 
     @property
@@ -100,9 +112,7 @@ class _Meter:
         self.block_us: Counter[int] = Counter()
         self.pinned_block_us = 0
         self.cpu_byte_us = 0
-        self.counters: Counter[str] = Counter()
-        self.refused: Counter[str] = Counter()
-        self.reclaimed: Counter[str] = Counter()
+        self.counts = Counts()
 
     def advance(self, now_us: int) -> None:
         elapsed = now_us - self.since_us
@@ -116,14 +126,7 @@ class _Meter:
         self.blocks.update(event.blocks)
         self.pinned += event.pinned
         self.cpu_bytes += event.cpu_bytes
-        self.counters.update(
-            tokens_reserved=event.tokens_reserved,
-            output_tokens=event.output_tokens,
-            admitted=event.admitted,
-            queued=event.queued,
-        )
-        self.refused.update(event.refused)
-        self.reclaimed.update(event.reclaimed)
+        self.counts += event.counts
 
     def close(self, hour_start_us: int, tenant: str, instance: str) -> HourUsage:
         self.advance(hour_start_us + HOUR_US)
@@ -135,12 +138,7 @@ class _Meter:
             {k: us for k, us in self.block_us.items() if us},
             self.pinned_block_us,
             self.cpu_byte_us,
-            self.counters["tokens_reserved"],
-            self.counters["output_tokens"],
-            self.counters["admitted"],
-            self.counters["queued"],
-            dict(+self.refused),
-            dict(+self.reclaimed),
+            self.counts,
             end,
         )
 
@@ -215,9 +213,7 @@ class UsageTotals:
     gpu_gib_hours: Fraction = Fraction()
     fair_share_gib_hours: Fraction = Fraction()
     cpu_gib_hours: Fraction = Fraction()
-    counters: Counter[str] = field(default_factory=Counter)
-    refused: Counter[str] = field(default_factory=Counter)
-    reclaimed: Counter[str] = field(default_factory=Counter)
+    counts: Counts = Counts()
 
     def add(self, hour: BilledHour) -> None:
         usage = hour.usage
@@ -227,11 +223,4 @@ class UsageTotals:
         self.gpu_gib_hours += hour.gpu_gib_hours
         self.fair_share_gib_hours += hour.fair_share_gib_hours
         self.cpu_gib_hours += hour.cpu_gib_hours
-        self.counters.update(
-            tokens_reserved=usage.tokens_reserved,
-            output_tokens=usage.output_tokens,
-            admitted=usage.admitted,
-            queued=usage.queued,
-        )
-        self.refused.update(usage.refused)
-        self.reclaimed.update(usage.reclaimed)
+        self.counts += usage.counts

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from quota_service.core.metering import (
     HOUR_US,
     BilledHour,
+    Counts,
     HourUsage,
     Levels,
     UsageEvent,
@@ -82,6 +83,18 @@ def _counts(value: Mapping[str, int]) -> dict[int, int]:
     return {int(k): int(v) for k, v in value.items()}
 
 
+def _counted(row: RowMapping) -> Counts:
+    """The counters of an event or an hour row (the same columns in both)."""
+    return Counts(
+        row["tokens_reserved"],
+        row["output_tokens"],
+        row["admitted"],
+        row["queued"],
+        dict(row["refused"]),
+        dict(row["reclaimed"]),
+    )
+
+
 def _event(row: RowMapping) -> UsageEvent:
     return UsageEvent(
         _micros(row["at"]),
@@ -90,12 +103,7 @@ def _event(row: RowMapping) -> UsageEvent:
         _counts(row["blocks"]),
         row["pinned"],
         row["cpu_bytes"],
-        row["tokens_reserved"],
-        row["output_tokens"],
-        row["admitted"],
-        row["queued"],
-        dict(row["refused"]),
-        dict(row["reclaimed"]),
+        _counted(row),
     )
 
 
@@ -106,12 +114,12 @@ def _row(usage: HourUsage, bytes_per_block: int | None) -> dict[str, object]:
         "block_us": {str(k): v for k, v in sorted(usage.block_us.items())},
         "pinned_block_us": usage.pinned_block_us,
         "cpu_byte_us": usage.cpu_byte_us,
-        "tokens_reserved": usage.tokens_reserved,
-        "output_tokens": usage.output_tokens,
-        "admitted": usage.admitted,
-        "queued": usage.queued,
-        "refused": usage.refused,
-        "reclaimed": usage.reclaimed,
+        "tokens_reserved": usage.counts.tokens_reserved,
+        "output_tokens": usage.counts.output_tokens,
+        "admitted": usage.counts.admitted,
+        "queued": usage.counts.queued,
+        "refused": usage.counts.refused,
+        "reclaimed": usage.counts.reclaimed,
         "bytes_per_block": bytes_per_block,
         "end_blocks": {str(k): v for k, v in sorted(usage.end.blocks.items())},
         "end_pinned": usage.end.pinned,
@@ -176,12 +184,7 @@ def billed_hour(row: RowMapping) -> BilledHour:
         _counts(row["block_us"]),
         row["pinned_block_us"],
         int(row["cpu_byte_us"]),
-        row["tokens_reserved"],
-        row["output_tokens"],
-        row["admitted"],
-        row["queued"],
-        dict(row["refused"]),
-        dict(row["reclaimed"]),
+        _counted(row),
         Levels(_counts(row["end_blocks"]), row["end_pinned"], row["end_cpu_bytes"]),
     )
     return BilledHour(usage, row["bytes_per_block"])

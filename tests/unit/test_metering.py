@@ -12,6 +12,7 @@ from quota_service.core.metering import (
     HOUR_US,
     MICROS,
     BilledHour,
+    Counts,
     Levels,
     UsageEvent,
     UsageTotals,
@@ -24,17 +25,17 @@ BLOCK = 16384
 
 def timeline() -> list[UsageEvent]:
     return [
-        UsageEvent(10 * S, "acme", "gpu-0", {1: 4}, tokens_reserved=64, admitted=1),
+        UsageEvent(10 * S, "acme", "gpu-0", {1: 4}, counts=Counts(tokens_reserved=64, admitted=1)),
         # bolt (same namespace) joins two of acme's blocks: both now pay half for them.
-        UsageEvent(20 * S, "bolt", "gpu-0", {2: 2}, tokens_reserved=32, admitted=1),
+        UsageEvent(20 * S, "bolt", "gpu-0", {2: 2}, counts=Counts(tokens_reserved=32, admitted=1)),
         UsageEvent(20 * S, "acme", "gpu-0", {1: -2, 2: 2}),
-        UsageEvent(30 * S, "bolt", "gpu-0", refused={"TENANT_QUOTA_EXCEEDED": 1}),
+        UsageEvent(30 * S, "bolt", "gpu-0", counts=Counts(refused={"TENANT_QUOTA_EXCEEDED": 1})),
         UsageEvent(40 * S, "acme", "gpu-0", pinned=1),
-        UsageEvent(70 * S, "bolt", "gpu-0", {2: -2}, output_tokens=5),
+        UsageEvent(70 * S, "bolt", "gpu-0", {2: -2}, counts=Counts(output_tokens=5)),
         UsageEvent(70 * S, "acme", "gpu-0", {2: -2, 1: 2}),
         # acme's session goes to the CPU tier: 4 blocks of 16 KiB.
         UsageEvent(100 * S, "acme", "gpu-0", {1: -4}, cpu_bytes=4 * BLOCK),
-        UsageEvent(100 * S, "acme", "gpu-0", reclaimed={"OFFLOAD": 4}),
+        UsageEvent(100 * S, "acme", "gpu-0", counts=Counts(reclaimed={"OFFLOAD": 4})),
     ]
 
 
@@ -47,10 +48,10 @@ def test_a_scripted_hour_gives_exactly_the_hand_computed_figures() -> None:
     assert acme.fair_block_seconds == 310
     assert acme.pinned_block_seconds == 3600 - 40
     assert acme.cpu_byte_seconds == 4 * BLOCK * (3600 - 100)
-    assert (acme.tokens_reserved, acme.admitted, acme.reclaimed) == (64, 1, {"OFFLOAD": 4})
+    assert acme.counts == Counts(tokens_reserved=64, admitted=1, reclaimed={"OFFLOAD": 4})
     assert acme.end == Levels({}, 1, 4 * BLOCK)
     assert (bolt.gpu_block_seconds, bolt.fair_block_seconds) == (Fraction(100), Fraction(50))
-    assert (bolt.output_tokens, bolt.refused) == (5, {"TENANT_QUOTA_EXCEEDED": 1})
+    assert bolt.counts == Counts(32, 5, 1, refused={"TENANT_QUOTA_EXCEEDED": 1})
     assert bolt.end.empty
 
 
@@ -88,5 +89,4 @@ def test_gib_hours_use_the_instance_s_bytes_per_block_and_totals_add_hours() -> 
     for hour in (billed, BilledHour(bolt, GIB // 4)):
         totals.add(hour)
     assert totals.fair_share_block_seconds == 310 + 50
-    assert totals.counters["admitted"] == 2
-    assert totals.refused == {"TENANT_QUOTA_EXCEEDED": 1}
+    assert (totals.counts.admitted, totals.counts.refused) == (2, {"TENANT_QUOTA_EXCEEDED": 1})
