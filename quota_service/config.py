@@ -64,6 +64,8 @@ class Settings:
     # Usage: an hour is closed (and billed) this long after it ended, so that transactions
     # that started within it have committed their events.
     usage_close_grace_seconds: float = 300.0
+    # A closed hour's events are kept this long (for audits), then purged; its hours stay.
+    usage_event_retention_seconds: float = 7 * 86400.0
     # Tombstones answer late releases through freed handles; after this they are purged.
     tombstone_retention_seconds: float = 86400.0
     shutdown_grace_seconds: float = 10.0
@@ -86,6 +88,7 @@ class Settings:
             "metrics_refresh_seconds",
             "reclaim_policy_cooldown_seconds",
             "usage_close_grace_seconds",
+            "usage_event_retention_seconds",
         )
         for name in positive:
             if getattr(self, name) <= 0:

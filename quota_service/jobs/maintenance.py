@@ -67,6 +67,12 @@ class Maintenance:
             # LMCache coordinators follow the ledger's quotas and pins; L1 fill is read.
             ("cpu tier mirror", self.cpu_tier.mirror),
             ("usage rollup", self.close_usage_hours),
+            (
+                "usage event purge",
+                lambda: self.usage.purge_events(
+                    self.settings.usage_event_retention_seconds, self.settings.reaper_batch_size
+                ),
+            ),
             ("metrics refresh", self.metrics.refresh),
             (
                 "tombstone purge",

@@ -66,6 +66,16 @@ _HOURS = text(
 # Rows fetched at a time while streaming: memory stays bounded whatever the range.
 STREAM_BATCH = 1000
 
+# Events are only an hour's input: once it closed, they may go after a retention period.
+_PURGE_EVENTS = text(
+    """
+    DELETE FROM usage_events WHERE id IN (
+        SELECT id FROM usage_events
+        WHERE hour IS NOT NULL AND hour < now() - make_interval(secs => :retention)
+        LIMIT :batch)
+    """
+)
+
 _CLOSE = text(
     "INSERT INTO usage_closed_hours (hour, events, late_events) VALUES (:hour, :events, :late)"
 )
@@ -138,6 +148,12 @@ class UsageRollup:
         while await in_transaction(self._engine, lambda conn: self._close_next(conn, now, grace)):
             closed += 1
         return closed
+
+    async def purge_events(self, retention_seconds: float, batch: int) -> int:
+        """Forget up to `batch` events of hours closed longer ago than the retention."""
+        async with self._engine.begin() as conn:
+            params = {"retention": retention_seconds, "batch": batch}
+            return (await conn.execute(_PURGE_EVENTS, params)).rowcount
 
     async def _close_next(self, conn: AsyncConnection, now: datetime, grace: timedelta) -> bool:
         await conn.execute(_LOCK)

@@ -139,6 +139,9 @@ async def test_shared_blocks_are_metered_and_an_hour_adds_up_exactly(
         ).scalar_one()
     assert [(c.events, c.late_events) for c in closed] == [(10, 0), (1, 1), (0, 0), (0, 0)]
     assert next_hour == {"1": 3600 * MICROS}
+    # Closed hours' events go after their retention (HOUR is hours before now()).
+    assert await rollup.purge_events(retention_seconds=60.0, batch=5) == 5
+    assert await rollup.purge_events(retention_seconds=60.0, batch=100) == 6
 
 
 async def test_refusals_and_queueing_are_counted_by_reason(
