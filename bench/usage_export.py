@@ -13,7 +13,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -70,13 +69,23 @@ def export(address: str, hours: int, out: Path) -> tuple[float, float]:
         "--server",
         address,
     ]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     began = time.perf_counter()
-    subprocess.run(command, check=True, stderr=subprocess.DEVNULL)  # its progress bar
-    seconds = time.perf_counter() - began
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    # RUSAGE_CHILDREN keeps the largest child's peak: only a new maximum is this run's.
-    return seconds, max(after, before) / 1024
+    cli = subprocess.Popen(command, stderr=subprocess.DEVNULL)  # not its progress bar
+    # wait4 gives this child's own resource use (peak RSS in KiB), not the largest child's.
+    _, status, usage = os.wait4(cli.pid, 0)
+    cli.returncode = os.waitstatus_to_exitcode(status)
+    if cli.returncode:
+        raise subprocess.CalledProcessError(cli.returncode, command)
+    return time.perf_counter() - began, usage.ru_maxrss / 1024
+
+
+def digest(path: Path) -> str:
+    """The file's SHA-256, read a MiB at a time."""
+    sha = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
 
 
 def main() -> None:
@@ -97,7 +106,7 @@ def main() -> None:
                 seconds, rss = export(served.address, hours, out)
                 times.append(seconds)
                 client_rss.append(rss)
-                digests.append(hashlib.sha256(out.read_bytes()).hexdigest())
+                digests.append(digest(out))
                 size = out.stat().st_size
                 out.unlink()
             results.append(
