@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -13,6 +14,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -22,6 +24,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, billing_pb2, billing_pb2_grpc, resources_pb2
 from quota_service import usage_export
 from quota_service.config import Settings, SettingsError, load_settings
+from quota_service.core import capacity, geometry
 
 log = logging.getLogger("kvquota")
 
@@ -180,6 +183,67 @@ def _hour(text: str) -> Timestamp:
     stamp = Timestamp()
     stamp.FromDatetime(when if when.tzinfo else when.replace(tzinfo=UTC))
     return stamp
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """The capacity plan for one engine (core/capacity.py), as tables or JSON."""
+    try:
+        config = json.loads(Path(args.config).read_text())
+        dtype = geometry.parse_dtype(args.dtype) if args.dtype else None
+        kv = geometry.geometry_from_hf_config(config, dtype)
+        budget = geometry.MemoryBudget(
+            args.gpu_memory, args.weights, args.overhead, args.utilization
+        )
+        plan = capacity.plan_capacity(
+            kv,
+            budget,
+            args.block_size,
+            args.context,
+            args.arrival_rate,
+            args.request_seconds,
+            args.ttft,
+            args.prefill_rate,
+        )
+    except (OSError, ValueError) as exc:  # GeometryError and bad JSON are ValueErrors
+        print(f"kvquota plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(dataclasses.asdict(plan), indent=2))
+        return 0
+    _print_rows(
+        [
+            {"figure": "KV bytes per token", "value": format_size(plan.bytes_per_token)},
+            {"figure": "KV bytes per block", "value": format_size(plan.bytes_per_block)},
+            {"figure": "KV cache", "value": format_size(plan.kv_bytes)},
+            {"figure": "tokens", "value": plan.tokens},
+            {"figure": "blocks", "value": plan.blocks},
+            {
+                "figure": "concurrency needed (Little's law)",
+                "value": "-" if plan.needed_concurrency is None else plan.needed_concurrency,
+            },
+        ]
+    )
+    print()
+    _print_rows(
+        [
+            {
+                "context": f.context_tokens,
+                "blocks per request": f.blocks_per_request,
+                "requests at once": f.max_concurrency,
+            }
+            for f in plan.fits
+        ]
+    )
+    print()
+    flags = (
+        f"--num-gpu-blocks-override {plan.num_gpu_blocks_override} "
+        f"--max-num-seqs {plan.max_num_seqs} "
+        f"--max-num-batched-tokens {plan.max_num_batched_tokens}"
+    )
+    print(f"vLLM: {flags}")
+    if plan.max_num_queued_tokens is not None:
+        print(f"kvquota instance: max_num_queued_tokens {plan.max_num_queued_tokens}")
+    return 0
 
 
 def _usage(args: argparse.Namespace) -> int:
@@ -397,6 +461,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     reclaim.add_argument("--request-id", help="idempotency key (default: a new one)")
     reclaim.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
     reclaim.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan = commands.add_parser("plan", help="plan an engine's KV capacity from a model config")
+    plan.add_argument("--config", required=True, help="the model's Hugging Face config.json")
+    plan.add_argument("--gpu-memory", required=True, type=parse_size, help="e.g. 24GiB")
+    plan.add_argument("--weights", required=True, type=parse_size, help="model weights, e.g. 16GiB")
+    plan.add_argument("--overhead", type=parse_size, default=0, help="activations etc., e.g. 2GiB")
+    plan.add_argument("--utilization", type=float, default=1.0, help="gpu_memory_utilization")
+    plan.add_argument("--dtype", help="KV dtype (default: the config's)")
+    plan.add_argument("--block-size", type=int, default=16)
+    plan.add_argument(
+        "--context", type=int, nargs="+", default=[2048, 8192, 32768], help="context lengths"
+    )
+    plan.add_argument("--arrival-rate", type=float, help="requests per second to serve")
+    plan.add_argument("--request-seconds", type=float, help="mean time a request is held")
+    plan.add_argument("--ttft", type=float, help="target time to first token, seconds")
+    plan.add_argument("--prefill-rate", type=float, help="prefill tokens per second")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
     usage = commands.add_parser("usage", help="usage of closed hours, for billing")
     usage_commands = usage.add_subparsers(dest="action", required=True)
     export = usage_commands.add_parser("export", help="FOCUS-style rows of a range of hours")
@@ -428,6 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(settings, args)
     if args.command == "migrate":
         return _migrate(settings, args)
+    if args.command == "plan":
+        return _plan(args)
     commands_over_grpc = {
         "instance": _register_instance,
         "reclaim": _reclaim,
