@@ -66,6 +66,11 @@ class Settings:
     usage_close_grace_seconds: float = 300.0
     # A closed hour's events are kept this long (for audits), then purged; its hours stay.
     usage_event_retention_seconds: float = 7 * 86400.0
+    # TLS for the gRPC server: a certificate chain and its key (PEM files; both or neither), and
+    # for mutual TLS the CA whose client certificates are required.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
     # Tombstones answer late releases through freed handles; after this they are purged.
     tombstone_retention_seconds: float = 86400.0
     shutdown_grace_seconds: float = 10.0
@@ -120,6 +125,19 @@ class Settings:
             )
         if not 0 < self.reclaim_policy_watermark <= 1:
             raise SettingsError(f"{ENV_PREFIX}RECLAIM_POLICY_WATERMARK must be in (0, 1]")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise SettingsError(
+                f"{ENV_PREFIX}TLS_CERT_FILE and {ENV_PREFIX}TLS_KEY_FILE go together"
+            )
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise SettingsError(
+                f"{ENV_PREFIX}TLS_CLIENT_CA_FILE (mutual TLS) needs the server's "
+                f"{ENV_PREFIX}TLS_CERT_FILE and {ENV_PREFIX}TLS_KEY_FILE"
+            )
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise SettingsError(f"{ENV_PREFIX}{name.upper()}: no such file: {path}")
         if self.shutdown_grace_seconds < 0:
             raise SettingsError(f"{ENV_PREFIX}SHUTDOWN_GRACE_SECONDS must not be negative")
 

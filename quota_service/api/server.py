@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -99,6 +100,20 @@ class RunningServer:
         await self._engine.dispose()
 
 
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS (mutual, with a client CA) from the configured PEM files; None: plaintext."""
+    if not settings.tls_cert_file:
+        return None
+    client_ca = None
+    if settings.tls_client_ca_file:
+        client_ca = Path(settings.tls_client_ca_file).read_bytes()
+    chain = Path(settings.tls_cert_file).read_bytes()
+    key = Path(settings.tls_key_file).read_bytes()
+    return grpc.ssl_server_credentials(
+        [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
 async def start(settings: Settings, database_url: str) -> RunningServer:
     """Bind and start serving; health turns SERVING once the ledger is reachable and migrated
     and this replica hears the others' notifications."""
@@ -139,7 +154,11 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     )
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(settings.grpc_listen)
+    credentials = server_credentials(settings)
+    if credentials is None:
+        port = server.add_insecure_port(settings.grpc_listen)
+    else:
+        port = server.add_secure_port(settings.grpc_listen, credentials)
     await server.start()
     if await asyncio.to_thread(migrate.pending, database_url):
         await server.stop(0)
