@@ -121,7 +121,7 @@ def _list(args: argparse.Namespace) -> int:
     """Every page of tenants or instances, as a table or JSON."""
     messages: list[Message] = []
     rows: list[dict[str, object]] = []
-    with grpc.insecure_channel(args.server) as channel:
+    with _channel(args) as channel:
         stub = admin_pb2_grpc.AdminServiceStub(channel)
         token = ""
         while True:
@@ -165,13 +165,30 @@ def _register_instance(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len or 0,
         engine=engine,
     )
-    with grpc.insecure_channel(args.server) as channel:
+    with _channel(args) as channel:
         instance = admin_pb2_grpc.AdminServiceStub(channel).RegisterInstance(request, timeout=60)
     if args.json:
         print(json.dumps(_as_dict(instance), indent=2))
     else:
         _print_rows([_instance_row(instance)])
     return 0
+
+
+def _server_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
+    parser.add_argument("--tls-ca", help="PEM of the CA the server's certificate is signed by")
+    parser.add_argument("--tls-cert", help="this client's certificate (mutual TLS)")
+    parser.add_argument("--tls-key", help="its private key")
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to --server: TLS when a CA is given (with a client certificate for mTLS)."""
+    if not args.tls_ca:
+        return grpc.insecure_channel(args.server)
+    key = Path(args.tls_key).read_bytes() if args.tls_key else None
+    cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
+    credentials = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes(), key, cert)
+    return grpc.secure_channel(args.server, credentials)
 
 
 def _hour(text: str) -> Timestamp:
@@ -247,7 +264,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _usage(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.server) as channel:
+    with _channel(args) as channel:
         stub = billing_pb2_grpc.BillingServiceStub(channel)
         tenant = f"tenants/{args.tenant}" if args.tenant else ""
         if args.action == "summary":
@@ -370,7 +387,7 @@ def _reclaim(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         request_id=args.request_id or f"cli-{uuid.uuid4().hex}",
     )
-    with grpc.insecure_channel(args.server) as channel:
+    with _channel(args) as channel:
         stub = admin_pb2_grpc.AdminServiceStub(channel)
         job = stub.CreateReclaimJob(request)
         if not args.json:
@@ -419,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("migrate", help="apply database migrations")
     for resource in ("tenants", "instances"):
         lister = commands.add_parser(resource, help=f"list {resource}")
-        lister.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
+        _server_options(lister)
         lister.add_argument("--json", action="store_true", help="print JSON instead of a table")
         lister.set_defaults(resource=resource)
     instance = commands.add_parser("instance", help="manage one instance")
@@ -439,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     register.add_argument("--lmcache-instance-id", help="its MP server's --instance-id")
     register.add_argument("--lmcache-model", help="the model name its KV is stored under")
     register.add_argument("--max-model-len", type=int, help="default: the engine's")
-    register.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
+    _server_options(register)
     register.add_argument("--json", action="store_true", help="print JSON instead of a table")
     reclaim = commands.add_parser("reclaim", help="take KV memory back, tier by tier")
     reclaim.add_argument("--instance", required=True, help="the instance id, e.g. gpu-0")
@@ -459,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     reclaim.add_argument("--dry-run", action="store_true", help="plan only")
     reclaim.add_argument("--request-id", help="idempotency key (default: a new one)")
-    reclaim.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
+    _server_options(reclaim)
     reclaim.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan = commands.add_parser("plan", help="plan an engine's KV capacity from a model config")
     plan.add_argument("--config", required=True, help="the model's Hugging Face config.json")
@@ -487,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         command.add_argument("--to", dest="end", required=True, type=_hour, help="exclusive")
         command.add_argument("--tenant", help="only this tenant")
-        command.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
+        _server_options(command)
     export.add_argument("--instance", help="only this instance")
     export.add_argument("--format", choices=usage_export.FORMATS, default="csv")
     export.add_argument("--output", help="a file (default: standard output)")

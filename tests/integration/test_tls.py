@@ -3,6 +3,7 @@ with the right certificates and fail without them."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 from dataclasses import replace
@@ -18,6 +19,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from quota_service.api import server
+from quota_service.cli import main as cli_main
 from quota_service.config import Settings, SettingsError
 
 Key = ec.EllipticCurvePrivateKey
@@ -99,6 +101,9 @@ async def test_tls_and_mutual_tls(
         assert await healthy(address, grpc.ssl_channel_credentials(pki["ca"]))
         assert not await healthy(address, None)  # plaintext is refused
         assert not await healthy(address, grpc.ssl_channel_credentials(pki["stranger"]))
+        listing = ["instances", "--server", address, "--json"]
+        assert await asyncio.to_thread(cli_main, [*listing, "--tls-ca", files["ca"]]) == 0
+        assert await asyncio.to_thread(cli_main, listing) == 1  # the CLI dialled plaintext
     finally:
         await running.stop(0)
 
@@ -111,6 +116,9 @@ async def test_tls_and_mutual_tls(
         assert not await healthy(address, grpc.ssl_channel_credentials(pki["ca"]))  # no cert
         stranger = grpc.ssl_channel_credentials(pki["ca"], pki["stranger-key"], pki["stranger"])
         assert not await healthy(address, stranger)  # a certificate the CA did not sign
+        identified = ["--tls-ca", files["ca"], "--tls-cert", files["client"]]
+        listing = ["tenants", "--server", address, *identified, "--tls-key", files["client-key"]]
+        assert await asyncio.to_thread(cli_main, listing) == 0
     finally:
         await running.stop(0)
 
