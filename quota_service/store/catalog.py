@@ -367,17 +367,24 @@ def _engine_columns(engine: EngineEndpoints | None) -> dict[str, object]:
     }
 
 
+def lmcache_from_row(row: RowMapping) -> LmcacheEndpoint | None:
+    """The CPU tier from a row's lmcache_* columns (None: the instance has none)."""
+    if not row["lmcache_coordinator_url"]:
+        return None
+    return LmcacheEndpoint(
+        row["lmcache_coordinator_url"],
+        row["lmcache_instance_id"],
+        row["lmcache_model_name"],
+        row["lmcache_world_size"],
+    )
+
+
 def _engine_from_row(row: RowMapping) -> EngineEndpoints | None:
     if not row["engine_url"]:
         return None
-    lmcache = None
-    if row["lmcache_coordinator_url"]:
-        lmcache = LmcacheEndpoint(
-            row["lmcache_coordinator_url"],
-            row["lmcache_instance_id"],
-            row["lmcache_model_name"],
-            row["lmcache_world_size"],
-        )
     return EngineEndpoints(
-        row["engine_url"], row["kv_events_endpoint"], row["kv_replay_endpoint"], lmcache
+        row["engine_url"],
+        row["kv_events_endpoint"],
+        row["kv_replay_endpoint"],
+        lmcache_from_row(row),
     )

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import RowMapping, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.core.model import LmcacheEndpoint
+from quota_service.store.catalog import lmcache_from_row
 
 # A salt's quota: what its tenants may hold in the CPU tier together (a namespace's tenants
 # share its salt). An offboarded tenant's salt is replaced, so its old one is no longer here.
@@ -42,8 +42,9 @@ _LMCACHE_INSTANCES = text(
 _PINS = text(
     """
     -- Pins are fleet-wide at a coordinator: no MP server is named.
-    SELECT holder_id, wanted, token_ids, chunk_keys, coordinator_url, '' AS instance_id,
-           model_name, world_size, cache_salt
+    SELECT holder_id, wanted, token_ids, chunk_keys, cache_salt,
+           coordinator_url AS lmcache_coordinator_url, '' AS lmcache_instance_id,
+           model_name AS lmcache_model_name, world_size AS lmcache_world_size
     FROM cpu_tier_pins WHERE coordinator_url = :url ORDER BY holder_id
     """
 )
@@ -104,9 +105,11 @@ class Session:
     token_ids: tuple[int, ...]
 
 
-def _endpoint(row: Sequence[Any]) -> LmcacheEndpoint:
-    url, instance_id, model_name, world_size = row
-    return LmcacheEndpoint(str(url), str(instance_id), str(model_name), int(world_size or 1))
+def _endpoint(row: RowMapping) -> LmcacheEndpoint:
+    """The row's CPU tier; every row here has one."""
+    where = lmcache_from_row(row)
+    assert where is not None
+    return where
 
 
 class CpuTierBooks:
@@ -127,8 +130,8 @@ class CpuTierBooks:
 
     async def instances(self) -> list[tuple[str, LmcacheEndpoint]]:
         async with self._engine.connect() as conn:
-            rows = await conn.execute(_LMCACHE_INSTANCES)
-            return [(row[0], _endpoint(row[1:])) for row in rows]
+            rows = (await conn.execute(_LMCACHE_INSTANCES)).mappings()
+            return [(row["instance"], _endpoint(row)) for row in rows]
 
     async def pins(self, coordinator_url: str) -> list[MirroredPin]:
         async with self._engine.connect() as conn:
@@ -136,14 +139,7 @@ class CpuTierBooks:
         return [
             MirroredPin(
                 row["holder_id"],
-                _endpoint(
-                    (
-                        row["coordinator_url"],
-                        row["instance_id"],
-                        row["model_name"],
-                        row["world_size"],
-                    )
-                ),
+                _endpoint(row),
                 row["cache_salt"],
                 tuple(row["token_ids"]),
                 tuple(row["chunk_keys"]) if row["chunk_keys"] is not None else None,
@@ -171,10 +167,10 @@ class CpuTierBooks:
         tokens were given when it was suspended)."""
         async with self._engine.connect() as conn:
             keys = {"tenant": tenant, "request_id": request_id}
-            row = (await conn.execute(_SESSION, keys)).first()
-        if row is None or row[0] is None or not row[5]:
+            row = (await conn.execute(_SESSION, keys)).mappings().first()
+        if row is None or row["lmcache_coordinator_url"] is None or not row["session"]:
             return None
-        return Session(_endpoint(row[:4]), row[4], tuple(row[5]))
+        return Session(_endpoint(row), row["salt"], tuple(row["session"]))
 
     @asynccontextmanager
     async def exclusive(self, key: str) -> AsyncIterator[bool]:

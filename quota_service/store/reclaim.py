@@ -365,7 +365,7 @@ class ReclaimJobs:
             return _same_request(await self.get(existing[0]), instance, target, dry_run)
         if target.tenant is not None:
             await Catalog(self._engine).get_tenant(target.tenant)  # NOT_FOUND for no tenant
-        result = plan(await load_snapshot(self._engine, instance, self._watermarks), target)
+        result = await self.preview(instance, target)
         if not dry_run:
             check_executable(result)
         job_id = f"reclaim-{secrets.token_hex(8)}"
