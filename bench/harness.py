@@ -57,6 +57,7 @@ def throwaway_server() -> Iterator[Served]:
             "KVQUOTA_DATABASE_URL": url,
             "KVQUOTA_GRPC_LISTEN": "127.0.0.1:0",
             "KVQUOTA_METRICS_LISTEN": "127.0.0.1:0",
+            "KVQUOTA_AUTH_REQUIRED": os.environ.get("KVQUOTA_AUTH_REQUIRED", "false"),
         }
         server = subprocess.Popen(
             [sys.executable, "-m", "quota_service.cli", "serve"],

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -22,7 +23,7 @@ from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, billing_pb2, billing_pb2_grpc, resources_pb2
-from quota_service import usage_export
+from quota_service import logs, usage_export
 from quota_service.config import Settings, SettingsError, load_settings
 from quota_service.core import capacity, geometry
 
@@ -40,7 +41,7 @@ def _database_url(settings: Settings) -> str:
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
     from quota_service import demo
     from quota_service.api import server
-    from quota_service.store import migrate
+    from quota_service.store import access, migrate
 
     url = _database_url(settings)
     if args.migrate:
@@ -51,6 +52,10 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
         if args.demo:
             host, endpoints = await demo.start_simulated_host()
             await demo.seed(url, endpoints)
+            if settings.auth_required:
+                _, token = await access.create_bootstrap_key(url, "demo-admin")
+                # Local development only: a production key is never printed by a server.
+                print(f"kvquota demo admin key: export KVQUOTA_API_KEY={token}", flush=True)
         try:
             await server.serve(settings, url)
         finally:
@@ -179,16 +184,42 @@ def _server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", help="PEM of the CA the server's certificate is signed by")
     parser.add_argument("--tls-cert", help="this client's certificate (mutual TLS)")
     parser.add_argument("--tls-key", help="its private key")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KVQUOTA_API_KEY", ""),
+        help="the API key to call with (default: $KVQUOTA_API_KEY)",
+    )
+
+
+class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <key>` to every call."""
+
+    def __init__(self, key: str) -> None:
+        self._metadata = (("authorization", f"Bearer {key}"),)
+
+    def _with_key(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return details._replace(metadata=(*(details.metadata or ()), *self._metadata))  # type: ignore[attr-defined,no-any-return]
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._with_key(details), request)
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
-    """A channel to --server: TLS when a CA is given (with a client certificate for mTLS)."""
+    """A channel to --server: TLS when a CA is given (with a client certificate for mTLS), and
+    the API key on every call."""
     if not args.tls_ca:
-        return grpc.insecure_channel(args.server)
-    key = Path(args.tls_key).read_bytes() if args.tls_key else None
-    cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
-    credentials = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes(), key, cert)
-    return grpc.secure_channel(args.server, credentials)
+        channel = grpc.insecure_channel(args.server)
+    else:
+        key = Path(args.tls_key).read_bytes() if args.tls_key else None
+        cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
+        credentials = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes(), key, cert)
+        channel = grpc.secure_channel(args.server, credentials)
+    if not args.api_key:
+        return channel
+    return grpc.intercept_channel(channel, _BearerKey(args.api_key))
 
 
 def _hour(text: str) -> Timestamp:
@@ -418,12 +449,125 @@ def _reclaim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_rows(rows: list[dict[str, object]]) -> None:
+def _key_row(k: resources_pb2.ApiKey) -> dict[str, object]:
+    return {
+        "name": k.name,
+        "display name": k.display_name,
+        "role": _enum_name(k, "role"),
+        "tenants": ",".join(t.removeprefix("tenants/") for t in k.tenants) or "-",
+        "created": k.create_time.ToDatetime(UTC).isoformat(timespec="seconds"),
+        "revoked": (
+            k.revoke_time.ToDatetime(UTC).isoformat(timespec="seconds")
+            if k.HasField("revoke_time")
+            else "-"
+        ),
+        "creator": k.creator,
+    }
+
+
+def _show_new_key(response: admin_pb2.CreateApiKeyResponse, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(_as_dict(response), indent=2))
+        return
+    _print_rows([_key_row(response.api_key)])
+    print("the key (shown only this once; store it as a secret):", file=sys.stderr)
+    print(response.secret)
+
+
+def _keys(args: argparse.Namespace) -> int:
+    """Create, list and revoke API keys over gRPC (needs an admin key)."""
+    with _channel(args) as channel:
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
+        if args.action == "create":
+            request = admin_pb2.CreateApiKeyRequest(
+                display_name=args.name,
+                role=resources_pb2.Role.Value(f"ROLE_{args.role.upper()}"),
+                tenants=[f"tenants/{t}" for t in args.tenant],
+            )
+            _show_new_key(stub.CreateApiKey(request), args.json)
+            return 0
+        if args.action == "revoke":
+            name = args.key if args.key.startswith("apiKeys/") else f"apiKeys/{args.key}"
+            revoked = stub.RevokeApiKey(admin_pb2.RevokeApiKeyRequest(name=name))
+            messages: list[Message] = [revoked]
+        else:
+            messages = []
+            token = ""
+            while True:
+                page = stub.ListApiKeys(
+                    admin_pb2.ListApiKeysRequest(page_token=token, show_revoked=args.all)
+                )
+                messages.extend(page.api_keys)
+                token = page.next_page_token
+                if not token:
+                    break
+    if args.json:
+        print(json.dumps([_as_dict(m) for m in messages], indent=2))
+    else:
+        _print_rows([_key_row(m) for m in messages])  # type: ignore[arg-type]
+    return 0
+
+
+def _bootstrap_key(settings: Settings, args: argparse.Namespace) -> int:
+    """The first admin key, written straight into the database: whoever can reach the
+    database is already trusted with everything."""
+    from quota_service.store import access
+
+    url = _database_url(settings)
+    key, token = asyncio.run(access.create_bootstrap_key(url, args.name))
+    print(f"created apiKeys/{key.key_id} ({key.display_name}, ADMIN)", file=sys.stderr)
+    print("the key (shown only this once; store it as a secret):", file=sys.stderr)
+    print(token)
+    return 0
+
+
+def _audit_row(e: resources_pb2.AuditEvent) -> dict[str, object]:
+    return {
+        "time": e.time.ToDatetime(UTC).isoformat(timespec="seconds"),
+        "principal": e.principal,
+        "method": e.method,
+        "resource": e.resource or "-",
+        "code": e.code,
+        "request id": e.request_id,
+    }
+
+
+def _audit(args: argparse.Namespace) -> int:
+    """The newest administrative actions first, up to --limit."""
+    events: list[resources_pb2.AuditEvent] = []
+    with _channel(args) as channel:
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
+        token = ""
+        while len(events) < args.limit:
+            page = stub.ListAuditEvents(
+                admin_pb2.ListAuditEventsRequest(
+                    page_size=min(args.limit - len(events), 1000),
+                    page_token=token,
+                    principal=args.principal or "",
+                    method=args.method or "",
+                )
+            )
+            events.extend(page.audit_events)
+            token = page.next_page_token
+            if not token:
+                break
+    if args.json:
+        print(json.dumps([_as_dict(e) for e in events], indent=2))
+    else:
+        _print_rows([_audit_row(e) for e in events])
+    return 0
+
+
+def table_lines(rows: list[dict[str, object]]) -> list[str]:
+    """Rows as aligned columns under a header of their keys in upper case."""
     columns = list(rows[0]) if rows else ["name"]
     widths = {c: max([len(c), *(len(str(r[c])) for r in rows)]) for c in columns}
-    print("  ".join(c.upper().ljust(widths[c]) for c in columns))
-    for row in rows:
-        print("  ".join(str(row[c]).ljust(widths[c]) for c in columns))
+    header = "  ".join(c.upper().ljust(widths[c]) for c in columns)
+    return [header, *("  ".join(str(r[c]).ljust(widths[c]) for c in columns) for r in rows)]
+
+
+def _print_rows(rows: list[dict[str, object]]) -> None:
+    print("\n".join(table_lines(rows)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -509,11 +653,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     export.add_argument("--format", choices=usage_export.FORMATS, default="csv")
     export.add_argument("--output", help="a file (default: standard output)")
     summary.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    keys = commands.add_parser("keys", help="API keys: create, list, revoke, bootstrap")
+    key_commands = keys.add_subparsers(dest="action", required=True)
+    create_key = key_commands.add_parser("create", help="a new key (its secret is shown once)")
+    create_key.add_argument("name", help="a label, e.g. gateway-eu-1")
+    create_key.add_argument("--role", required=True, choices=["admin", "gateway", "tenant"])
+    create_key.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        help="a tenant the key acts for (repeat for a gateway of several tenants)",
+    )
+    list_keys = key_commands.add_parser("list", help="the keys that work (--all: revoked too)")
+    list_keys.add_argument("--all", action="store_true", help="also revoked keys")
+    revoke_key = key_commands.add_parser("revoke", help="stop a key working")
+    revoke_key.add_argument("key", help="apiKeys/{id} or the id")
+    for command in (create_key, list_keys, revoke_key):
+        _server_options(command)
+        command.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    bootstrap = key_commands.add_parser(
+        "bootstrap", help="the first admin key, written straight into the database"
+    )
+    bootstrap.add_argument("name", nargs="?", default="bootstrap-admin", help="a label")
+    audit = commands.add_parser("audit", help="the audit log of administrative actions")
+    audit.add_argument("--principal", help="only this principal, e.g. apiKeys/0123456789abcdef")
+    audit.add_argument("--method", help="only this method, e.g. DeleteTenant")
+    audit.add_argument("--limit", type=int, default=100, help="at most this many (newest first)")
+    _server_options(audit)
+    audit.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)
-    # httpx logs every request line, and LMCache's URLs carry cache salts, which are secret.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         settings = load_settings()
         if getattr(args, "listen", None):
@@ -521,6 +689,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"kvquota: bad settings: {exc}", file=sys.stderr)
         return 2
+    logs.configure(settings.log_level.upper(), settings.log_format)
+    if args.command == "keys" and args.action == "bootstrap":
+        return _bootstrap_key(settings, args)
     if args.command == "serve":
         return _serve(settings, args)
     if args.command == "migrate":
@@ -531,6 +702,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "instance": _register_instance,
         "reclaim": _reclaim,
         "usage": _usage,
+        "keys": _keys,
+        "audit": _audit,
     }
     try:
         return commands_over_grpc.get(args.command, _list)(args)

@@ -6,6 +6,7 @@ Every value is checked at start-up so a typo fails loudly instead of running wit
 
 from __future__ import annotations
 
+import logging
 import os
 import tomllib
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from pathlib import Path
 from quota_service.core.admission import AdmissionLimits
 from quota_service.core.queueing import QueuePolicy
 from quota_service.core.reclaim import DEFAULT_WATERMARKS, CpuWatermarks, Tier
+from quota_service.logs import FORMATS
 
 ENV_PREFIX = "KVQUOTA_"
 
@@ -71,10 +73,17 @@ class Settings:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
+    # Every RPC but health and reflection needs an API key (`kvquota keys`); turn it off only
+    # for local development. Verified keys are cached this long, so a revocation takes effect
+    # on every replica within it.
+    auth_required: bool = True
+    auth_cache_seconds: float = 5.0
     # Tombstones answer late releases through freed handles; after this they are purged.
     tombstone_retention_seconds: float = 86400.0
     shutdown_grace_seconds: float = 10.0
     log_level: str = "INFO"
+    # "json" (one object per line, with the request id) or "text".
+    log_format: str = "json"
 
     def __post_init__(self) -> None:
         positive = (
@@ -94,6 +103,7 @@ class Settings:
             "reclaim_policy_cooldown_seconds",
             "usage_close_grace_seconds",
             "usage_event_retention_seconds",
+            "auth_cache_seconds",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -138,6 +148,10 @@ class Settings:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()}: no such file: {path}")
+        if self.log_format not in FORMATS:
+            raise SettingsError(f"{ENV_PREFIX}LOG_FORMAT must be one of " + ", ".join(FORMATS))
+        if self.log_level.upper() not in logging.getLevelNamesMapping():
+            raise SettingsError(f"{ENV_PREFIX}LOG_LEVEL: unknown level {self.log_level!r}")
         if self.shutdown_grace_seconds < 0:
             raise SettingsError(f"{ENV_PREFIX}SHUTDOWN_GRACE_SECONDS must not be negative")
 
@@ -168,13 +182,22 @@ class Settings:
         )
 
 
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
 def _coerce(name: str, raw: object, kind: type) -> object:
     try:
         if kind is Path:
             return Path(str(raw))
+        if kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            return _BOOLEANS[str(raw).strip().lower()]
         if kind in (int, float) and isinstance(raw, bool):
             raise ValueError("a boolean is not a number")
         return kind(raw)
+    except KeyError:
+        raise SettingsError(f"{name}: cannot read {raw!r} as a boolean (true or false)") from None
     except (TypeError, ValueError) as exc:
         raise SettingsError(f"{name}: cannot read {raw!r} as {kind.__name__} ({exc})") from None
 
@@ -182,7 +205,7 @@ def _coerce(name: str, raw: object, kind: type) -> object:
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if environ is None else environ
     kinds = {
-        f.name: {"str": str, "int": int, "float": float, "Path": Path}[str(f.type)]
+        f.name: {"str": str, "int": int, "float": float, "bool": bool, "Path": Path}[str(f.type)]
         for f in fields(Settings)
     }
     values: dict[str, object] = {}

@@ -75,6 +75,10 @@ async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
 
 @pytest.fixture
 def settings() -> Settings:
+    # Authentication has its own tests (tests/integration/test_access.py).
     return Settings(
-        grpc_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", reaper_interval_seconds=0.2
+        grpc_listen="127.0.0.1:0",
+        metrics_listen="127.0.0.1:0",
+        reaper_interval_seconds=0.2,
+        auth_required=False,
     )

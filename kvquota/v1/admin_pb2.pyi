@@ -896,3 +896,178 @@ class CancelReclaimJobRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CancelReclaimJobRequest: _TypeAlias = CancelReclaimJobRequest  # noqa: Y015
+
+@_typing.final
+class CreateApiKeyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DISPLAY_NAME_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    TENANTS_FIELD_NUMBER: _builtins.int
+    display_name: _builtins.str
+    """Human-readable label, e.g. "gateway-eu-1"; a resource id."""
+    role: _resources_pb2.Role.ValueType
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """tenants/{tenant}: the tenants a GATEWAY key acts for, or a TENANT key's own (exactly one)."""
+
+    def __init__(
+        self,
+        *,
+        display_name: _builtins.str = ...,
+        role: _resources_pb2.Role.ValueType = ...,
+        tenants: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["display_name", b"display_name", "role", b"role", "tenants", b"tenants"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateApiKeyRequest: _TypeAlias = CreateApiKeyRequest  # noqa: Y015
+
+@_typing.final
+class CreateApiKeyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    API_KEY_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    secret: _builtins.str
+    """The bearer token ("kvq_{key_id}_{secret}"); shown once, never again."""
+    @_builtins.property
+    def api_key(self) -> _resources_pb2.ApiKey: ...
+    def __init__(
+        self,
+        *,
+        api_key: _resources_pb2.ApiKey | None = ...,
+        secret: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["api_key", b"api_key"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_key", b"api_key", "secret", b"secret"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateApiKeyResponse: _TypeAlias = CreateApiKeyResponse  # noqa: Y015
+
+@_typing.final
+class ListApiKeysRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    SHOW_REVOKED_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    page_token: _builtins.str
+    show_revoked: _builtins.bool
+    """Also list revoked keys."""
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        show_revoked: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "show_revoked", b"show_revoked"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListApiKeysRequest: _TypeAlias = ListApiKeysRequest  # noqa: Y015
+
+@_typing.final
+class ListApiKeysResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    API_KEYS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def api_keys(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.ApiKey]: ...
+    def __init__(
+        self,
+        *,
+        api_keys: _abc.Iterable[_resources_pb2.ApiKey] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_keys", b"api_keys", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListApiKeysResponse: _TypeAlias = ListApiKeysResponse  # noqa: Y015
+
+@_typing.final
+class RevokeApiKeyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """apiKeys/{key_id}"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeApiKeyRequest: _TypeAlias = RevokeApiKeyRequest  # noqa: Y015
+
+@_typing.final
+class ListAuditEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    PRINCIPAL_FIELD_NUMBER: _builtins.int
+    METHOD_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    page_token: _builtins.str
+    principal: _builtins.str
+    """Only the actions of this principal (apiKeys/{key_id}), or of every one when empty."""
+    method: _builtins.str
+    """Only this method (e.g. "DeleteTenant"), or every one when empty."""
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        principal: _builtins.str = ...,
+        method: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["method", b"method", "page_size", b"page_size", "page_token", b"page_token", "principal", b"principal"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAuditEventsRequest: _TypeAlias = ListAuditEventsRequest  # noqa: Y015
+
+@_typing.final
+class ListAuditEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AUDIT_EVENTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def audit_events(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.AuditEvent]: ...
+    def __init__(
+        self,
+        *,
+        audit_events: _abc.Iterable[_resources_pb2.AuditEvent] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit_events", b"audit_events", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAuditEventsResponse: _TypeAlias = ListAuditEventsResponse  # noqa: Y015

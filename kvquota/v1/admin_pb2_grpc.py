@@ -151,6 +151,26 @@ class AdminServiceStub:
                 request_serializer=kvquota_dot_v1_dot_admin__pb2.CancelReclaimJobRequest.SerializeToString,
                 response_deserializer=kvquota_dot_v1_dot_resources__pb2.ReclaimJob.FromString,
                 _registered_method=True)
+        self.CreateApiKey = channel.unary_unary(
+                '/kvquota.v1.AdminService/CreateApiKey',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.CreateApiKeyRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_admin__pb2.CreateApiKeyResponse.FromString,
+                _registered_method=True)
+        self.ListApiKeys = channel.unary_unary(
+                '/kvquota.v1.AdminService/ListApiKeys',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.ListApiKeysRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_admin__pb2.ListApiKeysResponse.FromString,
+                _registered_method=True)
+        self.RevokeApiKey = channel.unary_unary(
+                '/kvquota.v1.AdminService/RevokeApiKey',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_resources__pb2.ApiKey.FromString,
+                _registered_method=True)
+        self.ListAuditEvents = channel.unary_unary(
+                '/kvquota.v1.AdminService/ListAuditEvents',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.ListAuditEventsRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_admin__pb2.ListAuditEventsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -302,6 +322,33 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateApiKey(self, request, context):
+        """API keys: the secret is returned once, by CreateApiKey, and stored only hashed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListApiKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeApiKey(self, request, context):
+        """Revoked keys stop working within the servers' auth cache period (a few seconds).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAuditEvents(self, request, context):
+        """Administrative actions and attempts at them, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -419,6 +466,26 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.CancelReclaimJob,
                     request_deserializer=kvquota_dot_v1_dot_admin__pb2.CancelReclaimJobRequest.FromString,
                     response_serializer=kvquota_dot_v1_dot_resources__pb2.ReclaimJob.SerializeToString,
+            ),
+            'CreateApiKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateApiKey,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.CreateApiKeyRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_admin__pb2.CreateApiKeyResponse.SerializeToString,
+            ),
+            'ListApiKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListApiKeys,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.ListApiKeysRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_admin__pb2.ListApiKeysResponse.SerializeToString,
+            ),
+            'RevokeApiKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeApiKey,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_resources__pb2.ApiKey.SerializeToString,
+            ),
+            'ListAuditEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAuditEvents,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.ListAuditEventsRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_admin__pb2.ListAuditEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1043,6 +1110,114 @@ class AdminService:
             '/kvquota.v1.AdminService/CancelReclaimJob',
             kvquota_dot_v1_dot_admin__pb2.CancelReclaimJobRequest.SerializeToString,
             kvquota_dot_v1_dot_resources__pb2.ReclaimJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateApiKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/CreateApiKey',
+            kvquota_dot_v1_dot_admin__pb2.CreateApiKeyRequest.SerializeToString,
+            kvquota_dot_v1_dot_admin__pb2.CreateApiKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListApiKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/ListApiKeys',
+            kvquota_dot_v1_dot_admin__pb2.ListApiKeysRequest.SerializeToString,
+            kvquota_dot_v1_dot_admin__pb2.ListApiKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeApiKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/RevokeApiKey',
+            kvquota_dot_v1_dot_admin__pb2.RevokeApiKeyRequest.SerializeToString,
+            kvquota_dot_v1_dot_resources__pb2.ApiKey.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAuditEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/ListAuditEvents',
+            kvquota_dot_v1_dot_admin__pb2.ListAuditEventsRequest.SerializeToString,
+            kvquota_dot_v1_dot_admin__pb2.ListAuditEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

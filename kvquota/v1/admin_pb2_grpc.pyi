@@ -65,6 +65,13 @@ class AdminServiceStub:
     GetReclaimJob: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetReclaimJobRequest, _resources_pb2.ReclaimJob]
     ListReclaimJobs: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListReclaimJobsRequest, _admin_pb2.ListReclaimJobsResponse]
     CancelReclaimJob: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CancelReclaimJobRequest, _resources_pb2.ReclaimJob]
+    CreateApiKey: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CreateApiKeyRequest, _admin_pb2.CreateApiKeyResponse]
+    """API keys: the secret is returned once, by CreateApiKey, and stored only hashed."""
+    ListApiKeys: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListApiKeysRequest, _admin_pb2.ListApiKeysResponse]
+    RevokeApiKey: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeyRequest, _resources_pb2.ApiKey]
+    """Revoked keys stop working within the servers' auth cache period (a few seconds)."""
+    ListAuditEvents: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListAuditEventsRequest, _admin_pb2.ListAuditEventsResponse]
+    """Administrative actions and attempts at them, newest first."""
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -102,6 +109,13 @@ class AdminServiceAsyncStub(AdminServiceStub):
     GetReclaimJob: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetReclaimJobRequest, _resources_pb2.ReclaimJob]  # type: ignore[assignment]
     ListReclaimJobs: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListReclaimJobsRequest, _admin_pb2.ListReclaimJobsResponse]  # type: ignore[assignment]
     CancelReclaimJob: _aio.UnaryUnaryMultiCallable[_admin_pb2.CancelReclaimJobRequest, _resources_pb2.ReclaimJob]  # type: ignore[assignment]
+    CreateApiKey: _aio.UnaryUnaryMultiCallable[_admin_pb2.CreateApiKeyRequest, _admin_pb2.CreateApiKeyResponse]  # type: ignore[assignment]
+    """API keys: the secret is returned once, by CreateApiKey, and stored only hashed."""
+    ListApiKeys: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListApiKeysRequest, _admin_pb2.ListApiKeysResponse]  # type: ignore[assignment]
+    RevokeApiKey: _aio.UnaryUnaryMultiCallable[_admin_pb2.RevokeApiKeyRequest, _resources_pb2.ApiKey]  # type: ignore[assignment]
+    """Revoked keys stop working within the servers' auth cache period (a few seconds)."""
+    ListAuditEvents: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListAuditEventsRequest, _admin_pb2.ListAuditEventsResponse]  # type: ignore[assignment]
+    """Administrative actions and attempts at them, newest first."""
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     """Used by operators: tenants, quotas and engine instances."""
@@ -274,5 +288,36 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.CancelReclaimJobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_resources_pb2.ReclaimJob, _abc.Awaitable[_resources_pb2.ReclaimJob]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateApiKey(
+        self,
+        request: _admin_pb2.CreateApiKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.CreateApiKeyResponse, _abc.Awaitable[_admin_pb2.CreateApiKeyResponse]]:
+        """API keys: the secret is returned once, by CreateApiKey, and stored only hashed."""
+
+    @_abc_1.abstractmethod
+    def ListApiKeys(
+        self,
+        request: _admin_pb2.ListApiKeysRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListApiKeysResponse, _abc.Awaitable[_admin_pb2.ListApiKeysResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RevokeApiKey(
+        self,
+        request: _admin_pb2.RevokeApiKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_pb2.ApiKey, _abc.Awaitable[_resources_pb2.ApiKey]]:
+        """Revoked keys stop working within the servers' auth cache period (a few seconds)."""
+
+    @_abc_1.abstractmethod
+    def ListAuditEvents(
+        self,
+        request: _admin_pb2.ListAuditEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListAuditEventsResponse, _abc.Awaitable[_admin_pb2.ListAuditEventsResponse]]:
+        """Administrative actions and attempts at them, newest first."""
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

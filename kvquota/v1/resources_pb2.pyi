@@ -312,6 +312,32 @@ RECLAIM_STEP_STATE_SKIPPED: ReclaimStepState.ValueType  # 3
 RECLAIM_STEP_STATE_FAILED: ReclaimStepState.ValueType  # 4
 Global___ReclaimStepState: _TypeAlias = ReclaimStepState  # noqa: Y015
 
+class _Role:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Role.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROLE_UNSPECIFIED: _Role.ValueType  # 0
+    ROLE_ADMIN: _Role.ValueType  # 1
+    """Everything."""
+    ROLE_GATEWAY: _Role.ValueType  # 2
+    """The AdmissionService for the tenants the key is bound to."""
+    ROLE_TENANT: _Role.ValueType  # 3
+    """Reads its own tenant, reservations and usage."""
+
+class Role(_Role, metaclass=_RoleEnumTypeWrapper):
+    """What an API key's principal may do."""
+
+ROLE_UNSPECIFIED: Role.ValueType  # 0
+ROLE_ADMIN: Role.ValueType  # 1
+"""Everything."""
+ROLE_GATEWAY: Role.ValueType  # 2
+"""The AdmissionService for the tenants the key is bound to."""
+ROLE_TENANT: Role.ValueType  # 3
+"""Reads its own tenant, reservations and usage."""
+Global___Role: _TypeAlias = Role  # noqa: Y015
+
 @_typing.final
 class KvGeometry(_message.Message):
     """Shape of a model's KV cache; bytes per token follow from it."""
@@ -1115,3 +1141,93 @@ class ReclaimJob(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReclaimJob: _TypeAlias = ReclaimJob  # noqa: Y015
+
+@_typing.final
+class ApiKey(_message.Message):
+    """A principal's credential; its secret is never returned after creation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DISPLAY_NAME_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    TENANTS_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    REVOKE_TIME_FIELD_NUMBER: _builtins.int
+    CREATOR_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """apiKeys/{key_id}"""
+    display_name: _builtins.str
+    role: Global___Role.ValueType
+    creator: _builtins.str
+    """The principal that created it (apiKeys/{key_id}, or "bootstrap")."""
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """tenants/{tenant}"""
+
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def revoke_time(self) -> _timestamp_pb2.Timestamp:
+        """Unset while the key works."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        display_name: _builtins.str = ...,
+        role: Global___Role.ValueType = ...,
+        tenants: _abc.Iterable[_builtins.str] | None = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+        revoke_time: _timestamp_pb2.Timestamp | None = ...,
+        creator: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "revoke_time", b"revoke_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "creator", b"creator", "display_name", b"display_name", "name", b"name", "revoke_time", b"revoke_time", "role", b"role", "tenants", b"tenants"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApiKey: _TypeAlias = ApiKey  # noqa: Y015
+
+@_typing.final
+class AuditEvent(_message.Message):
+    """One administrative action or attempt."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_FIELD_NUMBER: _builtins.int
+    PRINCIPAL_FIELD_NUMBER: _builtins.int
+    METHOD_FIELD_NUMBER: _builtins.int
+    RESOURCE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    principal: _builtins.str
+    """apiKeys/{key_id}, or "anonymous" while authentication is off."""
+    method: _builtins.str
+    """The RPC's method name, e.g. "DeleteTenant"."""
+    resource: _builtins.str
+    """The resource acted on (e.g. tenants/acme), or empty."""
+    request_id: _builtins.str
+    """The caller's x-request-id (or the one the server gave the call)."""
+    code: _builtins.str
+    """The answer's gRPC status code name: OK, PERMISSION_DENIED, …"""
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        principal: _builtins.str = ...,
+        method: _builtins.str = ...,
+        resource: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        code: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "method", b"method", "principal", b"principal", "request_id", b"request_id", "resource", b"resource", "time", b"time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditEvent: _TypeAlias = AuditEvent  # noqa: Y015

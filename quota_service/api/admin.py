@@ -10,12 +10,14 @@ import httpx
 from kvquota.v1 import admin_pb2 as pb
 from kvquota.v1 import admin_pb2_grpc, resources_pb2
 from quota_service.api import convert
+from quota_service.api.auth import current_principal
 from quota_service.core import catalog, names, pagination
 from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
 from quota_service.core.model import DEFAULT_MAX_QUEUED_REQUESTS, QueueBounds, TenantState
 from quota_service.core.names import instance_id, tenant_id
 from quota_service.core.reclaim import ReclaimTarget, Tier
 from quota_service.engine.vllm.http import EngineDescription, MetricsError, VllmHttp
+from quota_service.store.access import ApiKeys, AuditLog
 from quota_service.store.catalog import Catalog
 from quota_service.store.inspection import Inspection
 from quota_service.store.offboarding import Offboarding
@@ -49,12 +51,16 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         offboarding: Offboarding,
         inspection: Inspection,
         reclaim: ReclaimJobs,
+        api_keys: ApiKeys,
+        audit: AuditLog,
     ) -> None:
         self._catalog = catalog_store
         self._pins = pins
         self._offboarding = offboarding
         self._inspection = inspection
         self._reclaim = reclaim
+        self._api_keys = api_keys
+        self._audit = audit
 
     async def CreateTenant(
         self, request: pb.CreateTenantRequest, context: Context
@@ -345,3 +351,55 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     ) -> resources_pb2.ReclaimJob:
         job_id = names.reclaim_job_id(request.name)
         return convert.reclaim_job(await self._reclaim.cancel(job_id))
+
+    async def CreateApiKey(
+        self, request: pb.CreateApiKeyRequest, context: Context
+    ) -> pb.CreateApiKeyResponse:
+        violations = [
+            v
+            for v in (names.check_resource_id(request.display_name, "display_name"),)
+            if v is not None
+        ]
+        role = convert.role(request.role)
+        if role is None:
+            violations.append(FieldViolation("role", "must be ADMIN, GATEWAY or TENANT"))
+        tenants = []
+        for index, tenant in enumerate(request.tenants):
+            value, violation = names.parse_child(tenant, "tenants", f"tenants[{index}]")
+            if violation:
+                violations.append(violation)
+            elif value is not None:
+                tenants.append(value)
+        if violations:
+            raise invalid_request(violations)
+        assert role is not None
+        key, secret = await self._api_keys.create(
+            request.display_name, role, tenants, current_principal.get().name
+        )
+        return pb.CreateApiKeyResponse(api_key=convert.api_key(key), secret=secret)
+
+    async def ListApiKeys(
+        self, request: pb.ListApiKeysRequest, context: Context
+    ) -> pb.ListApiKeysResponse:
+        page = pagination.page(request.page_size, request.page_token)
+        keys = await self._api_keys.list(page, request.show_revoked)
+        return pb.ListApiKeysResponse(
+            api_keys=[convert.api_key(k) for k in keys],
+            next_page_token=pagination.next_token([k.key_id for k in keys], page.size),
+        )
+
+    async def RevokeApiKey(
+        self, request: pb.RevokeApiKeyRequest, context: Context
+    ) -> resources_pb2.ApiKey:
+        key_id = names.api_key_id(request.name)
+        return convert.api_key(await self._api_keys.revoke(key_id))
+
+    async def ListAuditEvents(
+        self, request: pb.ListAuditEventsRequest, context: Context
+    ) -> pb.ListAuditEventsResponse:
+        page = pagination.page(request.page_size, request.page_token)
+        events = await self._audit.list(page, request.principal, request.method)
+        return pb.ListAuditEventsResponse(
+            audit_events=[convert.audit_event(e) for _, e in events],
+            next_page_token=pagination.next_token([str(i) for i, _ in events], page.size),
+        )

@@ -10,6 +10,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from kvquota.v1 import admission_pb2 as admission_pb
 from kvquota.v1 import resources_pb2 as pb
 from quota_service.core import geometry, names
+from quota_service.core.access import ApiKey, AuditEvent, Role
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import FieldViolation, invalid_request
@@ -467,3 +468,36 @@ def reclaim_job(value: ReclaimJob) -> pb.ReclaimJob:
             for e in value.excluded
         ],
     )
+
+
+def role(value: pb.Role.ValueType) -> Role | None:
+    """The role a request names (None when unspecified or unknown)."""
+    name = pb.Role.Name(value).removeprefix("ROLE_") if value in pb.Role.values() else ""
+    return Role[name] if name in Role.__members__ else None
+
+
+def api_key(value: ApiKey) -> pb.ApiKey:
+    message = pb.ApiKey(
+        name=value.name,
+        display_name=value.display_name,
+        role=pb.Role.Value(f"ROLE_{value.role.value}"),
+        tenants=[names.tenant_name(t) for t in value.tenants],
+        create_time=timestamp(value.created_at),
+        creator=value.creator,
+    )
+    if value.revoked_at is not None:
+        message.revoke_time.CopyFrom(timestamp(value.revoked_at))
+    return message
+
+
+def audit_event(value: AuditEvent) -> pb.AuditEvent:
+    message = pb.AuditEvent(
+        principal=value.principal,
+        method=value.method,
+        resource=value.resource,
+        request_id=value.request_id,
+        code=value.code,
+    )
+    if value.at is not None:
+        message.time.CopyFrom(timestamp(value.at))
+    return message

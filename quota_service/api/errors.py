@@ -80,6 +80,13 @@ def domain_error(exc: Exception, method: str) -> KvQuotaError:
     return KvQuotaError(Code.INTERNAL, "INTERNAL", "internal error")
 
 
+def status_code_name(exc: Exception) -> str:
+    """The status code `exc` is answered with, without logging it (the guard does that)."""
+    if isinstance(exc, KvQuotaError):
+        return exc.code.name
+    return (Code.UNAVAILABLE if unavailable_error(exc) is not None else Code.INTERNAL).name
+
+
 Request = TypeVar("Request")
 Response = TypeVar("Response")
 Behavior = Callable[[Request, grpc.aio.ServicerContext[Request, Response]], Awaitable[Response]]

@@ -25,6 +25,7 @@ from kvquota.v1 import (
 )
 from quota_service.api.admin import AdminServicer
 from quota_service.api.admission import AdmissionServicer
+from quota_service.api.auth import AccessInterceptor, Authenticator
 from quota_service.api.billing import BillingServicer
 from quota_service.api.errors import ErrorInterceptor
 from quota_service.api.waiting import Waiters
@@ -38,6 +39,7 @@ from quota_service.jobs.policy import ReclaimPolicy
 from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
 from quota_service.store import migrate
+from quota_service.store.access import ApiKeys, AuditLog
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.database import connect
@@ -124,8 +126,13 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     listener = Listener(database_url)
     listener.subscribe(waiters.on_notification)
     listener.subscribe(dispatcher.on_notification)
+    api_keys = ApiKeys(engine)
+    audit = AuditLog(engine)
+    authenticator = Authenticator(api_keys, settings.auth_required, settings.auth_cache_seconds)
+    if not settings.auth_required:
+        log.warning("authentication is off (KVQUOTA_AUTH_REQUIRED=false): every caller is admin")
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()],
+        interceptors=[ErrorInterceptor(), AccessInterceptor(authenticator, audit)],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -142,7 +149,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     offboarding = Offboarding(engine, ledger, pins)
     inspection = Inspection(engine)
     reclaim = ReclaimJobs(engine, settings.cpu_watermarks)
-    admin = AdminServicer(Catalog(engine), pins, offboarding, inspection, reclaim)
+    admin = AdminServicer(Catalog(engine), pins, offboarding, inspection, reclaim, api_keys, audit)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
     billing_pb2_grpc.add_BillingServiceServicer_to_server(
         BillingServicer(UsageBook(engine)), server

@@ -23,6 +23,8 @@ class Code(enum.Enum):
     ABORTED = "ABORTED"
     INTERNAL = "INTERNAL"
     CANCELLED = "CANCELLED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
 
 
 @dataclass(frozen=True, slots=True)

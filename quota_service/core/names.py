@@ -11,6 +11,7 @@ from quota_service.core.errors import FieldViolation, invalid_request
 RESOURCE_ID = re.compile(r"[a-z][a-z0-9-]{0,62}")
 # Gateways use UUIDs or OpenAI-style ids ("chatcmpl-…"); "/" would break the reservation name.
 REQUEST_ID = re.compile(r"[A-Za-z0-9._~:-]{1,128}")
+API_KEY_ID = re.compile(r"[0-9a-f]{16}")
 
 
 def _id_or_violation(value: str, pattern: re.Pattern[str], field: str) -> FieldViolation | None:
@@ -72,6 +73,16 @@ def reservation_key(name: str, field: str = "name") -> tuple[str, str]:
     if violations:
         raise invalid_request(violations)
     return parts[1], parts[3]
+
+
+def api_key_id(name: str, field: str = "name") -> str:
+    """`apiKeys/{key_id}` → key_id (16 hex digits)."""
+    value = name.removeprefix("apiKeys/")
+    if value == name or not API_KEY_ID.fullmatch(value):
+        raise invalid_request(
+            [FieldViolation(field, f"must look like apiKeys/{{16 hex digits}}, got {name!r}")]
+        )
+    return value
 
 
 def tenant_name(tenant: str) -> str:

@@ -608,3 +608,46 @@ class UsageClosedHourRow(Base):
     closed_at: Mapped[CreatedAt]
     events: Mapped[int] = mapped_column(BigInteger)
     late_events: Mapped[int] = mapped_column(BigInteger)
+
+
+class ApiKeyRow(Base):
+    """An API key of a principal: only the SHA-256 of its secret is kept (the secret has 256 bits
+    of entropy, so a slow hash would add nothing), shown once at creation. Revoked keys stay, so
+    the audit log's principals keep their names."""
+
+    __tablename__ = "api_keys"
+
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    display_name: Mapped[str] = mapped_column(String(63))
+    role: Mapped[str] = mapped_column(String(16))
+    # The tenants a gateway acts for, or a tenant key's own tenant (not foreign keys: a key
+    # outlives an offboarded tenant and then reaches nothing).
+    tenants: Mapped[list[str]] = mapped_column(ARRAY(String(63)), server_default="{}")
+    secret_sha256: Mapped[bytes] = mapped_column(LargeBinary)
+    creator: Mapped[str] = mapped_column(String(80))
+    created_at: Mapped[CreatedAt]
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (CheckConstraint("role IN ('ADMIN', 'GATEWAY', 'TENANT')", name="role"),)
+
+
+class AuditEventRow(Base):
+    """An administrative action, or an attempt at one: who, what, on which resource, with which
+    request id and outcome. Appended after the action; never updated."""
+
+    __tablename__ = "audit_events"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    at: Mapped[CreatedAt]
+    # "apiKeys/{key_id}" of the caller, or "anonymous" while authentication is off.
+    principal: Mapped[str] = mapped_column(String(80))
+    method: Mapped[str] = mapped_column(String(120))
+    resource: Mapped[str] = mapped_column(String(300))
+    request_id: Mapped[str] = mapped_column(String(128))
+    # The gRPC status code name of the answer (OK, PERMISSION_DENIED, …).
+    code: Mapped[str] = mapped_column(String(32))
+
+    __table_args__ = (
+        Index("ix_audit_events_at", "at"),
+        Index("ix_audit_events_principal_at", "principal", "at"),
+    )

@@ -18,6 +18,7 @@ from quota_service.cli import main as cli_main
 
 ADDRESS = re.compile(r"serving gRPC on (\S+)")
 METRICS = re.compile(r"serving metrics on (\S+)")
+DEMO_KEY = re.compile(r"KVQUOTA_API_KEY=(\S+)")
 
 
 def test_serve_on_embedded_postgres(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -36,15 +37,20 @@ def test_serve_on_embedded_postgres(tmp_path: Path, capsys: pytest.CaptureFixtur
     )
     assert process.stdout is not None
     try:
+        # Authentication is on in the demo too: it prints an admin key to call with.
+        key = next(m.group(1) for line in process.stdout if (m := DEMO_KEY.search(line)))
         address = next(m.group(1) for line in process.stdout if (m := ADDRESS.search(line)))
         metrics = next(m.group(1) for line in process.stdout if (m := METRICS.search(line)))
         scraped = httpx.get(metrics, timeout=5).text
         assert 'kvquota_instance_blocks{instance="demo-simulated",state="free"} 512.0' in scraped
         assert (tmp_path / "state" / "pgdata" / "PG_VERSION").exists()
-        assert cli_main(["tenants", "--server", address, "--json"]) == 0
+        assert cli_main(["tenants", "--server", address]) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+        server = ["--server", address, "--api-key", key]
+        assert cli_main(["tenants", *server, "--json"]) == 0
         names = [t["name"] for t in json.loads(capsys.readouterr().out)]
         assert names == ["tenants/acme", "tenants/globex"]
-        assert cli_main(["instances", "--server", address]) == 0
+        assert cli_main(["instances", *server]) == 0
         header, *rows = capsys.readouterr().out.splitlines()
         assert header.split()[:2] == ["NAME", "STATE"]
         assert [r.split()[:2] for r in rows] == [
@@ -52,7 +58,7 @@ def test_serve_on_embedded_postgres(tmp_path: Path, capsys: pytest.CaptureFixtur
             ["instances/demo-simulated", "ACTIVE"],
         ]
         # The demo's engine is a simulated vLLM host, which kvquota follows like a real one.
-        assert cli_main(["instances", "--server", address, "--json"]) == 0
+        assert cli_main(["instances", *server, "--json"]) == 0
         simulated = json.loads(capsys.readouterr().out)[1]
         engine_url = simulated["engine"]["url"]
         assert httpx.get(f"{engine_url}/health", timeout=5).status_code == 200

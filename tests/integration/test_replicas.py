@@ -42,6 +42,7 @@ def start_replica(database_url: str, **settings: str) -> tuple[subprocess.Popen[
         "KVQUOTA_DATABASE_URL": database_url,
         "KVQUOTA_GRPC_LISTEN": "127.0.0.1:0",
         "KVQUOTA_METRICS_LISTEN": "127.0.0.1:0",
+        "KVQUOTA_AUTH_REQUIRED": "false",
         **{f"KVQUOTA_{k.upper()}": v for k, v in settings.items()},
     }
     process = subprocess.Popen(

@@ -37,6 +37,10 @@ def test_environment_overrides_file(tmp_path: Path) -> None:
         ({"KVQUOTA_RECLAIM_POLICY_MAX_TIER": "free"}, "none or one of offload"),
         ({"KVQUOTA_RECLAIM_POLICY_WATERMARK": "1.5"}, "RECLAIM_POLICY_WATERMARK"),
         ({"KVQUOTA_CPU_OFFLOAD_WATERMARK": "0.95"}, "CPU-tier watermarks"),
+        ({"KVQUOTA_AUTH_REQUIRED": "maybe"}, "KVQUOTA_AUTH_REQUIRED: cannot read 'maybe'"),
+        ({"KVQUOTA_AUTH_CACHE_SECONDS": "0"}, "AUTH_CACHE_SECONDS"),
+        ({"KVQUOTA_LOG_FORMAT": "xml"}, "LOG_FORMAT must be one of json, text"),
+        ({"KVQUOTA_LOG_LEVEL": "LOUD"}, "LOG_LEVEL: unknown level"),
     ],
 )
 def test_bad_settings_say_which(environ: dict[str, str], message: str) -> None:
@@ -49,3 +53,11 @@ def test_unknown_key_in_file(tmp_path: Path) -> None:
     config.write_text("grpc_lsten = 1\n")
     with pytest.raises(SettingsError, match="grpc_lsten"):
         load_settings({"KVQUOTA_CONFIG": str(config)})
+
+
+def test_authentication_is_on_unless_turned_off(tmp_path: Path) -> None:
+    assert load_settings({}).auth_required
+    assert not load_settings({"KVQUOTA_AUTH_REQUIRED": "false"}).auth_required
+    config = tmp_path / "kvquota.toml"
+    config.write_text("auth_required = false\n")
+    assert not load_settings({"KVQUOTA_CONFIG": str(config)}).auth_required

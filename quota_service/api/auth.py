@@ -1,0 +1,259 @@
+"""Authentication, authorisation and the audit log, in one interceptor in front of the servicers.
+
+Every kvquota RPC is authenticated (`authorization: Bearer kvq_…`), then authorised from the
+method and the tenant its request names, before the servicer runs: a caller learns nothing about
+whether another tenant's resources exist. Administrative actions (AdminService calls other than
+Get/List) are written to the audit log with their outcome, refusals included. Health and reflection
+stay open, for load balancers and grpcurl."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from quota_service import logs
+from quota_service.api.errors import Behavior, StreamBehavior, status_code_name
+from quota_service.core import access, names
+from quota_service.core.access import ANONYMOUS, ApiKey, AuditEvent, Principal, Role
+from quota_service.store.access import ApiKeys, AuditLog
+
+log = logging.getLogger(__name__)
+
+PACKAGE = "/kvquota.v1."
+ADMISSION = f"{PACKAGE}AdmissionService/"
+ADMIN = f"{PACKAGE}AdminService/"
+BILLING = f"{PACKAGE}BillingService/"
+REQUEST_ID_KEY = "x-request-id"
+
+# The principal of the RPC being served (servicers read it, e.g. as a key's creator).
+current_principal: ContextVar[Principal] = ContextVar("current_principal", default=ANONYMOUS)
+
+
+def _admit_tenant(request: Any) -> str:
+    return names.tenant_id(request.tenant, "tenant")
+
+
+def _reservation_tenant(request: Any) -> str:
+    return names.reservation_key(request.name)[0]
+
+
+def _named_tenant(request: Any) -> str:
+    return names.tenant_id(request.name)
+
+
+def _filtered_tenant(request: Any) -> str:
+    # Without a tenant filter the range covers every tenant: an admin's question only.
+    return names.tenant_id(request.tenant, "tenant") if request.tenant else ""
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """Roles besides ADMIN that may call a method, for the tenant its request names."""
+
+    roles: frozenset[Role]
+    tenant_of: Callable[[Any], str]
+
+
+_GATEWAY = frozenset({Role.GATEWAY})
+_READERS = frozenset({Role.GATEWAY, Role.TENANT})
+_TENANT = frozenset({Role.TENANT})
+# Every kvquota method not named here is for admins only.
+RULES: dict[str, Rule] = {
+    f"{ADMISSION}Admit": Rule(_GATEWAY, _admit_tenant),
+    **{
+        f"{ADMISSION}{method}": Rule(_GATEWAY, _reservation_tenant)
+        for method in (
+            "RenewLease",
+            "Release",
+            "Cancel",
+            "ReleaseBlocks",
+            "SuspendReservation",
+            "ResumeReservation",
+        )
+    },
+    f"{ADMISSION}GetReservation": Rule(_READERS, _reservation_tenant),
+    f"{ADMISSION}WatchReservation": Rule(_READERS, _reservation_tenant),
+    f"{ADMIN}GetTenant": Rule(_READERS, _named_tenant),
+    f"{ADMIN}GetTenantUsage": Rule(_READERS, _named_tenant),
+    f"{BILLING}ExportUsage": Rule(_TENANT, _filtered_tenant),
+    f"{BILLING}GetUsageSummary": Rule(_TENANT, _filtered_tenant),
+}
+
+
+def authorize(principal: Principal, method: str, request: Any) -> None:
+    if principal.role is Role.ADMIN:
+        return
+    rule = RULES.get(method)
+    if rule is None or principal.role not in rule.roles:
+        raise access.permission_denied(principal, method.rsplit("/", 1)[-1])
+    # A malformed name is refused as such (INVALID_ARGUMENT): that says nothing about others.
+    if not principal.acts_for(rule.tenant_of(request)):
+        raise access.permission_denied(principal, method.rsplit("/", 1)[-1])
+
+
+def audited(method: str) -> bool:
+    short = method.removeprefix(ADMIN)
+    return short != method and not short.startswith(("Get", "List"))
+
+
+def _resource(request: Any, response: Any) -> str:
+    for field in ("name", "parent", "instance", "tenant"):
+        value = getattr(request, field, "")
+        if isinstance(value, str) and value:
+            return value
+    for field, collection in (
+        ("tenant_id", "tenants"),
+        ("instance_id", "instances"),
+        ("namespace_id", "namespaces"),
+    ):
+        value = getattr(request, field, "")
+        if value:
+            return f"{collection}/{value}"
+    # Creates without a chosen id name their resource in the answer.
+    for answer in (response, getattr(response, "api_key", None)):
+        value = getattr(answer, "name", "")
+        if isinstance(value, str) and value:
+            return value
+    return ""
+
+
+class Authenticator:
+    """Resolves bearer keys to principals, caching verified keys for `cache_seconds`: the hot path
+    pays no database round trip, and a revocation reaches every replica within that period."""
+
+    def __init__(self, keys: ApiKeys, required: bool, cache_seconds: float) -> None:
+        self._keys = keys
+        self._required = required
+        self._cache_seconds = cache_seconds
+        self._cache: dict[str, tuple[float, ApiKey, bytes]] = {}
+
+    async def principal(self, metadata: Sequence[tuple[str, str | bytes]]) -> Principal:
+        if not self._required:
+            return ANONYMOUS
+        header = next((v for k, v in metadata if k == "authorization"), None)
+        if not isinstance(header, str) or not header:
+            raise access.unauthenticated("missing `authorization: Bearer <API key>` metadata")
+        scheme, _, token = header.partition(" ")
+        parsed = access.parse_token(token.strip()) if scheme.lower() == "bearer" else None
+        if parsed is None:
+            raise access.unauthenticated("authorization metadata must be `Bearer <API key>`")
+        key_id, secret = parsed
+        now = time.monotonic()
+        cached = self._cache.get(key_id)
+        if cached is None or now - cached[0] > self._cache_seconds:
+            found = await self._keys.verified(key_id)
+            if found is None:
+                self._cache.pop(key_id, None)
+                raise access.unauthenticated("unknown or revoked API key")
+            cached = (now, *found)
+            self._cache[key_id] = cached
+        if not access.matches(secret, cached[2]):
+            raise access.unauthenticated("unknown or revoked API key")
+        return cached[1].principal
+
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+
+
+def _request_id(metadata: Sequence[tuple[str, str | bytes]]) -> str:
+    given = next((v for k, v in metadata if k == REQUEST_ID_KEY), None)
+    if isinstance(given, str) and names.REQUEST_ID.fullmatch(given):
+        return given
+    return uuid.uuid4().hex
+
+
+class AccessInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, authenticator: Authenticator, audit: AuditLog) -> None:
+        self._authenticator = authenticator
+        self._audit = audit
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Principal:
+        metadata = tuple(context.invocation_metadata() or ())
+        rid = _request_id(metadata)
+        logs.request_id.set(rid)
+        await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
+        principal = await self._authenticator.principal(metadata)
+        current_principal.set(principal)
+        return principal
+
+    async def _record(
+        self, principal: Principal, method: str, request: Any, response: Any, code: str
+    ) -> None:
+        event = AuditEvent(
+            None,
+            principal.name,
+            method.removeprefix(ADMIN),
+            _resource(request, response),
+            logs.request_id.get(),
+            code,
+        )
+        try:
+            await self._audit.record(event)
+        except Exception:
+            # The action happened (or was refused) already; a lost audit row must be seen.
+            log.exception("could not write the audit event of %s", method)
+
+    def _unary(
+        self, behavior: Behavior[Request, Response], method: str
+    ) -> Behavior[Request, Response]:
+        async def checked(
+            request: Request, context: grpc.aio.ServicerContext[Request, Response]
+        ) -> Response:
+            principal = await self._authenticate(context)
+            try:
+                authorize(principal, method, request)
+                response = await behavior(request, context)
+            except Exception as exc:
+                if audited(method):
+                    await self._record(principal, method, request, None, status_code_name(exc))
+                raise
+            if audited(method):
+                await self._record(principal, method, request, response, "OK")
+            return response
+
+        return checked
+
+    def _stream(
+        self, behavior: StreamBehavior[Request, Response], method: str
+    ) -> StreamBehavior[Request, Response]:
+        async def checked(
+            request: Request, context: grpc.aio.ServicerContext[Request, Response]
+        ) -> AsyncIterator[Response]:
+            authorize(await self._authenticate(context), method, request)
+            async for item in behavior(request, context):
+                yield item
+
+        return checked
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Request, Response] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Request, Response] | None:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(PACKAGE):
+            return handler
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(handler.unary_stream, method),  # type: ignore[arg-type]
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_unary is None:
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            self._unary(handler.unary_unary, method),  # type: ignore[arg-type]
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
