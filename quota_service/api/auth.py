@@ -143,6 +143,8 @@ class Authenticator:
         scheme, _, token = header.partition(" ")
         parsed = access.parse_token(token.strip()) if scheme.lower() == "bearer" else None
         if parsed is None:
+            # Never the header itself: a mistyped key is still mostly a key.
+            log.warning("refused a call: malformed authorization metadata")
             raise access.unauthenticated("authorization metadata must be `Bearer <API key>`")
         key_id, secret = parsed
         now = time.monotonic()
@@ -151,10 +153,12 @@ class Authenticator:
             found = await self._keys.verified(key_id)
             if found is None:
                 self._cache.pop(key_id, None)
+                log.warning("refused a call: apiKeys/%s is unknown or revoked", key_id)
                 raise access.unauthenticated("unknown or revoked API key")
             cached = (now, *found)
             self._cache[key_id] = cached
         if not access.matches(secret, cached[2]):
+            log.warning("refused a call: wrong secret for apiKeys/%s", key_id)
             raise access.unauthenticated("unknown or revoked API key")
         return cached[1].principal
 
