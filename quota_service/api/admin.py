@@ -148,7 +148,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             engine=engine,
             queue=QueueBounds(
                 max_queued_requests=request.max_queued_requests or DEFAULT_MAX_QUEUED_REQUESTS,
-                target_ttft_seconds=request.target_ttft.ToTimedelta().total_seconds(),
+                target_ttft_seconds=convert.seconds(request.target_ttft, "target_ttft"),
                 prefill_tokens_per_second=request.prefill_tokens_per_second,
             ),
         )

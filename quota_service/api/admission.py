@@ -104,11 +104,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         self, request: pb.RenewLeaseRequest, context: Context
     ) -> resources_pb2.Reservation:
         tenant, request_id = reservation_key(request.name)
-        ttl = (
-            request.lease_ttl.ToTimedelta().total_seconds()
-            if request.HasField("lease_ttl")
-            else None
-        )
+        ttl = convert.lease_ttl(request)
         return convert.reservation(await self._ledger.renew(tenant, request_id, ttl))
 
     async def Release(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import grpc
@@ -12,6 +12,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvquota.v1 import billing_pb2 as pb
 from kvquota.v1 import billing_pb2_grpc
+from quota_service.api import convert
 from quota_service.core.errors import FieldViolation, invalid_request
 from quota_service.core.metering import HOUR_US, BilledHour, UsageTotals
 from quota_service.core.names import instance_id, instance_name, tenant_id, tenant_name
@@ -22,15 +23,16 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 def _hour_range(start: Timestamp, end: Timestamp) -> tuple[datetime, datetime]:
     """[start, end) in whole hours; refused otherwise."""
+    first, last = convert.instant(start, "start_time"), convert.instant(end, "end_time")
     violations = []
     for field, value in (("start_time", start), ("end_time", end)):
         if value.ToMicroseconds() % HOUR_US:
             violations.append(FieldViolation(field, "must be a whole hour (UTC)"))
-    if end.ToMicroseconds() <= start.ToMicroseconds():
+    if last <= first:
         violations.append(FieldViolation("end_time", "must be after start_time"))
     if violations:
         raise invalid_request(violations)
-    return start.ToDatetime(UTC), end.ToDatetime(UTC)
+    return first, last
 
 
 def _timestamp(micros: int) -> Timestamp:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -82,6 +82,29 @@ def timestamp(value: datetime) -> Timestamp:
     return stamp
 
 
+# Protobuf's own bounds: Durations of at most 10,000 years, Timestamps in years 1 to 9999.
+MAX_DURATION_SECONDS = 315_576_000_000
+MIN_TIMESTAMP_SECONDS = -62_135_596_800
+MAX_TIMESTAMP_SECONDS = 253_402_300_799
+NANOS = 1_000_000_000
+
+
+def seconds(value: Duration, field: str) -> float:
+    """A Duration as seconds, refused unless it is one protobuf itself would accept."""
+    same_sign = value.seconds * value.nanos >= 0
+    if abs(value.seconds) > MAX_DURATION_SECONDS or abs(value.nanos) >= NANOS or not same_sign:
+        raise invalid_request([FieldViolation(field, "not a valid duration")])
+    return value.seconds + value.nanos / NANOS
+
+
+def instant(value: Timestamp, field: str) -> datetime:
+    """A Timestamp as a UTC datetime, refused unless it is a valid one."""
+    valid_seconds = MIN_TIMESTAMP_SECONDS <= value.seconds <= MAX_TIMESTAMP_SECONDS
+    if not valid_seconds or not 0 <= value.nanos < NANOS:
+        raise invalid_request([FieldViolation(field, "not a valid timestamp")])
+    return value.ToDatetime(UTC)
+
+
 def duration(seconds: float) -> Duration:
     value = Duration()
     value.FromTimedelta(timedelta(seconds=seconds))
@@ -101,9 +124,6 @@ def admit_request(request: admission_pb.AdmitRequest) -> AdmitRequest:
     instance = _resource_id(request.instance, "instances", "instance", violations)
     if violations:
         raise invalid_request(violations)
-    lease_ttl = (
-        request.lease_ttl.ToTimedelta().total_seconds() if request.HasField("lease_ttl") else None
-    )
     return AdmitRequest(
         params=AdmitParams(
             tenant=tenant,
@@ -115,16 +135,21 @@ def admit_request(request: admission_pb.AdmitRequest) -> AdmitRequest:
             priority=request.priority,
         ),
         prompt_token_ids=tuple(request.prompt_token_ids),
-        wait_timeout_seconds=request.wait_timeout.ToTimedelta().total_seconds(),
-        lease_ttl_seconds=lease_ttl,
+        wait_timeout_seconds=wait_timeout(request.wait_timeout),
+        lease_ttl_seconds=lease_ttl(request),
     )
 
 
+def lease_ttl(request: admission_pb.AdmitRequest | admission_pb.RenewLeaseRequest) -> float | None:
+    """The lease TTL asked for, or None for the default."""
+    return seconds(request.lease_ttl, "lease_ttl") if request.HasField("lease_ttl") else None
+
+
 def wait_timeout(value: Duration) -> float:
-    seconds = value.ToTimedelta().total_seconds()
-    if seconds < 0:
+    budget = seconds(value, "wait_timeout")
+    if budget < 0:
         raise invalid_request([FieldViolation("wait_timeout", "must not be negative")])
-    return seconds
+    return budget
 
 
 def reservation(value: Reservation) -> pb.Reservation:
