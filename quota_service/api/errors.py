@@ -4,6 +4,7 @@ no try/except ladders. Anything unexpected becomes INTERNAL without leaking its 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -115,6 +116,22 @@ StreamBehavior = Callable[
 ]
 
 
+async def responses(
+    behavior: StreamBehavior[Request, Response],
+    request: Request,
+    context: grpc.aio.ServicerContext[Request, Response],
+) -> AsyncIterator[Response]:
+    """What a server-streaming handler sends, however it is written: as an async generator
+    (ours), or as a coroutine that calls context.write (grpc's health Watch), which an
+    interceptor must await rather than iterate."""
+    stream = behavior(request, context)
+    if inspect.isawaitable(stream):
+        await stream
+        return
+    async for item in stream:
+        yield item
+
+
 def _guard_stream(
     behavior: StreamBehavior[Request, Response], method: str
 ) -> StreamBehavior[Request, Response]:
@@ -122,7 +139,7 @@ def _guard_stream(
         request: Request, context: grpc.aio.ServicerContext[Request, Response]
     ) -> AsyncIterator[Response]:
         try:
-            async for item in behavior(request, context):
+            async for item in responses(behavior, request, context):
                 yield item
         except Exception as exc:
             code, status = rich_status(domain_error(exc, method))
