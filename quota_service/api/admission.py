@@ -42,8 +42,10 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                 reservation = await self._until_admitted(reservation, admit.wait_timeout_seconds)
             except asyncio.CancelledError:
                 # The caller went away: its request leaves the queue (or, admitted just now,
-                # gives its blocks back), whatever becomes of this task.
-                await asyncio.shield(self._abandon(reservation))
+                # gives its blocks back), whatever becomes of this task. Not so when the server
+                # cut the call at the end of its shutdown grace: the caller retries elsewhere.
+                if not self._waiters.closed:
+                    await asyncio.shield(self._abandon(reservation))
                 raise
         return pb.AdmitResponse(reservation=convert.reservation(reservation), cache_salt=salt)
 
@@ -62,6 +64,12 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                     return reservation  # admitted at the last moment
                 raise queueing.queue_timeout(
                     reservation_name(tenant, request_id), budget_seconds, delay
+                )
+            if self._waiters.closed:
+                # This server is going away: the caller asks another one with the same request
+                # id, and the request keeps its place in the shared queue meanwhile.
+                raise queueing.shutting_down(
+                    reservation_name(tenant, request_id), self._ledger.min_retry_delay_seconds
                 )
             await self._waiters.next_change(key, remaining)
             reservation = await self._ledger.get(tenant, request_id)
@@ -98,6 +106,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                 raise preempted(request.name)
             if current.state is ReservationState.ENDED:
                 return
+            if self._waiters.closed:
+                raise queueing.shutting_down(request.name, self._ledger.min_retry_delay_seconds)
             await self._waiters.next_change(key, float("inf"))
 
     async def RenewLease(

@@ -62,6 +62,8 @@ SERVICE_NAMES = (
 # Prompt token ids of a 128k-token context fit comfortably; anything larger is refused by gRPC.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 LISTEN_TIMEOUT_SECONDS = 30
+# What the end of the shutdown grace leaves callers still waiting to get their answer in.
+HANDBACK_SECONDS = 1.0
 
 
 @dataclass
@@ -80,6 +82,7 @@ class RunningServer:
     _cpu_tier: CpuTierMirror
     _followers: Followers
     _metrics: WSGIServer | None
+    _waiters: Waiters
 
     @property
     def metrics_port(self) -> int | None:
@@ -89,7 +92,19 @@ class RunningServer:
         log.info("shutting down: draining in-flight RPCs for up to %ss", grace_seconds)
         await self._health.enter_graceful_shutdown()
         self._stop.set()
-        await self._server.stop(grace_seconds)
+        # Calls in flight run on. Those still waiting when the grace is nearly over (a queued
+        # Admit, a watch) are answered then, UNAVAILABLE: ask another replica (a queued
+        # request keeps its place), rather than cancelled with no answer when it ends.
+        loop = asyncio.get_running_loop()
+        handback = loop.call_later(
+            grace_seconds - min(HANDBACK_SECONDS, grace_seconds / 4), self._waiters.close
+        )
+        try:
+            # Refuses new calls before its first await, so before a health watcher can be
+            # told NOT_SERVING.
+            await self._server.stop(grace_seconds)
+        finally:
+            handback.cancel()
         await self._maintenance
         await self._listener.stop()
         await self._dispatcher.stop()
@@ -215,6 +230,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         cpu_tier,
         followers,
         metrics_server,
+        waiters,
     )
 
 

@@ -2,6 +2,7 @@
 
 Every replica hears every `changed:` notification and wakes its own waiters; because a
 notification can be lost, a waiter also re-reads the reservation every `poll_seconds`.
+When the server is about to end its shutdown grace, `close` wakes them all for a last read.
 """
 
 from __future__ import annotations
@@ -15,6 +16,19 @@ class Waiters:
     def __init__(self, poll_seconds: float) -> None:
         self._poll_seconds = poll_seconds
         self._events: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """The server is shutting down: waiters answer their callers after one last read."""
+        return self._closed
+
+    def close(self) -> None:
+        """Wake every waiter now; from now on next_change returns at once."""
+        self._closed = True
+        for events in self._events.values():
+            for event in events:
+                event.set()
 
     def on_notification(self, kind: str, subject: str) -> None:
         if kind == "changed":
@@ -23,7 +37,10 @@ class Waiters:
 
     async def next_change(self, key: str, at_most_seconds: float) -> None:
         """Return after `key` ("tenant/request_id") changed, or after at most
-        min(at_most_seconds, poll_seconds): the caller re-reads either way."""
+        min(at_most_seconds, poll_seconds), or at once once closed: the caller re-reads
+        either way."""
+        if self._closed:
+            return
         event = asyncio.Event()
         self._events[key].add(event)
         try:

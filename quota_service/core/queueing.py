@@ -166,3 +166,16 @@ def cancelled(name: str) -> KvQuotaError:
         f"{name} was cancelled while it waited",
         metadata={"name": name},
     )
+
+
+def shutting_down(name: str, delay: float) -> KvQuotaError:
+    """The server a caller waits on (a queued Admit, a watch) is going away: the caller asks
+    another replica, with the same request id; a queued request keeps its place in the queue,
+    which every replica shares."""
+    return KvQuotaError(
+        Code.UNAVAILABLE,
+        "SERVER_SHUTTING_DOWN",
+        f"this kvquota server is shutting down: ask another one about {name}",
+        metadata={"name": name},
+        retry_delay_seconds=delay,
+    )
