@@ -149,6 +149,12 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _top(args: argparse.Namespace) -> int:
+    from quota_service import top  # it builds on this module's helpers
+
+    return top.run(args)
+
+
 def _register_instance(args: argparse.Namespace) -> int:
     """Register an instance from its live engine: the engine reports its real pool."""
     engine = resources_pb2.EngineEndpoints(
@@ -583,6 +589,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _server_options(lister)
         lister.add_argument("--json", action="store_true", help="print JSON instead of a table")
         lister.set_defaults(resource=resource)
+    top = commands.add_parser(
+        "top", help="a live view of instances, tenants, the queue and reclaim jobs"
+    )
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    one_shot = top.add_mutually_exclusive_group()
+    one_shot.add_argument("--once", action="store_true", help="print one frame and exit")
+    one_shot.add_argument("--json", action="store_true", help="print one JSON snapshot and exit")
+    _server_options(top)
     instance = commands.add_parser("instance", help="manage one instance")
     instance_commands = instance.add_subparsers(dest="action", required=True)
     register = instance_commands.add_parser(
@@ -701,6 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands_over_grpc = {
         "instance": _register_instance,
         "reclaim": _reclaim,
+        "top": _top,
         "usage": _usage,
         "keys": _keys,
         "audit": _audit,
