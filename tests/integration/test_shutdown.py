@@ -179,7 +179,10 @@ async def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_within_
 
     try:
         async with asyncio.timeout(30):
-            await serving.wait()
+            ready = asyncio.ensure_future(serving.wait())
+            await asyncio.wait([ready, health], return_when=asyncio.FIRST_COMPLETED)
+        if health.done():
+            health.result()  # the watch failed: its error says why
         for request_id in HOLDERS:
             await stub.Admit(admit_request(request_id))
         firsts = {r: asyncio.Event() for r in HOLDERS}
