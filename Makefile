@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-unit test-engines lint format proto bench clean
+.PHONY: help venv run test test-unit test-engines stress stress-short lint format proto bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -63,6 +63,15 @@ $(LMCACHE_STAMP):
 test-engines: $(STAMP) $(ENGINES_STAMP) $(LMCACHE_STAMP) ## Contract tests against real vLLM and LMCache on the CPU (builds .venv-engines and .venv-lmcache, ~7 GB)
 	KVQUOTA_ENGINES_PYTHON=$(ENGINES)/bin/python KVQUOTA_LMCACHE_PYTHON=$(LMCACHE)/bin/python \
 		$(call PYTEST,tests/engines)
+
+# The long form (docs/reliability.md): STRESS_SECONDS=600. Each run has its own PostgreSQL.
+STRESS_SECONDS ?= 600
+STRESS_FAULT_INTERVAL ?= 30
+stress: $(STAMP) ## Random load on two servers, simulated engines and PostgreSQL, with faults; invariants checked throughout
+	$(BIN)/python -m stress --duration $(STRESS_SECONDS) --fault-interval $(STRESS_FAULT_INTERVAL)
+
+stress-short: $(STAMP) ## The one-minute form of `make stress` that CI runs (a fault every ~12 s)
+	$(BIN)/python -m stress --duration 60 --fault-interval 12
 
 lint: $(STAMP) ## ruff (lint and format check) and mypy --strict
 	$(BIN)/ruff check .
