@@ -11,14 +11,15 @@ import grpc
 
 from kvquota.v1 import admission_pb2 as pb
 from kvquota.v1 import admission_pb2_grpc, resources_pb2
-from quota_service.api import convert
+from quota_service.api import convert, observability
 from quota_service.api.waiting import Waiters
 from quota_service.core import queueing
 from quota_service.core.block_table import BlockHandle
-from quota_service.core.errors import FieldViolation, invalid_request, preempted
+from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request, preempted
 from quota_service.core.model import EndReason, Reservation, ReservationState
 from quota_service.core.names import reservation_key, reservation_name
 from quota_service.jobs.cpu_tier import CpuTierMirror
+from quota_service.jobs.metrics import ServiceMetrics
 from quota_service.jobs.termination import Termination
 from quota_service.store.ledger import Ledger
 
@@ -27,19 +28,25 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     def __init__(
-        self, ledger: Ledger, waiters: Waiters, termination: Termination, cpu_tier: CpuTierMirror
+        self,
+        ledger: Ledger,
+        waiters: Waiters,
+        termination: Termination,
+        cpu_tier: CpuTierMirror,
+        metrics: ServiceMetrics,
     ) -> None:
         self._ledger = ledger
         self._waiters = waiters
         self._termination = termination
         self._cpu_tier = cpu_tier
+        self._metrics = metrics
 
     async def Admit(self, request: pb.AdmitRequest, context: Context) -> pb.AdmitResponse:
         admit = convert.admit_request(request)
         reservation, salt = await self._ledger.admit(admit)
         if reservation.state is ReservationState.QUEUED:
             try:
-                reservation = await self._until_admitted(reservation, admit.wait_timeout_seconds)
+                reservation = await self._queue_wait(reservation, admit.wait_timeout_seconds)
             except asyncio.CancelledError:
                 # The caller went away: its request leaves the queue (or, admitted just now,
                 # gives its blocks back), whatever becomes of this task. Not so when the server
@@ -48,6 +55,27 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                     await asyncio.shield(self._abandon(reservation))
                 raise
         return pb.AdmitResponse(reservation=convert.reservation(reservation), cache_salt=salt)
+
+    async def _queue_wait(self, reservation: Reservation, budget_seconds: float) -> Reservation:
+        """`_until_admitted`, measured: the one place a caller waits in a queue (a queued Admit,
+        a resume waiting for GPU blocks), so the wait is observed once however it ends."""
+        observability.note_queued()
+        started = time.monotonic()
+        result = "error"
+        try:
+            answer = await self._until_admitted(reservation, budget_seconds)
+            # A resumed session whose wait ran out is back in the CPU tier, not admitted.
+            result = "timeout" if answer.offloaded_bytes is not None else "admitted"
+            return answer
+        except KvQuotaError as refused:
+            result = "timeout" if refused.reason == "QUEUE_TIMEOUT" else "refused"
+            raise
+        except asyncio.CancelledError:
+            result = "abandoned"
+            raise
+        finally:
+            waited = time.monotonic() - started
+            self._metrics.observe_queue_wait(reservation.instance, result, waited)
 
     async def _until_admitted(self, reservation: Reservation, budget_seconds: float) -> Reservation:
         """Wait while it is queued; a timeout or a cancellation ends the wait with an error."""
@@ -161,7 +189,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         if resumed.state is ReservationState.QUEUED:
             # A caller that goes away leaves it queued: it is admitted, or its wait runs out
             # and it goes back to the CPU tier. The session is not cancelled with the call.
-            resumed = await self._until_admitted(resumed, wait)
+            resumed = await self._queue_wait(resumed, wait)
             if resumed.offloaded_bytes is not None:  # its wait ran out: back in the CPU tier
                 raise queueing.queue_timeout(
                     request.name, wait, self._ledger.min_retry_delay_seconds

@@ -28,13 +28,14 @@ from quota_service.api.admission import AdmissionServicer
 from quota_service.api.auth import AccessInterceptor, Authenticator
 from quota_service.api.billing import BillingServicer
 from quota_service.api.errors import ErrorInterceptor
+from quota_service.api.observability import MetricsInterceptor
 from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
 from quota_service.jobs import maintenance
 from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.dispatcher import Dispatcher
 from quota_service.jobs.follower import Followers
-from quota_service.jobs.metrics import InstanceMetrics, serve_metrics
+from quota_service.jobs.metrics import LedgerMetrics, PoolMetrics, ServiceMetrics, serve_metrics
 from quota_service.jobs.policy import ReclaimPolicy
 from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
@@ -135,6 +136,8 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     """Bind and start serving; health turns SERVING once the ledger is reachable and migrated
     and this replica hears the others' notifications."""
     engine = connect(database_url, settings.db_pool_size)
+    observed = ServiceMetrics()
+    observed.registry.register(PoolMetrics(engine))
     ledger = Ledger(engine, settings.admission_limits, settings.queue_policy)
     waiters = Waiters(settings.queue_poll_seconds)
     dispatcher = Dispatcher(ledger)
@@ -147,7 +150,11 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     if not settings.auth_required:
         log.warning("authentication is off (KVQUOTA_AUTH_REQUIRED=false): every caller is admin")
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(), AccessInterceptor(authenticator, audit)],
+        interceptors=[
+            ErrorInterceptor(),
+            MetricsInterceptor(observed),
+            AccessInterceptor(authenticator, audit),
+        ],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -158,7 +165,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     )
     cpu_tier = CpuTierMirror(CpuTierBooks(engine))
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(
-        AdmissionServicer(ledger, waiters, termination, cpu_tier), server
+        AdmissionServicer(ledger, waiters, termination, cpu_tier, observed), server
     )
     pins = Pins(engine, settings.admission_limits)
     offboarding = Offboarding(engine, ledger, pins)
@@ -191,13 +198,14 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
-    followers = Followers(engine, database_url, Reconciler(engine, ledger))
+    followers = Followers(engine, database_url, Reconciler(engine, ledger), metrics=observed)
     await followers.scan()
-    metrics = InstanceMetrics(Catalog(engine), settings.metrics_refresh_seconds)
+    metrics = LedgerMetrics(Catalog(engine), inspection, reclaim, settings.metrics_refresh_seconds)
     await metrics.refresh()
+    observed.registry.register(metrics)
     metrics_server = None
     if settings.metrics_listen:
-        metrics_server = serve_metrics(settings.metrics_listen, metrics)
+        metrics_server = serve_metrics(settings.metrics_listen, observed.registry)
     jobs = maintenance.Maintenance(
         ledger,
         offboarding,

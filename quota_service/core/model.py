@@ -299,3 +299,19 @@ class InstanceUsage:
     shared_blocks: int
     live_reservations: int
     tokens_in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class TenantHoldings:
+    """What a tenant holds in each tier now, beside its quota (exported as metrics)."""
+
+    tenant: str
+    # Distinct GPU blocks its live reservations and pins reference (pinned ones included).
+    gpu_blocks: int
+    pinned_blocks: int
+    # Bytes its offloaded (suspended) sessions hold in the CPU tier.
+    cpu_tier_bytes: int
+    tokens_in_flight: int
+    queued_requests: int
+    live_reservations: int
+    quota: TenantQuota

@@ -315,6 +315,19 @@ class StepState(enum.Enum):
     FAILED = "FAILED"
 
 
+@dataclass(frozen=True, slots=True)
+class ReclaimTally:
+    """What the finished steps of one tier gave back on one instance, over every job."""
+
+    instance: str
+    tier: Tier
+    state: StepState  # APPLIED or SKIPPED
+    steps: int
+    blocks: int
+    # GPU bytes of those blocks; None when the instance's geometry is unknown.
+    bytes: int | None
+
+
 # The tiers a job can execute; a plan with steps of another can be made (dry_run), not run:
 # no engine kvquota drives can compress (LMCache's MP mode has no call for it).
 EXECUTABLE_TIERS = frozenset({Tier.FREE, Tier.OFFLOAD, Tier.EVICT})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import suppress
 
 import httpx
@@ -20,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.engine.vllm.http import MetricsError, VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
+from quota_service.jobs.metrics import ServiceMetrics
 from quota_service.store.notifications import libpq_url
 from quota_service.store.reconcile import Reconciler
 
@@ -44,11 +46,13 @@ class Followers:
         database_url: str,
         reconciler: Reconciler,
         load_check_seconds: float = LOAD_CHECK_SECONDS,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self._engine = engine
         self._url = libpq_url(database_url)
         self._reconciler = reconciler
         self._load_check_seconds = load_check_seconds
+        self._metrics = metrics or ServiceMetrics()
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def scan(self) -> int:
@@ -128,6 +132,8 @@ class Followers:
             async for item in subscriber.items():
                 if isinstance(item, Received):
                     await self._reconciler.apply(instance, item.seq, item.batch)
+                    # How far the ledger trails the engine (batch timestamps are its wall clock).
+                    self._metrics.observe_event_batch(instance, item.batch.ts, time.time())
                 else:
                     log.warning("resynchronising %s: %s", instance, item.reason)
                     await self._reconciler.resynchronise(

@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from quota_service.config import Settings
 from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.follower import Followers
-from quota_service.jobs.metrics import InstanceMetrics
+from quota_service.jobs.metrics import LedgerMetrics
 from quota_service.jobs.policy import ReclaimPolicy
 from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
@@ -32,7 +32,7 @@ class Maintenance:
     inspection: Inspection
     termination: Termination
     followers: Followers
-    metrics: InstanceMetrics
+    metrics: LedgerMetrics
     reclaim: ReclaimExecutor
     policy: ReclaimPolicy
     cpu_tier: CpuTierMirror

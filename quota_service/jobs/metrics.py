@@ -1,36 +1,156 @@
-"""Prometheus metrics per instance, from the ledger: every replica exports the same values (the
-ledger is shared), refreshed by the maintenance loop and served on their own port.
+"""Prometheus metrics, served on their own port from one registry per server: never the global
+default registry, so that several servers in one process (the tests) never collide.
 
-Scrapes run in prometheus-client's thread and never touch the database; they read the last
-snapshot, so a slow database cannot stall a scrape."""
+Two kinds of figures, told apart by how replicas add up:
+
+- Ledger figures (`LedgerMetrics`): per instance, per tenant, and reclaim totals, read from the
+  shared ledger by the maintenance loop every `metrics_refresh_seconds`. Every replica exports
+  the same values (the ledger is shared): aggregate them across replicas with max, never sum.
+  Scrapes run in prometheus-client's thread and never touch the database; they read the last
+  snapshot, so a slow database cannot stall a scrape.
+- Process figures (`ServiceMetrics`, `PoolMetrics`): RPC latency, admissions by outcome, queue
+  waits, engine event lag, the database pool. Each replica counts what it did itself: sum them.
+  The engine event lag comes only from the replica that follows the instance.
+
+No label is ever derived from a cache salt, an API key or a request id.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from quota_service.core.model import Instance
+from quota_service.core.model import Instance, TenantHoldings
 from quota_service.core.pagination import MAX_PAGE_SIZE, Page
+from quota_service.core.reclaim import ReclaimTally, StepState
 from quota_service.store.catalog import Catalog
+from quota_service.store.database import pool_usage
+from quota_service.store.inspection import Inspection
+from quota_service.store.reclaim import ReclaimJobs
 
 log = logging.getLogger(__name__)
 
+RPC_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+)  # fmt: skip
+QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+EVENT_LAG_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300,
+)  # fmt: skip
 
-class InstanceMetrics(Collector):
-    def __init__(self, catalog: Catalog, refresh_seconds: float) -> None:
+
+class ServiceMetrics:
+    """This process's own figures, and the registry /metrics serves (with the collectors of
+    the ledger snapshot and the database pool registered into it)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._rpc_duration = Histogram(
+            "kvquota_rpc_duration_seconds",
+            "Time to answer an RPC (a server stream: until it ended), by gRPC method and status.",
+            ["service", "method", "code"],
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
+        self._admissions = Counter(
+            "kvquota_admissions",
+            "Answers to Admit and ResumeReservation: outcome admitted (at once), queued "
+            "(admitted after waiting in the instance's queue), refused (with the error's "
+            "reason), abandoned (the caller went away), or the state a repeat found.",
+            ["method", "outcome", "reason"],
+            registry=self.registry,
+        )
+        self._queue_wait = Histogram(
+            "kvquota_queue_wait_seconds",
+            "How long a caller waited in an instance's queue for its answer, by how the wait "
+            "ended: admitted, timeout, ended (cancelled or offboarded), abandoned, error.",
+            ["instance", "result"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self._event_lag = Histogram(
+            "kvquota_engine_event_lag_seconds",
+            "From an engine's KV-event batch timestamp to its application to the ledger.",
+            ["instance"],
+            buckets=EVENT_LAG_BUCKETS,
+            registry=self.registry,
+        )
+        self._event_applied = Gauge(
+            "kvquota_engine_event_last_batch_timestamp_seconds",
+            "The engine's timestamp of the last KV-event batch this replica applied.",
+            ["instance"],
+            registry=self.registry,
+        )
+
+    def observe_rpc(self, service: str, method: str, code: str, seconds: float) -> None:
+        self._rpc_duration.labels(service, method, code).observe(seconds)
+
+    def count_admission(self, method: str, outcome: str, reason: str = "") -> None:
+        self._admissions.labels(method, outcome, reason).inc()
+
+    def observe_queue_wait(self, instance: str, result: str, seconds: float) -> None:
+        self._queue_wait.labels(instance, result).observe(seconds)
+
+    def observe_event_batch(self, instance: str, engine_timestamp: float, now: float) -> None:
+        """A batch stamped `engine_timestamp` (the engine's wall clock) was applied at `now`.
+        A batch without a timestamp (0) is not observed; clock skew never makes lag negative."""
+        if engine_timestamp <= 0:
+            return
+        self._event_lag.labels(instance).observe(max(0.0, now - engine_timestamp))
+        self._event_applied.labels(instance).set(engine_timestamp)
+
+
+class PoolMetrics(Collector):
+    """The ledger engine's connection pool, read at scrape time."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        usage = pool_usage(self._engine)
+        if usage is None:
+            return
+        for name, help_text, value in (
+            ("size", "Connections the ledger's pool keeps open.", usage.size),
+            ("checked_out", "Pool connections in use now.", usage.checked_out),
+            ("idle", "Pool connections open and waiting to be used.", usage.idle),
+            ("overflow", "Connections open beyond the pool's size now.", usage.overflow),
+        ):
+            yield GaugeMetricFamily(f"kvquota_db_pool_{name}", help_text, value=value)
+
+
+class LedgerMetrics(Collector):
+    """Snapshot of the ledger's figures: instances, tenants, reclaim totals."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        inspection: Inspection,
+        reclaim: ReclaimJobs,
+        refresh_seconds: float,
+    ) -> None:
         self._catalog = catalog
+        self._inspection = inspection
+        self._reclaim = reclaim
         self._refresh_seconds = refresh_seconds
-        self._instances: list[Instance] = []
+        self._snapshot: tuple[list[Instance], list[TenantHoldings], list[ReclaimTally]] = (
+            [],
+            [],
+            [],
+        )
         self._refreshed_at: float | None = None
+        self._refreshed_wall: float | None = None
 
     async def refresh(self) -> int:
-        """Re-read every instance when the snapshot is older than the refresh interval."""
+        """Re-read the ledger when the snapshot is older than the refresh interval."""
         now = asyncio.get_running_loop().time()
         if self._refreshed_at is not None and now - self._refreshed_at < self._refresh_seconds:
             return 0
@@ -41,58 +161,167 @@ class InstanceMetrics(Collector):
             instances += page
             if len(page) < MAX_PAGE_SIZE:
                 break
-        self._instances, self._refreshed_at = instances, now
+        tenants = await self._inspection.tenant_holdings()
+        tallies = await self._reclaim.tallies()
+        # One assignment: a scrape sees the old snapshot or the new one, never a mix.
+        self._snapshot = (instances, tenants, tallies)
+        self._refreshed_at, self._refreshed_wall = now, time.time()
         return 0  # a refresh ends nothing: the maintenance loop logs only work done
 
     def collect(self) -> Iterator[Metric]:
-        instances = self._instances  # one snapshot for the whole scrape
-        blocks = GaugeMetricFamily(
-            "kvquota_instance_blocks",
-            "Block slots of an instance by state in the ledger; they add up to its capacity.",
-            labels=["instance", "state"],
-        )
-        live = GaugeMetricFamily(
-            "kvquota_instance_live_reservations",
-            "Reservations the ledger holds live on the instance.",
-            labels=["instance"],
-        )
-        running = GaugeMetricFamily(
-            "kvquota_instance_engine_requests_running",
-            "vllm:num_requests_running as last read from the instance's engine.",
-            labels=["instance"],
-        )
-        drift = CounterMetricFamily(
-            "kvquota_instance_drift_blocks",
-            "Blocks the engine evicted while the ledger still referenced them.",
-            labels=["instance"],
-        )
-        resyncs = CounterMetricFamily(
-            "kvquota_instance_engine_resyncs",
-            "Times the ledger started the instance's cache again from empty (restart, gap).",
-            labels=["instance"],
-        )
-        for i in instances:
-            name = i.spec.instance
-            for state, count in (
-                ("in_use", i.blocks_in_use),
-                ("cached", i.cached_blocks),
-                ("free", i.free_blocks),
-                ("pinned", i.pinned_blocks),
-            ):
-                blocks.add_metric([name, state], count)
-            live.add_metric([name], i.live_reservations)
-            if i.engine_requests_running is not None:
-                running.add_metric([name], i.engine_requests_running)
-            drift.add_metric([name], i.drift_blocks)
-            resyncs.add_metric([name], i.engine_resyncs)
-        yield from (blocks, live, running, drift, resyncs)
+        instances, tenants, tallies = self._snapshot  # one snapshot for the whole scrape
+        yield from _instance_families(instances)
+        yield from _tenant_families(tenants)
+        yield from _reclaim_families(tallies)
+        if self._refreshed_wall is not None:
+            yield GaugeMetricFamily(
+                "kvquota_ledger_snapshot_timestamp_seconds",
+                "When this replica last read the ledger's figures (instances, tenants, reclaim).",
+                value=self._refreshed_wall,
+            )
 
 
-def serve_metrics(listen: str, collector: Collector) -> WSGIServer:
-    """Serve /metrics on `listen` ("host:port"; port 0 picks a free one) in a thread."""
+def _instance_families(instances: list[Instance]) -> Iterator[Metric]:
+    blocks = GaugeMetricFamily(
+        "kvquota_instance_blocks",
+        "Block slots of an instance by state in the ledger; they add up to its capacity.",
+        labels=["instance", "state"],
+    )
+    live = GaugeMetricFamily(
+        "kvquota_instance_live_reservations",
+        "Reservations the ledger holds live on the instance.",
+        labels=["instance"],
+    )
+    queued = GaugeMetricFamily(
+        "kvquota_instance_queued_requests",
+        "Requests waiting in the instance's queue.",
+        labels=["instance"],
+    )
+    queued_tokens = GaugeMetricFamily(
+        "kvquota_instance_queued_prompt_tokens",
+        "Prompt tokens of the requests waiting in the instance's queue.",
+        labels=["instance"],
+    )
+    max_queued = GaugeMetricFamily(
+        "kvquota_instance_max_queued_requests",
+        "The instance's queue bound: beyond it an Admit is refused QUEUE_FULL.",
+        labels=["instance"],
+    )
+    cpu_used = GaugeMetricFamily(
+        "kvquota_instance_cpu_tier_used_bytes",
+        "Bytes the instance's CPU tier (LMCache L1) held when last read.",
+        labels=["instance"],
+    )
+    cpu_capacity = GaugeMetricFamily(
+        "kvquota_instance_cpu_tier_capacity_bytes",
+        "Capacity of the instance's CPU tier (LMCache L1) when last read.",
+        labels=["instance"],
+    )
+    running = GaugeMetricFamily(
+        "kvquota_instance_engine_requests_running",
+        "vllm:num_requests_running as last read from the instance's engine.",
+        labels=["instance"],
+    )
+    drift = CounterMetricFamily(
+        "kvquota_instance_drift_blocks",
+        "Blocks the engine evicted while the ledger still referenced them.",
+        labels=["instance"],
+    )
+    resyncs = CounterMetricFamily(
+        "kvquota_instance_engine_resyncs",
+        "Times the ledger started the instance's cache again from empty (restart, gap).",
+        labels=["instance"],
+    )
+    for i in instances:
+        name = i.spec.instance
+        for state, count in (
+            ("in_use", i.blocks_in_use),
+            ("cached", i.cached_blocks),
+            ("free", i.free_blocks),
+            ("pinned", i.pinned_blocks),
+        ):
+            blocks.add_metric([name, state], count)
+        live.add_metric([name], i.live_reservations)
+        queued.add_metric([name], i.queued_requests)
+        queued_tokens.add_metric([name], i.queued_prompt_tokens)
+        max_queued.add_metric([name], i.spec.queue.max_queued_requests)
+        if i.cpu_used_bytes is not None:
+            cpu_used.add_metric([name], i.cpu_used_bytes)
+        if i.cpu_capacity_bytes is not None:
+            cpu_capacity.add_metric([name], i.cpu_capacity_bytes)
+        if i.engine_requests_running is not None:
+            running.add_metric([name], i.engine_requests_running)
+        drift.add_metric([name], i.drift_blocks)
+        resyncs.add_metric([name], i.engine_resyncs)
+    yield from (blocks, live, queued, queued_tokens, max_queued, cpu_used, cpu_capacity)
+    yield from (running, drift, resyncs)
+
+
+def _tenant_families(tenants: list[TenantHoldings]) -> Iterator[Metric]:
+    families = {
+        name: GaugeMetricFamily(f"kvquota_tenant_{name}", help_text, labels=["tenant"])
+        for name, help_text in (
+            ("gpu_blocks", "Distinct GPU blocks the tenant's reservations and pins hold."),
+            ("pinned_blocks", "GPU blocks the tenant's pins hold resident (within gpu_blocks)."),
+            ("cpu_tier_bytes", "Bytes the tenant's offloaded sessions hold in the CPU tier."),
+            ("tokens_in_flight", "Tokens (prompt + max output, times n) of its live requests."),
+            ("queued_requests", "The tenant's requests waiting in instance queues."),
+            ("live_reservations", "The tenant's admitted reservations."),
+            ("max_gpu_blocks", "The tenant's quota of GPU blocks."),
+            ("max_pinned_blocks", "The tenant's quota of pinned blocks."),
+            ("max_cpu_tier_bytes", "The tenant's quota of CPU-tier bytes."),
+            ("max_tokens_in_flight", "The tenant's quota of tokens in flight."),
+            ("max_queued_requests", "The tenant's quota of queued requests."),
+        )
+    }
+    for t in tenants:
+        for name, value in (
+            ("gpu_blocks", t.gpu_blocks),
+            ("pinned_blocks", t.pinned_blocks),
+            ("cpu_tier_bytes", t.cpu_tier_bytes),
+            ("tokens_in_flight", t.tokens_in_flight),
+            ("queued_requests", t.queued_requests),
+            ("live_reservations", t.live_reservations),
+            ("max_gpu_blocks", t.quota.max_blocks),
+            ("max_pinned_blocks", t.quota.max_pinned_blocks),
+            ("max_cpu_tier_bytes", t.quota.max_cpu_tier_bytes),
+            ("max_tokens_in_flight", t.quota.max_tokens_in_flight),
+            ("max_queued_requests", t.quota.max_queued_requests),
+        ):
+            families[name].add_metric([t.tenant], value)
+    yield from families.values()
+
+
+def _reclaim_families(tallies: list[ReclaimTally]) -> Iterator[Metric]:
+    steps = CounterMetricFamily(
+        "kvquota_reclaim_steps",
+        "Reclaim job steps finished, by tier and state (applied, or skipped: the pool changed "
+        "since the plan).",
+        labels=["instance", "tier", "state"],
+    )
+    blocks = CounterMetricFamily(
+        "kvquota_reclaimed_blocks",
+        "GPU blocks reclaim jobs gave back, by tier (free, offload, compress, evict).",
+        labels=["instance", "tier"],
+    )
+    gpu_bytes = CounterMetricFamily(
+        "kvquota_reclaimed_bytes",
+        "GPU KV bytes reclaim jobs gave back, by tier (instances with a known geometry).",
+        labels=["instance", "tier"],
+    )
+    for t in tallies:
+        tier = t.tier.name.lower()
+        steps.add_metric([t.instance, tier, t.state.value.lower()], t.steps)
+        if t.state is StepState.APPLIED:
+            blocks.add_metric([t.instance, tier], t.blocks)
+            if t.bytes is not None:
+                gpu_bytes.add_metric([t.instance, tier], t.bytes)
+    yield from (steps, blocks, gpu_bytes)
+
+
+def serve_metrics(listen: str, registry: CollectorRegistry) -> WSGIServer:
+    """Serve `registry` on /metrics at `listen` ("host:port"; port 0 picks one) in a thread."""
     host, port = listen.rsplit(":", 1)
-    registry = CollectorRegistry()
-    registry.register(collector)
     server, _ = start_http_server(int(port), host, registry)
     log.info("serving Prometheus metrics on %s:%d", host, server.server_port)
     return server

@@ -6,12 +6,14 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from psycopg import errors as pg_errors
 from sqlalchemy import make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import QueuePool
 
 from quota_service.core.errors import Code, KvQuotaError
 
@@ -42,6 +44,26 @@ def connect(url: str, pool_size: int = 10) -> AsyncEngine:
         # The hot path runs the same few statements: let psycopg prepare them server-side.
         connect_args={"prepare_threshold": 1},
     )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolUsage:
+    """The connection pool of an engine as it is now."""
+
+    size: int  # connections it keeps open
+    checked_out: int  # in use by a transaction or a read
+    idle: int  # open, waiting in the pool
+    overflow: int  # open beyond `size` (up to its max_overflow, then callers wait)
+
+
+def pool_usage(engine: AsyncEngine) -> PoolUsage | None:
+    """How the engine's pool is used; None for a pool that keeps no count (not a QueuePool).
+    Cheap and lock-free: safe to call from a metrics scrape in another thread."""
+    pool = engine.pool
+    if not isinstance(pool, QueuePool):
+        return None
+    # overflow() starts at -size: the connections not opened yet count against it.
+    return PoolUsage(pool.size(), pool.checkedout(), pool.checkedin(), max(0, pool.overflow()))
 
 
 async def in_transaction(engine: AsyncEngine, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:

@@ -1,11 +1,18 @@
-"""Read-only views of the block pools for operators: blocks, and what a tenant holds where."""
+"""Read-only views of the block pools for operators: blocks, what a tenant holds where, and
+what every tenant holds in each tier (for the metrics)."""
 
 from __future__ import annotations
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from quota_service.core.model import Block, BlockState, InstanceUsage
+from quota_service.core.model import (
+    Block,
+    BlockState,
+    InstanceUsage,
+    TenantHoldings,
+    TenantQuota,
+)
 from quota_service.core.pagination import Page
 
 _BLOCKS = text(
@@ -36,6 +43,24 @@ _TENANT_USAGE = text(
            coalesce(l.tokens, 0) AS tokens
     FROM held h FULL JOIN live l USING (instance)
     ORDER BY instance
+    """
+)
+
+# Every tenant not yet deleted: its counters and quota, its live reservations and the bytes its
+# offloaded sessions hold in the CPU tier (one pass over the live reservations).
+_TENANT_HOLDINGS = text(
+    """
+    SELECT t.tenant, t.blocks_in_use, t.pinned_blocks, coalesce(r.cpu_bytes, 0) AS cpu_bytes,
+           t.tokens_in_flight, t.queued_requests, coalesce(r.live, 0) AS live,
+           t.max_blocks, t.max_tokens_in_flight, t.max_queued_requests, t.max_pinned_blocks,
+           t.max_cpu_tier_bytes
+    FROM tenants t
+    LEFT JOIN (
+        SELECT tenant, count(*) AS live, sum(offloaded_bytes)::bigint AS cpu_bytes
+        FROM reservations WHERE state = 'ADMITTED' GROUP BY tenant
+    ) r USING (tenant)
+    WHERE t.state <> 'DELETED'
+    ORDER BY t.tenant
     """
 )
 
@@ -84,6 +109,29 @@ class Inspection:
         async with self._engine.connect() as conn:
             rows = await conn.execute(_TENANT_USAGE, {"tenant": tenant})
             return [InstanceUsage(*r) for r in rows]
+
+    async def tenant_holdings(self) -> list[TenantHoldings]:
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(_TENANT_HOLDINGS)).mappings()
+            return [
+                TenantHoldings(
+                    tenant=r["tenant"],
+                    gpu_blocks=r["blocks_in_use"],
+                    pinned_blocks=r["pinned_blocks"],
+                    cpu_tier_bytes=r["cpu_bytes"],
+                    tokens_in_flight=r["tokens_in_flight"],
+                    queued_requests=r["queued_requests"],
+                    live_reservations=r["live"],
+                    quota=TenantQuota(
+                        max_blocks=r["max_blocks"],
+                        max_tokens_in_flight=r["max_tokens_in_flight"],
+                        max_queued_requests=r["max_queued_requests"],
+                        max_pinned_blocks=r["max_pinned_blocks"],
+                        max_cpu_tier_bytes=r["max_cpu_tier_bytes"],
+                    ),
+                )
+                for r in rows
+            ]
 
     async def purge_tombstones(self, retention_seconds: float, batch: int) -> int:
         """Forget tombstones older than the retention period; returns how many went."""

@@ -30,6 +30,7 @@ from quota_service.core.reclaim import (
     Preemption,
     ReclaimJob,
     ReclaimPlan,
+    ReclaimTally,
     ReclaimTarget,
     StepState,
     TenantExcess,
@@ -247,6 +248,22 @@ _TENANTS_OVER_QUOTA = text(
 _OPEN_SCOPES = text(
     "SELECT DISTINCT instance, tenant FROM reclaim_jobs "
     "WHERE state IN ('PLANNED', 'RUNNING') AND NOT dry_run"
+)
+
+# What finished steps gave back, per instance, tier and outcome, over every job ever run (jobs
+# are never deleted, so the sums only grow). Dry runs never apply a step.
+_TALLIES = text(
+    """
+    SELECT j.instance, s.tier, s.state, count(*) AS steps,
+           coalesce(sum(s.actual_blocks), 0)::bigint AS blocks,
+           (coalesce(sum(s.actual_blocks), 0) * i.bytes_per_block)::bigint AS bytes
+    FROM reclaim_steps s
+    JOIN reclaim_jobs j USING (job_id)
+    JOIN instances i ON i.instance = j.instance
+    WHERE s.state IN ('APPLIED', 'SKIPPED')
+    GROUP BY j.instance, s.tier, s.state, i.bytes_per_block
+    ORDER BY j.instance, s.tier, s.state
+    """
 )
 
 CHANGED_SINCE_PLAN = "the block was reused or evicted since the plan"
@@ -474,6 +491,17 @@ class ReclaimJobs:
             ]
             open_scopes = {(i, t) for i, t in await conn.execute(_OPEN_SCOPES)}
         return loads, excesses, open_scopes
+
+    async def tallies(self) -> list[ReclaimTally]:
+        """Blocks (and their GPU bytes) that applied steps gave back, and the steps skipped,
+        per instance and tier, over every job."""
+        async with self._engine.connect() as conn:
+            return [
+                ReclaimTally(
+                    r.instance, Tier[r.tier], StepState(r.state), r.steps, r.blocks, r.bytes
+                )
+                for r in await conn.execute(_TALLIES)
+            ]
 
     async def open_jobs(self, limit: int) -> list[str]:
         """Jobs still to execute, oldest first."""

@@ -1,0 +1,171 @@
+"""RPC metrics: one interceptor times every RPC by method and status code, and counts the answers
+to admissions (Admit, ResumeReservation) by outcome and reason.
+
+It sits inside ErrorInterceptor (server.py lists it right after), so it sees what the servicers
+raise before it becomes a status: a KvQuotaError's code and reason; anything else is INTERNAL,
+or UNAVAILABLE when the database cannot be reached. It never logs: ErrorInterceptor does.
+Only the registered unary-unary and unary-stream methods are measured (a server stream until it
+ends); unknown method names never become label values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from kvquota.v1 import admission_pb2, resources_pb2
+from quota_service.api.errors import responses
+from quota_service.core.errors import Code, KvQuotaError
+from quota_service.jobs.metrics import ServiceMetrics
+from quota_service.store.database import unavailable_error
+
+_ADMISSION_SERVICE = admission_pb2.DESCRIPTOR.services_by_name["AdmissionService"].full_name
+# The methods whose answers count as admissions, by full gRPC method name.
+ADMISSION_METHODS = {
+    f"/{_ADMISSION_SERVICE}/{name}": name for name in ("Admit", "ResumeReservation")
+}
+
+ADMITTED = "admitted"
+QUEUED = "queued"  # admitted after waiting in the instance's queue
+REFUSED = "refused"
+ABANDONED = "abandoned"  # the caller went away before its answer
+
+
+@dataclass
+class CallNotes:
+    """What the servicer tells the interceptor about the call it is answering."""
+
+    queued: bool = False
+
+
+call_notes: ContextVar[CallNotes | None] = ContextVar("kvquota_rpc_call", default=None)
+
+
+def note_queued() -> None:
+    """The current call waits in an instance's queue: admitted, its outcome is `queued`."""
+    call = call_notes.get()
+    if call is not None:
+        call.queued = True
+
+
+def answered_with(
+    exc: BaseException, context: grpc.aio.ServicerContext[Any, Any]
+) -> tuple[str, str]:
+    """The status code name and reason the call ends with because of `exc`."""
+    if isinstance(exc, KvQuotaError):
+        return exc.code.value, exc.reason
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return Code.CANCELLED.value, ""
+    if isinstance(exc, grpc.aio.AbortError):  # a servicer that aborted by itself (health)
+        code = context.code()
+        return (code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"), ""
+    unavailable = unavailable_error(exc)
+    if unavailable is not None:
+        return unavailable.code.value, unavailable.reason
+    return Code.INTERNAL.value, Code.INTERNAL.value
+
+
+def admission_outcome(response: object, call: CallNotes) -> str:
+    """admitted, queued (admitted after a wait), or the state a repeated request found."""
+    reservation = (
+        response.reservation if isinstance(response, admission_pb2.AdmitResponse) else response
+    )
+    if not isinstance(reservation, resources_pb2.Reservation):
+        return "unknown"
+    state = resources_pb2.ReservationState.Name(reservation.state)
+    outcome = state.removeprefix("RESERVATION_STATE_").lower()
+    return QUEUED if outcome == ADMITTED and call.queued else outcome
+
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Behavior = Callable[[Request, grpc.aio.ServicerContext[Request, Response]], Awaitable[Response]]
+StreamBehavior = Callable[
+    [Request, grpc.aio.ServicerContext[Request, Response]], AsyncIterator[Response]
+]
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self._metrics = metrics
+
+    def _unary(
+        self, behavior: Behavior[Request, Response], full_method: str
+    ) -> Behavior[Request, Response]:
+        service, method = full_method.lstrip("/").rsplit("/", 1)
+        admission = full_method in ADMISSION_METHODS
+
+        async def timed(
+            request: Request, context: grpc.aio.ServicerContext[Request, Response]
+        ) -> Response:
+            call = CallNotes()
+            token = call_notes.set(call)
+            started = time.perf_counter()
+            code, reason, outcome = Code.INTERNAL.value, "", REFUSED
+            try:
+                response = await behavior(request, context)
+                code, outcome = "OK", admission_outcome(response, call)
+                return response
+            except BaseException as exc:
+                code, reason = answered_with(exc, context)
+                if isinstance(exc, asyncio.CancelledError):
+                    outcome = ABANDONED
+                raise
+            finally:
+                call_notes.reset(token)
+                self._metrics.observe_rpc(service, method, code, time.perf_counter() - started)
+                if admission:
+                    self._metrics.count_admission(method, outcome, reason)
+
+        return timed
+
+    def _stream(
+        self, behavior: StreamBehavior[Request, Response], full_method: str
+    ) -> StreamBehavior[Request, Response]:
+        service, method = full_method.lstrip("/").rsplit("/", 1)
+
+        async def timed(
+            request: Request, context: grpc.aio.ServicerContext[Request, Response]
+        ) -> AsyncIterator[Response]:
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                # grpc's health Watch writes through the context instead of yielding.
+                async for item in responses(behavior, request, context):
+                    yield item
+            except BaseException as exc:
+                code, _ = answered_with(exc, context)
+                raise
+            finally:
+                self._metrics.observe_rpc(service, method, code, time.perf_counter() - started)
+
+        return timed
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Request, Response] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Request, Response] | None:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is not None and handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(handler.unary_stream, method),  # type: ignore[arg-type]
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler is None or handler.unary_unary is None:
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            self._unary(handler.unary_unary, method),  # type: ignore[arg-type]
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
