@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 
 from quota_service import logs
-from quota_service.api.errors import Behavior, StreamBehavior, status_code_name
+from quota_service.api.errors import Behavior, StreamBehavior, answered_with
 from quota_service.core import access, names
 from quota_service.core.access import ANONYMOUS, ApiKey, AuditEvent, Principal, Role
 from quota_service.store.access import ApiKeys, AuditLog
@@ -217,7 +217,8 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
                 response = await behavior(request, context)
             except Exception as exc:
                 if audited(method):
-                    await self._record(principal, method, request, None, status_code_name(exc))
+                    code, _ = answered_with(exc, context)
+                    await self._record(principal, method, request, None, code)
                 raise
             if audited(method):
                 await self._record(principal, method, request, response, "OK")

@@ -4,6 +4,7 @@ no try/except ladders. Anything unexpected becomes INTERNAL without leaking its 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -81,11 +82,21 @@ def domain_error(exc: Exception, method: str) -> KvQuotaError:
     return KvQuotaError(Code.INTERNAL, "INTERNAL", "internal error")
 
 
-def status_code_name(exc: Exception) -> str:
-    """The status code `exc` is answered with, without logging it (the guard does that)."""
+def answered_with(
+    exc: BaseException, context: grpc.aio.ServicerContext[Any, Any]
+) -> tuple[str, str]:
+    """The status code name and reason the call ends with because of `exc`."""
     if isinstance(exc, KvQuotaError):
-        return exc.code.name
-    return (Code.UNAVAILABLE if unavailable_error(exc) is not None else Code.INTERNAL).name
+        return exc.code.value, exc.reason
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return Code.CANCELLED.value, ""
+    if isinstance(exc, grpc.aio.AbortError):  # a servicer that aborted by itself (health)
+        code = context.code()
+        return (code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"), ""
+    unavailable = unavailable_error(exc)
+    if unavailable is not None:
+        return unavailable.code.value, unavailable.reason
+    return Code.INTERNAL.value, Code.INTERNAL.value
 
 
 Request = TypeVar("Request")

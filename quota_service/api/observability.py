@@ -15,15 +15,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 
 from kvquota.v1 import admission_pb2, resources_pb2
-from quota_service.api.errors import responses
-from quota_service.core.errors import Code, KvQuotaError
+from quota_service.api.errors import answered_with, responses
+from quota_service.core.errors import Code
 from quota_service.jobs.metrics import ServiceMetrics
-from quota_service.store.database import unavailable_error
 
 _ADMISSION_SERVICE = admission_pb2.DESCRIPTOR.services_by_name["AdmissionService"].full_name
 # The methods whose answers count as admissions, by full gRPC method name.
@@ -52,23 +51,6 @@ def note_queued() -> None:
     call = call_notes.get()
     if call is not None:
         call.queued = True
-
-
-def answered_with(
-    exc: BaseException, context: grpc.aio.ServicerContext[Any, Any]
-) -> tuple[str, str]:
-    """The status code name and reason the call ends with because of `exc`."""
-    if isinstance(exc, KvQuotaError):
-        return exc.code.value, exc.reason
-    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        return Code.CANCELLED.value, ""
-    if isinstance(exc, grpc.aio.AbortError):  # a servicer that aborted by itself (health)
-        code = context.code()
-        return (code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"), ""
-    unavailable = unavailable_error(exc)
-    if unavailable is not None:
-        return unavailable.code.value, unavailable.reason
-    return Code.INTERNAL.value, Code.INTERNAL.value
 
 
 def admission_outcome(response: object, call: CallNotes) -> str:

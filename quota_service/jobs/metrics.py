@@ -72,21 +72,21 @@ class ServiceMetrics:
             "kvquota_queue_wait_seconds",
             "How long a caller waited in an instance's queue for its answer, by how the wait "
             "ended: admitted, timeout, ended (cancelled or offboarded), abandoned, error.",
-            ["instance", "result"],
+            ["engine_instance", "result"],
             buckets=QUEUE_WAIT_BUCKETS,
             registry=self.registry,
         )
         self._event_lag = Histogram(
             "kvquota_engine_event_lag_seconds",
             "From an engine's KV-event batch timestamp to its application to the ledger.",
-            ["instance"],
+            ["engine_instance"],
             buckets=EVENT_LAG_BUCKETS,
             registry=self.registry,
         )
         self._event_applied = Gauge(
             "kvquota_engine_event_last_batch_timestamp_seconds",
             "The engine's timestamp of the last KV-event batch this replica applied.",
-            ["instance"],
+            ["engine_instance"],
             registry=self.registry,
         )
 
@@ -185,52 +185,52 @@ def _instance_families(instances: list[Instance]) -> Iterator[Metric]:
     blocks = GaugeMetricFamily(
         "kvquota_instance_blocks",
         "Block slots of an instance by state in the ledger; they add up to its capacity.",
-        labels=["instance", "state"],
+        labels=["engine_instance", "state"],
     )
     live = GaugeMetricFamily(
         "kvquota_instance_live_reservations",
         "Reservations the ledger holds live on the instance.",
-        labels=["instance"],
+        labels=["engine_instance"],
     )
     queued = GaugeMetricFamily(
         "kvquota_instance_queued_requests",
         "Requests waiting in the instance's queue.",
-        labels=["instance"],
+        labels=["engine_instance"],
     )
     queued_tokens = GaugeMetricFamily(
         "kvquota_instance_queued_prompt_tokens",
         "Prompt tokens of the requests waiting in the instance's queue.",
-        labels=["instance"],
+        labels=["engine_instance"],
     )
     max_queued = GaugeMetricFamily(
         "kvquota_instance_max_queued_requests",
         "The instance's queue bound: beyond it an Admit is refused QUEUE_FULL.",
-        labels=["instance"],
+        labels=["engine_instance"],
     )
     cpu_used = GaugeMetricFamily(
         "kvquota_instance_cpu_tier_used_bytes",
         "Bytes the instance's CPU tier (LMCache L1) held when last read.",
-        labels=["instance"],
+        labels=["engine_instance"],
     )
     cpu_capacity = GaugeMetricFamily(
         "kvquota_instance_cpu_tier_capacity_bytes",
         "Capacity of the instance's CPU tier (LMCache L1) when last read.",
-        labels=["instance"],
+        labels=["engine_instance"],
     )
     running = GaugeMetricFamily(
         "kvquota_instance_engine_requests_running",
         "vllm:num_requests_running as last read from the instance's engine.",
-        labels=["instance"],
+        labels=["engine_instance"],
     )
     drift = CounterMetricFamily(
         "kvquota_instance_drift_blocks",
         "Blocks the engine evicted while the ledger still referenced them.",
-        labels=["instance"],
+        labels=["engine_instance"],
     )
     resyncs = CounterMetricFamily(
         "kvquota_instance_engine_resyncs",
         "Times the ledger started the instance's cache again from empty (restart, gap).",
-        labels=["instance"],
+        labels=["engine_instance"],
     )
     for i in instances:
         name = i.spec.instance
@@ -297,17 +297,17 @@ def _reclaim_families(tallies: list[ReclaimTally]) -> Iterator[Metric]:
         "kvquota_reclaim_steps",
         "Reclaim job steps finished, by tier and state (applied, or skipped: the pool changed "
         "since the plan).",
-        labels=["instance", "tier", "state"],
+        labels=["engine_instance", "tier", "state"],
     )
     blocks = CounterMetricFamily(
         "kvquota_reclaimed_blocks",
         "GPU blocks reclaim jobs gave back, by tier (free, offload, compress, evict).",
-        labels=["instance", "tier"],
+        labels=["engine_instance", "tier"],
     )
     gpu_bytes = CounterMetricFamily(
         "kvquota_reclaimed_bytes",
         "GPU KV bytes reclaim jobs gave back, by tier (instances with a known geometry).",
-        labels=["instance", "tier"],
+        labels=["engine_instance", "tier"],
     )
     for t in tallies:
         tier = t.tier.name.lower()

@@ -42,7 +42,10 @@ def test_serve_on_embedded_postgres(tmp_path: Path, capsys: pytest.CaptureFixtur
         address = next(m.group(1) for line in process.stdout if (m := ADDRESS.search(line)))
         metrics = next(m.group(1) for line in process.stdout if (m := METRICS.search(line)))
         scraped = httpx.get(metrics, timeout=5).text
-        assert 'kvquota_instance_blocks{instance="demo-simulated",state="free"} 512.0' in scraped
+        assert (
+            'kvquota_instance_blocks{engine_instance="demo-simulated",state="free"} 512.0'
+            in scraped
+        )
         assert (tmp_path / "state" / "pgdata" / "PG_VERSION").exists()
         assert cli_main(["tenants", "--server", address]) == 1
         assert "UNAUTHENTICATED" in capsys.readouterr().err

@@ -77,7 +77,7 @@ async def test_drift_and_blocks_per_instance(
     metrics, url = exporter
     await metrics.refresh()
     samples = await scrape(url)
-    gpu = (("instance", "gpu-0"),)
+    gpu = (("engine_instance", "gpu-0"),)
     assert samples[("kvquota_instance_drift_blocks_total", gpu)] == 2
     assert samples[("kvquota_instance_live_reservations", gpu)] == 1
     by_state = {
@@ -171,7 +171,7 @@ async def test_tenants_by_tier_queues_and_reclaim_by_tier(
     assert [globex[n] for n in ("gpu_blocks", "pinned_blocks", "cpu_tier_bytes")] == [0, 0, 0]
     assert globex["live_reservations"] == 0
 
-    gpu = {"instance": "gpu-0"}
+    gpu = {"engine_instance": "gpu-0"}
     assert samples[key("kvquota_instance_queued_requests", **gpu)] == 1
     assert samples[key("kvquota_instance_queued_prompt_tokens", **gpu)] == 12 * BS - 1
     assert samples[key("kvquota_instance_cpu_tier_capacity_bytes", **gpu)] == 1 << 20

@@ -122,10 +122,10 @@ async def test_admissions_queue_waits_and_rpc_latency_through_the_server(
 
         waits = {
             s.labels["result"]: s.value
-            for s in matching(samples, "kvquota_queue_wait_seconds_count", instance="gpu-0")
+            for s in matching(samples, "kvquota_queue_wait_seconds_count", engine_instance="gpu-0")
         }
         assert waits == {"admitted": 1, "timeout": 1}
-        timeout = {"instance": "gpu-0", "result": "timeout"}
+        timeout = {"engine_instance": "gpu-0", "result": "timeout"}
         assert samples[key("kvquota_queue_wait_seconds_sum", **timeout)] >= 0.3
 
         assert samples[key("kvquota_db_pool_size")] == settings.db_pool_size
@@ -186,7 +186,7 @@ async def test_engine_event_lag_is_observed_when_a_batch_is_applied(
 
     def applied() -> float:
         found = metrics.registry.get_sample_value(
-            "kvquota_engine_event_lag_seconds_count", {"instance": "sim"}
+            "kvquota_engine_event_lag_seconds_count", {"engine_instance": "sim"}
         )
         return found or 0.0
 
@@ -208,10 +208,10 @@ async def test_engine_event_lag_is_observed_when_a_batch_is_applied(
         publisher.close()
     observed = applied()
     lag_sum = metrics.registry.get_sample_value(
-        "kvquota_engine_event_lag_seconds_sum", {"instance": "sim"}
+        "kvquota_engine_event_lag_seconds_sum", {"engine_instance": "sim"}
     )
     last = metrics.registry.get_sample_value(
-        "kvquota_engine_event_last_batch_timestamp_seconds", {"instance": "sim"}
+        "kvquota_engine_event_last_batch_timestamp_seconds", {"engine_instance": "sim"}
     )
     assert lag_sum is not None and last is not None
     # Each batch was stamped after `started` and applied before now: its lag lies between.

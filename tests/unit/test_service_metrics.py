@@ -69,7 +69,7 @@ def test_event_lag_is_the_time_from_the_engine_s_stamp_to_its_application() -> N
     metrics.observe_event_batch("gpu-0", 1002.0, 1001.0)  # the engine's clock ahead: lag 0
 
     def sample(name: str, **labels: str) -> float | None:
-        return metrics.registry.get_sample_value(name, {"instance": "gpu-0", **labels})
+        return metrics.registry.get_sample_value(name, {"engine_instance": "gpu-0", **labels})
 
     assert sample("kvquota_engine_event_lag_seconds_count") == 2
     assert sample("kvquota_engine_event_lag_seconds_sum") == 0.25
