@@ -7,7 +7,9 @@ What was in flight runs on during the grace: the waiting Admits are admitted as 
 (this test, through the ledger) releases blocks, the watches see their reservations end, a short
 wait budget runs out with QUEUE_TIMEOUT. A wait longer than the grace is answered UNAVAILABLE
 (SERVER_SHUTTING_DOWN) shortly before the grace ends, and its request stays queued, so that the
-caller's retry on another replica keeps its place. New calls are refused from the signal on.
+caller's retry on another replica keeps its place. New calls are refused (UNAVAILABLE) from the
+drain on; one racing the signal may instead be cancelled by gRPC core before kvquota sees it
+(grpc/grpc#41785), and the ledger shows that it never ran.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from quota_service.core.model import EndReason
 from quota_service.store.ledger import Ledger
 from tests.integration.grpc_helpers import STATUS_DETAILS_KEY, rich_error
 from tests.integration.invariants import assert_invariants
-from tests.integration.ledger_fixtures import add_instance, add_tenant, counters
+from tests.integration.ledger_fixtures import add_instance, add_tenant
 from tests.integration.test_replicas import start_replica
 
 GRACE_SECONDS = 5.0
@@ -62,16 +64,22 @@ def admit_request(
     return request
 
 
-def refused(error: grpc.aio.AioRpcError) -> bool:
-    """Refused by the transport (the server no longer takes calls), not answered by kvquota."""
-    metadata = dict(error.trailing_metadata() or ())
-    return error.code() == grpc.StatusCode.UNAVAILABLE and STATUS_DETAILS_KEY not in metadata
+def unanswered(error: grpc.aio.AioRpcError) -> str | None:
+    """How gRPC ended a call kvquota never answered: "refused" (UNAVAILABLE: the server takes
+    no more calls), or "cancelled" — a call that reached the server just as it began to shut
+    down, before the server had taken it, is cancelled by gRPC core, not refused
+    (grpc/grpc#41785). None: kvquota answered (its status has details)."""
+    if STATUS_DETAILS_KEY in dict(error.trailing_metadata() or ()):
+        return None
+    return {grpc.StatusCode.UNAVAILABLE: "refused", grpc.StatusCode.CANCELLED: "cancelled"}.get(
+        error.code()
+    )
 
 
 @dataclass
 class Call:
     """One RPC of the load: what it was, whether the client had already seen the server
-    draining when it started it, and how it ended ("ok", "refused" or a kvquota reason)."""
+    draining when it started it, and how it ended ("ok", a kvquota reason, or unanswered)."""
 
     method: str
     request_id: str
@@ -83,7 +91,7 @@ async def outcome_of(call: Awaitable[object]) -> str:
     try:
         await call
     except grpc.aio.AioRpcError as error:
-        return "refused" if refused(error) else rich_error(error).reason
+        return unanswered(error) or rich_error(error).reason
     return "ok"
 
 
@@ -198,12 +206,17 @@ async def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_within_
         answers = {r: asyncio.ensure_future(outcome_of(c)) for r, c in waiting.items()}
 
         async def all_in_flight() -> bool:
-            books = await counters(engine)
-            return books["instance:gpu-0"]["queued_requests"] == len(waiting) and all(
-                e.is_set() for e in firsts.values()
-            )
+            async with engine.connect() as conn:
+                taken = await conn.execute(
+                    text("SELECT count(*) FROM reservations WHERE request_id = ANY(:ids)"),
+                    {"ids": list(waiting)},
+                )
+                return taken.scalar_one() == len(waiting) and all(
+                    e.is_set() for e in firsts.values()
+                )
 
-        # Every waiting call is in the server's hands: queued in the ledger, or streaming.
+        # Every waiting call is in the server's hands: in the ledger (queued, or already timed
+        # out if this machine is slow), or streaming.
         await until(all_in_flight)
         loaders = [asyncio.ensure_future(load(w)) for w in range(LOADERS)]
         await until(loaded)
@@ -253,10 +266,12 @@ async def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_within_
         assert process.stdout is not None
         process.stdout.close()
 
-    # The load: nothing refused before the signal, everything refused once the drain was seen.
-    assert all(c.outcome in ("ok", "refused") for c in calls), [c for c in calls if c.outcome]
-    assert any(c.outcome == "refused" for c in calls)
+    # The load: every call started once the drain was seen is refused. One sent as the signal
+    # arrived may be refused, or cancelled by gRPC core; check_ledger shows it never ran.
     assert all(c.outcome == "refused" for c in calls if c.after_drain_seen)
+    assert all(c.outcome in ("ok", "refused", "cancelled") for c in calls), [
+        c for c in calls if c.outcome not in ("ok", "refused", "cancelled")
+    ]
     await check_ledger(engine, calls)
 
 
