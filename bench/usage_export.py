@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psycopg
 
-from bench.harness import throwaway_server
+from bench.harness import peak_rss_mib, throwaway_server
 
 TENANTS = 1000
 START = datetime(2026, 1, 1, tzinfo=UTC)
@@ -39,14 +39,6 @@ _FILL = """
            '{}', 131072, '{}', 0, 0
     FROM generate_series(0, %(hours)s - 1) AS h, generate_series(0, %(tenants)s - 1) AS t
 """
-
-
-def peak_rss_mib(pid: int) -> float:
-    """A live process's peak resident memory (VmHWM)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM")
 
 
 def export(address: str, hours: int, out: Path) -> tuple[float, float]:

@@ -1,0 +1,377 @@
+"""The suite's results as a terminal table and as docs/benchmarks.md. The hand-written analysis
+between the ANALYSIS markers of an existing report is kept when the report is written again."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+BEGIN, END = "<!-- BEGIN ANALYSIS -->", "<!-- END ANALYSIS -->"
+_NO_ANALYSIS = (
+    "_No analysis yet: write it here; `python -m bench.suite` keeps what is between these "
+    "markers when it writes this file again._"
+)
+
+# figure key: (label, unit, decimals)
+LABELS: dict[str, tuple[str, str, int]] = {
+    "pgbench_tps": ("pgbench -N, best of the client counts", "tps", 0),
+    "pairs_per_second_no_prefix": ("Admit+Release, no prefix, best", "pairs/s", 1),
+    "best_concurrency_no_prefix": ("  at clients", "", 0),
+    "ratio_no_prefix": ("  ÷ pgbench -N tps", "", 3),
+    "pairs_per_second_prefix": ("Admit+Release, 1024-token prefix, best", "pairs/s", 1),
+    "best_concurrency_prefix": ("  at clients", "", 0),
+    "ratio_prefix": ("  ÷ pgbench -N tps", "", 3),
+    "server_cpu_ms_per_pair_no_prefix": ("server CPU per pair (best, no prefix)", "ms", 2),
+    "postgres_cpu_ms_per_pair_no_prefix": ("PostgreSQL CPU per pair (best, no prefix)", "ms", 2),
+    "driver_cpu_ms_per_pair_no_prefix": ("load generator CPU per pair (no prefix)", "ms", 2),
+    "server_cpu_ms_per_pair_prefix": ("server CPU per pair (best, prefix)", "ms", 2),
+    "postgres_cpu_ms_per_pair_prefix": ("PostgreSQL CPU per pair (best, prefix)", "ms", 2),
+    "driver_cpu_ms_per_pair_prefix": ("load generator CPU per pair (prefix)", "ms", 2),
+    "half_no_prefix_rate": ("half load, no prefix: offered", "pairs/s", 1),
+    "half_no_prefix_achieved": ("  achieved", "pairs/s", 1),
+    "half_no_prefix_admit_p50_ms": ("  Admit p50", "ms", 2),
+    "half_no_prefix_admit_p99_ms": ("  Admit p99", "ms", 2),
+    "half_prefix_rate": ("half load, prefix: offered", "pairs/s", 1),
+    "half_prefix_achieved": ("  achieved", "pairs/s", 1),
+    "half_prefix_admit_p50_ms": ("  Admit p50", "ms", 2),
+    "half_prefix_admit_p99_ms": ("  Admit p99", "ms", 2),
+    "pool_small_admit_p50_ms": ("1,000-slot pool, 1 client: Admit p50", "ms", 2),
+    "pool_small_admit_p99_ms": ("  Admit p99", "ms", 2),
+    "pool_big_admit_p50_ms": ("1,000,000-slot pool, 1 client: Admit p50", "ms", 2),
+    "pool_big_admit_p99_ms": ("  Admit p99", "ms", 2),
+    "pool_ratio_p50": ("  p50 ratio big ÷ small", "", 2),
+    "pool_ratio_p99": ("  p99 ratio big ÷ small", "", 2),
+    "pool_big_in_use_admit_p50_ms": ("1,000,000-slot pool 90% in use: Admit p50", "ms", 2),
+    "pool_big_in_use_admit_p99_ms": ("  Admit p99", "ms", 2),
+    "queue_pairs_per_second": ("queue mix (4 tenants, room for 10): pairs/s", "pairs/s", 1),
+    "queue_queued_percent": ("  Admits that queued", "%", 1),
+    "queue_wait_p50_ms": ("  queue wait p50", "ms", 1),
+    "queue_wait_p99_ms": ("  queue wait p99", "ms", 1),
+    "queue_timeouts": ("  queue timeouts", "", 0),
+    "queue_share_q0_percent": ("  share of q0 (weight 1 = 12.5%)", "%", 1),
+    "queue_share_q1_percent": ("  share of q1 (weight 1 = 12.5%)", "%", 1),
+    "queue_share_q2_percent": ("  share of q2 (weight 2 = 25%)", "%", 1),
+    "queue_share_q3_percent": ("  share of q3 (weight 4 = 50%)", "%", 1),
+    "offboard_seconds": ("offboarding (DeleteTenant)", "s", 2),
+    "offboard_blocks": ("  blocks the tenant held", "", 0),
+    "offboard_freed_blocks": ("  blocks freed", "", 0),
+    "reclaim_plan_seconds": ("reclaim plan (dry run) over the big pool", "s", 2),
+    "no_auth_pairs_per_second": ("without authentication: pairs/s (best clients)", "pairs/s", 1),
+    "no_auth_admit_p50_ms": ("  Admit p50", "ms", 2),
+    "server_peak_rss_mib": ("server resident memory, peak", "MiB", 1),
+}
+
+
+def _number(value: float, decimals: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:,.{decimals}f}"
+
+
+def _figure_rows(document: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    rows = []
+    figures = document["figures"]
+    ordered = [k for k in LABELS if k in figures] + [k for k in figures if k not in LABELS]
+    for key in ordered:
+        label, unit, decimals = LABELS.get(key, (key, "", 2))
+        stats = figures[key]
+        rows.append(
+            (
+                label,
+                unit,
+                _number(stats["min"], decimals),
+                _number(stats["median"], decimals),
+                _number(stats["max"], decimals),
+            )
+        )
+    return rows
+
+
+def _verdict(met: bool | None) -> str:
+    return "not measured" if met is None else ("met" if met else "NOT MET")
+
+
+def table(document: dict[str, Any]) -> str:
+    settings = document["settings"]
+    out = [
+        f"kvquota benchmarks, {document['date']}: {settings['runs']} run(s) of "
+        f"{settings['seconds']:g} s per point, {settings['servers']} server process(es), "
+        f"authentication {settings['auth']}",
+        "",
+        f"{'target':<72} {'min':>9} {'median':>9} {'max':>9}  verdict",
+    ]
+    for v in document["targets"]:
+        out.append(
+            f"{v['text']:<72} {_number(v.get('min', math.nan)):>9} "
+            f"{_number(v['median']):>9} {_number(v.get('max', math.nan)):>9}  {_verdict(v['met'])}"
+        )
+    out += ["", f"{'figure':<52} {'unit':>8} {'min':>10} {'median':>10} {'max':>10}"]
+    for label, unit, low, mid, high in _figure_rows(document):
+        out.append(f"{label:<52} {unit:>8} {low:>10} {mid:>10} {high:>10}")
+    return "\n".join(out)
+
+
+def _md_table(header: list[str], rows: list[list[str]], align: str | None = None) -> list[str]:
+    align = align or "l" + "r" * (len(header) - 1)
+    marks = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(marks) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _kept_analysis(path: Path) -> str:
+    if path.exists():
+        found = re.search(re.escape(BEGIN) + r"\n(.*?)" + re.escape(END), path.read_text(), re.S)
+        if found:
+            return found.group(1).rstrip("\n")
+    return _NO_ANALYSIS
+
+
+def markdown(document: dict[str, Any], analysis: str) -> str:
+    s = document["settings"]
+    sizes = s["sizes"]
+    machine = document["machine"]
+    extra = document["extra"]
+    out = [
+        "# Benchmarks",
+        "",
+        f"Measured {document['date']} (UTC) by `{document['command']}`"
+        f"{' (the --quick smoke form: not a measurement)' if s['quick'] else ''}. "
+        f"{s['runs']} run(s); each load point lasts {s['seconds']:g} s after a 0.5 s warm-up; "
+        "each figure is given as min / median / max over the runs, and a target is met when "
+        "its median is. The development machine is shared: treat the figures as indicative "
+        "unless the load average was low.",
+        "",
+        "## How to run",
+        "",
+        "```sh",
+        "make bench                       # this suite, then bench.kv_events, bench.usage_export",
+        "python -m bench.suite            # --runs 3 --seconds 10 --concurrency 1 4 16 32",
+        "python -m bench.suite --servers 2 --auth both   # two server processes; auth on and off",
+        "python -m bench.suite --quick --docs ''         # the smoke form the tests run",
+        "```",
+        "",
+        "PostgreSQL is `KVQUOTA_DATABASE_URL`'s server, else 127.0.0.1:5432, else an embedded "
+        "one. The suite makes a throwaway database, migrates it, starts `kvquota serve` "
+        "process(es) on it and drives them over gRPC from its own process (the load generator); "
+        "pgbench runs on another throwaway database of the same server, for the same duration "
+        "per point. Authentication: "
+        + {
+            "on": "API keys required, as in production (the suite makes an admin key and "
+            "sends `authorization: Bearer …` with every call; verified keys are cached).",
+            "off": "off (KVQUOTA_AUTH_REQUIRED=false): every figure is without API keys.",
+            "both": "API keys required, as in production; the best load point is measured "
+            "again against servers without authentication.",
+        }[s["auth"]],
+        "",
+        "## Machine",
+        "",
+        *_md_table(
+            ["", ""],
+            [[k, str(v)] for k, v in machine.items()],
+            "ll",
+        ),
+        "",
+        "## Set-up",
+        "",
+        f"- kvquota: {s['servers']} server process(es), connection pool "
+        f"{s['db_pool_size']} per process; clients spread round-robin over the servers.",
+        f"- Requests: 1280 prompt + 256 output tokens = 96 blocks of 16; the prefix form sends "
+        f"the prompt's token ids, its first 1024 tokens shared by every request of a tenant (64 "
+        f"prefix blocks), the rest unique (16 prompt blocks cached when released, 16 output "
+        f"blocks). Four tenants; closed loop at clients {', '.join(map(str, s['concurrency']))}, "
+        f"on an instance of {max(8192, 2 * max(s['concurrency']) * 96):,} slots.",
+        "- Half load: open loop, Poisson arrivals at half of that run's best pairs/s; each "
+        "Admit is timed from when it was due.",
+        f"- Pool size: one client, no prefix, on instances of {sizes['small_pool']:,} and "
+        f"{sizes['big_pool']:,} slots (registered with one row per slot; the big one took "
+        f"{extra.get('register_big_pool_seconds', '?')} s).",
+        "- Queue mix: 24 clients of tenants q0..q3 (weights 1, 1, 2, 4) on an instance of 960 "
+        "slots (10 requests); each holds its reservation 50 ms and waits up to 10 s.",
+        f"- Offboarding: a new tenant admits {sizes['offboard_blocks']:,} blocks' worth of "
+        "requests (long leases), then DeleteTenant is timed.",
+        f"- Reclaim plan: the {sizes['big_pool']:,}-slot pool filled with sessions of 2,048 "
+        "blocks (10% released with token ids, so cached; 80% live, every fourth suspended), "
+        f"then CreateReclaimJob (dry_run, target 90% of the pool, up to EVICT) timed; fill "
+        f"took {extra.get('reclaim_fill_seconds', '?')} s; pool then: "
+        f"{extra.get('reclaim_pool', {})}.",
+        "- After each bulk set-up the suite runs ANALYZE, as autovacuum would within a minute.",
+        "",
+        "pgbench, on a throwaway database of the same PostgreSQL server:",
+        "",
+        "```sh",
+        extra.get("pgbench_init", "?"),
+        *sorted({p["command"] for r in document["runs"] for p in r["pgbench"]}),
+        "```",
+        "",
+        "## Targets",
+        "",
+        *_md_table(
+            ["target", "min", "median", "max", "verdict", "median ÷ limit"],
+            [
+                [
+                    v["text"],
+                    _number(v.get("min", math.nan)),
+                    _number(v["median"]),
+                    _number(v.get("max", math.nan)),
+                    _verdict(v["met"]),
+                    _number(v.get("of_limit", math.nan)),
+                ]
+                for v in document["targets"]
+            ],
+            "lrrrlr",
+        ),
+        "",
+        "## Figures",
+        "",
+        *_md_table(
+            ["figure", "unit", "min", "median", "max"],
+            [list(r) for r in _figure_rows(document)],
+            "llrrr",
+        ),
+        "",
+        "## Load points",
+        "",
+        *_md_table(
+            [
+                "run",
+                "prefix",
+                "clients",
+                "pairs/s",
+                "Admit p50 ms",
+                "Admit p99 ms",
+                "Release p50 ms",
+                "refused",
+                "server CPU ms/pair",
+                "PostgreSQL CPU ms/pair",
+                "generator CPU ms/pair",
+            ],
+            [
+                [
+                    str(n + 1),
+                    str(p["prefix_tokens"]),
+                    str(p["concurrency"]),
+                    _number(p["pairs_per_second"], 1),
+                    _number(p["admit_p50_ms"]),
+                    _number(p["admit_p99_ms"]),
+                    _number(p["release_p50_ms"]),
+                    str(p["refused"]),
+                    _number(p["server_cpu_ms_per_pair"]),
+                    _number(p["postgres_cpu_ms_per_pair"]),
+                    _number(p["driver_cpu_ms_per_pair"]),
+                ]
+                for n, r in enumerate(document["runs"])
+                for p in r["points"]
+            ],
+        ),
+        "",
+        *_md_table(
+            ["run", "pgbench -N clients", "tps", "latency ms"],
+            [
+                [str(n + 1), str(p["clients"]), _number(p["tps"], 0), _number(p["latency_ms"])]
+                for n, r in enumerate(document["runs"])
+                for p in r["pgbench"]
+            ],
+        ),
+        "",
+        *_profile_section(extra),
+        "## Analysis",
+        "",
+        BEGIN,
+        analysis,
+        END,
+        "",
+    ]
+    notes = [note for r in document["runs"] for note in r["notes"]]
+    if notes:
+        out += ["## Notes from the runs", "", *[f"- {n}" for n in notes], ""]
+    return "\n".join(out)
+
+
+def _profile_section(extra: dict[str, Any]) -> list[str]:
+    out = ["## Where the time goes", ""]
+    hot = extra.get("hot_path")
+    if hot:
+        out += [
+            "The ledger's own Admit and Release, run in the suite's process against the "
+            "benchmark database through a proxy that counts client sends after an answer "
+            "(round trips), each statement timed (client side) and run once under EXPLAIN "
+            "(ANALYZE, BUFFERS) in a savepoint rolled back (`bench/profile.py`).",
+            "",
+        ]
+        for kind in ("admit_no_prefix", "release_no_prefix", "admit_with_prefix"):
+            op = hot.get(kind)
+            if not op:
+                continue
+            accounted = sum(st["mean_ms"] * st["per_operation"] for st in op["statements"])
+            out += [
+                f"**{kind.replace('_', ' ')}**: {op['mean_ms']} ms per operation, "
+                f"{op['round_trips']} round trips, {op['transactions']} transaction(s); "
+                f"statements {accounted:.2f} ms, the rest (BEGIN, COMMIT, Python) "
+                f"{op['mean_ms'] - accounted:.2f} ms.",
+                "",
+                *_md_table(
+                    ["statement", "per operation", "mean ms"],
+                    [
+                        [f"`{st['statement']}`", str(st["per_operation"]), str(st["mean_ms"])]
+                        for st in op["statements"]
+                    ],
+                ),
+                "",
+                "```text",
+                *[
+                    f"{name}:\n  " + "\n  ".join(lines)
+                    for name, lines in op["explain"].items()
+                    if lines
+                ],
+                "```",
+                "",
+            ]
+    split = extra.get("reclaim_split")
+    if split:
+        out += [
+            f"**Reclaim plan** over {split['cached_blocks']:,} cached blocks and "
+            f"{split['reservations']:,} live reservations ({split['held_entries']:,} table "
+            f"entries): snapshot (SQL and rows into Python) {split['snapshot_seconds']} s, "
+            f"planner {split['plan_seconds']} s; {split['planned_steps']:,} steps for "
+            f"{split['planned_blocks']:,} blocks.",
+            "",
+            "```text",
+            *[f"{name}:\n  " + "\n  ".join(lines) for name, lines in split["explain"].items()],
+            "```",
+            "",
+        ]
+    spy = extra.get("py_spy")
+    if spy and "error" not in spy:
+        out += [
+            f"**py-spy** of server process 1 under the best no-prefix load "
+            f"({spy['samples']:,} samples of busy threads; `{spy.get('command', '')}`). "
+            "Share of samples by where the code lives (a sample counts once per area on its "
+            "stack):",
+            "",
+            *_md_table(["area", "% of samples"], [[a, str(p)] for a, p in spy["areas"]]),
+            "",
+            "Frames with the most samples of their own:",
+            "",
+            *_md_table(
+                ["frame", "% own"],
+                [[f"`{f.replace('|', '/')}`", str(p)] for f, p in spy["top_own"]],
+            ),
+            "",
+        ]
+    elif spy:
+        out += [f"py-spy: {spy['error']}", ""]
+    phases = extra.get("rss_by_phase_mib")
+    if phases:
+        out += [
+            f"**Server memory**: VmHWM at the end {extra.get('server_vmhwm_mib')} MiB; peak "
+            "VmRSS by phase: " + ", ".join(f"{k} {v}" for k, v in phases.items()) + ".",
+            "",
+        ]
+    return out
+
+
+def write(path: Path, document: dict[str, Any]) -> None:
+    path.write_text(markdown(document, _kept_analysis(path)))

@@ -1,0 +1,74 @@
+"""The benchmark suite's smoke form (`python -m bench.suite --quick`) runs end to end against the
+test PostgreSQL, so the harness cannot rot: every scenario, the pgbench reference, the profile
+and the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(300)
+def test_quick_suite_measures_every_scenario(server_url: str, tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    env = {**os.environ, "KVQUOTA_DATABASE_URL": server_url}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.suite", "--quick", "--json", "--docs", str(docs)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+
+    # Every target got a figure, and the suite says whether it is met.
+    assert {t["key"] for t in result["targets"]} >= {
+        "throughput_no_prefix",
+        "throughput_prefix",
+        "p99_half_load",
+        "pool_size",
+        "offboarding",
+        "reclaim_plan",
+        "memory",
+    }
+    for target in result["targets"]:
+        assert target["median"] is not None, target
+        assert isinstance(target["met"], bool), target
+    figures = result["figures"]
+    for key in (
+        "pgbench_tps",
+        "pairs_per_second_no_prefix",
+        "pairs_per_second_prefix",
+        "half_no_prefix_admit_p99_ms",
+        "pool_small_admit_p50_ms",
+        "pool_big_admit_p50_ms",
+        "queue_pairs_per_second",
+        "offboard_seconds",
+        "reclaim_plan_seconds",
+        "server_peak_rss_mib",
+    ):
+        assert figures[key]["median"] > 0, key
+    assert figures["offboard_blocks"]["median"] >= 1_920
+    assert all(p["refused"] == 0 for run in result["runs"] for p in run["points"])
+
+    # The profile counted the hot path's round trips and explained its statements.
+    hot = result["extra"]["hot_path"]
+    assert hot["admit_no_prefix"]["round_trips"] > 0
+    assert any(
+        "Execution Time" in line
+        for lines in hot["admit_no_prefix"]["explain"].values()
+        for line in lines
+    )
+
+    report = docs.read_text()
+    assert "## Targets" in report and "pgbench -N -c 1" in report
+    assert "<!-- BEGIN ANALYSIS -->" in report
