@@ -43,7 +43,7 @@ from quota_service.store import migrate
 from quota_service.store.access import ApiKeys, AuditLog
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
-from quota_service.store.database import connect
+from quota_service.store.database import connect, unavailable_error
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
 from quota_service.store.notifications import Listener
@@ -63,6 +63,7 @@ SERVICE_NAMES = (
 # Prompt token ids of a 128k-token context fit comfortably; anything larger is refused by gRPC.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 LISTEN_TIMEOUT_SECONDS = 30
+MAX_READY_DELAY_SECONDS = 10.0
 # What the end of the shutdown grace leaves callers still waiting to get their answer in.
 HANDBACK_SECONDS = 1.0
 
@@ -116,6 +117,35 @@ class RunningServer:
             await asyncio.to_thread(self._metrics.shutdown)
             self._metrics.server_close()
         await self._engine.dispose()
+
+
+async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
+    """Every service at once: each needs the ledger. (Ignored once shutting down.)"""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ("", *SERVICE_NAMES):
+        await servicer.set(name, status)
+
+
+async def _until_ledger_ready(database_url: str) -> None:
+    """Wait, NOT_SERVING, until the database answers and is migrated: a database starting up or
+    a migration job still running is a reason to wait, not to crash."""
+    delay = 1.0
+    while True:
+        try:
+            if not await asyncio.to_thread(migrate.pending, database_url):
+                return
+            log.warning("the database is not migrated: waiting (run `kvquota migrate`)")
+        except Exception as exc:
+            if unavailable_error(exc) is None:
+                raise
+            # Only the error's kind: its text may name the host and user.
+            log.warning("the database cannot be reached (%s): waiting", type(exc).__name__)
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, MAX_READY_DELAY_SECONDS)
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
@@ -181,22 +211,17 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    for name in ("", *SERVICE_NAMES):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await _set_health(health_servicer, False)
     credentials = server_credentials(settings)
     if credentials is None:
         port = server.add_insecure_port(settings.grpc_listen)
     else:
         port = server.add_secure_port(settings.grpc_listen, credentials)
     await server.start()
-    if await asyncio.to_thread(migrate.pending, database_url):
-        await server.stop(0)
-        await engine.dispose()
-        raise SystemExit("the database is not migrated: run `kvquota migrate` (or serve --migrate)")
+    await _until_ledger_ready(database_url)
     listener.start()
     await asyncio.wait_for(listener.connected.wait(), LISTEN_TIMEOUT_SECONDS)
-    for name in ("", *SERVICE_NAMES):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await _set_health(health_servicer, True)
     stop = asyncio.Event()
     followers = Followers(engine, database_url, Reconciler(engine, ledger), metrics=observed)
     await followers.scan()
@@ -223,6 +248,8 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         cpu_tier,
         UsageRollup(engine),
         settings,
+        engine,
+        lambda up: _set_health(health_servicer, up),
     )
     running = asyncio.create_task(maintenance.run(jobs, stop))
     return RunningServer(

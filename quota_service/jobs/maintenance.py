@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
 from quota_service.jobs.cpu_tier import CpuTierMirror
@@ -17,6 +20,7 @@ from quota_service.jobs.metrics import LedgerMetrics
 from quota_service.jobs.policy import ReclaimPolicy
 from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
+from quota_service.store.database import reachable
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import Offboarding
@@ -38,6 +42,10 @@ class Maintenance:
     cpu_tier: CpuTierMirror
     usage: UsageRollup
     settings: Settings
+    ledger_db: AsyncEngine
+    # Told after each check whether the ledger answers (health follows it).
+    on_ledger: Callable[[bool], Awaitable[None]]
+    _ledger_down: bool = field(default=False, init=False)
 
     async def reap_leases(self) -> int:
         """End reservations whose lease ran out (reason LEASE_EXPIRED), until none is left."""
@@ -53,7 +61,22 @@ class Maintenance:
         grace = timedelta(seconds=self.settings.usage_close_grace_seconds)
         return await self.usage.close_due(datetime.now(UTC), grace)
 
+    async def ledger_reachable(self) -> bool:
+        """Check the ledger first: while it is down the sweep is skipped (every step would only
+        fail), health says NOT_SERVING, and one warning is logged, not one per step."""
+        up = await reachable(self.ledger_db)
+        if up == self._ledger_down:
+            if up:
+                log.info("the ledger database answers again")
+            else:
+                log.warning("the ledger database cannot be reached; waiting for it")
+        self._ledger_down = not up
+        await self.on_ledger(up)
+        return up
+
     async def sweep(self) -> None:
+        if not await self.ledger_reachable():
+            return
         steps = (
             ("lease reaper", self.reap_leases),
             ("engine aborts", lambda: self.termination.sweep(self.settings.reaper_batch_size)),

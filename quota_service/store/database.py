@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from psycopg import errors as pg_errors
-from sqlalchemy import make_url
+from sqlalchemy import make_url, text
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import QueuePool
@@ -80,6 +80,18 @@ async def in_transaction(engine: AsyncEngine, work: Callable[[AsyncConnection], 
             # Jitter so the transactions that collided do not collide again in step.
             await asyncio.sleep(random.uniform(0, RETRY_BACKOFF_SECONDS * attempt))
     raise AssertionError("unreachable")
+
+
+async def reachable(engine: AsyncEngine) -> bool:
+    """Whether the ledger answers a trivial query now."""
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        if unavailable_error(exc) is None:
+            raise
+        return False
+    return True
 
 
 def unavailable_error(exc: BaseException) -> KvQuotaError | None:
