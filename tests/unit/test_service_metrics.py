@@ -11,7 +11,7 @@ from sqlalchemy.exc import OperationalError
 
 from kvquota.v1 import admission_pb2
 from kvquota.v1 import resources_pb2 as pb
-from quota_service.api import observability
+from quota_service.api import errors, observability
 from quota_service.core.errors import Code, KvQuotaError
 from quota_service.jobs.metrics import ServiceMetrics
 
@@ -28,7 +28,7 @@ class _Context:
 
 def answered(exc: BaseException, code: grpc.StatusCode | None = None) -> tuple[str, str]:
     context: Any = _Context(code)
-    return observability.answered_with(exc, context)
+    return errors.answered_with(exc, context)
 
 
 def test_the_status_of_an_answer_is_the_domain_error_s_or_a_safe_default() -> None:
