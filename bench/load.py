@@ -250,7 +250,7 @@ async def _progress(label: str, result: LoadResult, deadline: float) -> None:
 
 async def closed_loop(
     gateway: Gateway,
-    instance: str,
+    instance: str | Sequence[str],
     tenants: Sequence[str],
     shape: Shape,
     concurrency: int,
@@ -262,7 +262,9 @@ async def closed_loop(
     warmup_seconds: float = 0.5,
 ) -> LoadResult:
     """`concurrency` clients, each Admit then Release in a loop for `seconds` (after a warm-up
-    whose calls are not counted); client c acts for tenant c mod len(tenants)."""
+    whose calls are not counted); client c acts for tenant c mod len(tenants), on instance c mod
+    len(instances) when several are given."""
+    instances = [instance] if isinstance(instance, str) else list(instance)
     result = LoadResult()
     run = next(_SEQUENCE)
     began = time.perf_counter() + warmup_seconds
@@ -278,7 +280,8 @@ async def closed_loop(
             if now >= deadline:
                 return
             request_id = f"{label or 'closed'}-{run}-c{c}-{i}"
-            request = admit_request(shape, tenant, request_id, instance, wait_seconds=wait_seconds)
+            on = instances[c % len(instances)]
+            request = admit_request(shape, tenant, request_id, on, wait_seconds=wait_seconds)
             await _pair(gateway, c, request, now, result, hold_seconds, counting)
 
     cpu = time.process_time()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -145,6 +147,7 @@ def _normal(sql: str) -> str:
 class StatementCost:
     calls: int = 0
     seconds: float = 0.0
+    backend_cpu_seconds: float = 0.0
 
 
 @dataclass
@@ -173,6 +176,9 @@ class Operation:
                     "statement": name,
                     "per_operation": round(cost.calls / n, 2),
                     "mean_ms": round(cost.seconds / max(cost.calls, 1) * 1000, 3),
+                    "postgres_cpu_ms": round(
+                        cost.backend_cpu_seconds / max(cost.calls, 1) * 1000, 2
+                    ),
                 }
                 for name, cost in sorted(self.statements.items(), key=lambda kv: -kv[1].seconds)
             ],
@@ -188,7 +194,8 @@ class _Instrument:
         self.names = _statement_names(engine)
         self.current: Operation | None = None
         self.explain = False
-        self._started: dict[int, float] = {}
+        self.backend = 0  # the PostgreSQL backend's pid, for its CPU time (0: not read)
+        self._started: dict[int, tuple[float, float]] = {}
         sync = engine.sync_engine
         event.listen(sync, "before_cursor_execute", self._before)
         event.listen(sync, "after_cursor_execute", self._after)
@@ -207,17 +214,20 @@ class _Instrument:
             cursor.execute("EXPLAIN (ANALYZE, BUFFERS) " + statement, parameters)
             self.current.plans[name] = "\n".join(row[0] for row in cursor.fetchall())
             cursor.execute("ROLLBACK TO SAVEPOINT kvq_bench_explain")
-        self._started[id(cursor)] = time.perf_counter()
+        cpu = cpu_seconds(self.backend) if self.backend else 0.0
+        self._started[id(cursor)] = (time.perf_counter(), cpu)
 
     def _after(
         self, conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, many: bool
     ) -> None:
-        began = self._started.pop(id(cursor), None)
-        if self.current is None or began is None or self.explain:
+        started = self._started.pop(id(cursor), None)
+        if self.current is None or started is None or self.explain:
             return
         cost = self.current.statements.setdefault(self.name(statement), StatementCost())
         cost.calls += 1
-        cost.seconds += time.perf_counter() - began
+        cost.seconds += time.perf_counter() - started[0]
+        if self.backend:
+            cost.backend_cpu_seconds += cpu_seconds(self.backend) - started[1]
 
     def _begin(self, conn: Any) -> None:
         if self.current is not None and not self.explain:
@@ -267,6 +277,7 @@ async def hot_path(
     tenant: str,
     iterations: int = 50,
     plan_cache_mode: str | None = None,
+    prefixes: tuple[int, ...] = (0, 1024),
 ) -> dict[str, Any]:
     """Admit and Release of the benchmark's requests through the ledger: round trips (client
     sends after an answer), transactions and statements per operation, each statement's mean
@@ -286,7 +297,8 @@ async def hot_path(
         try:
             async with engine.connect() as conn:
                 backend = int((await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar_one())
-            for prefix in (0, 1024):
+            instrument.backend = backend if local_postgres(backend) else 0
+            for prefix in prefixes:
                 admit, release = Operation(), Operation()
                 for i in range(iterations + 10 + 1):
                     measuring = i >= 10  # the first ten warm the pool and the prepared statements
@@ -296,7 +308,7 @@ async def hot_path(
                     for operation in (admit, release):
                         instrument.current = operation if measuring else None
                         before = proxy.round_trips if proxy else 0
-                        cpu = cpu_seconds(backend)
+                        cpu = cpu_seconds(instrument.backend)
                         began = time.perf_counter()
                         if operation is admit:
                             await book.admit(request)
@@ -306,7 +318,7 @@ async def hot_path(
                             operation.count += 1
                             operation.seconds += time.perf_counter() - began
                             operation.round_trips += (proxy.round_trips if proxy else 0) - before
-                            operation.backend_cpu_seconds += cpu_seconds(backend) - cpu
+                            operation.backend_cpu_seconds += cpu_seconds(instrument.backend) - cpu
                 instrument.current = None
                 kind = "with_prefix" if prefix else "no_prefix"
                 results[f"admit_{kind}"] = admit.summary()
@@ -316,6 +328,44 @@ async def hot_path(
     results["round_trips_counted"] = proxy is not None
     results["plan_cache_mode"] = plan_cache_mode or "server default"
     return results
+
+
+def local_postgres(pid: int) -> bool:
+    """Whether `pid` is a PostgreSQL process of this machine (its CPU time can be read)."""
+    try:
+        return "postgres" in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
+
+
+async def ending(database_url: str, tenant: str, request_ids: list[str]) -> dict[str, Any]:
+    """Ending reservations as offboarding does (one transaction each, TENANT_DELETED): time,
+    round trips, statements, PostgreSQL CPU, and EXPLAIN ANALYZE of the last one."""
+    settings = Settings()
+    operation = Operation()
+    async with proxied(database_url) as (url, proxy):
+        engine = connect(url, pool_size=1)
+        instrument = _Instrument(engine)
+        book = ledger.Ledger(engine, settings.admission_limits, settings.queue_policy)
+        try:
+            async with engine.connect() as conn:
+                backend = int((await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar_one())
+            instrument.backend = backend if local_postgres(backend) else 0
+            instrument.current = operation
+            for n, request_id in enumerate(request_ids):
+                instrument.explain = n == len(request_ids) - 1
+                before = proxy.round_trips if proxy else 0
+                cpu = cpu_seconds(instrument.backend)
+                began = time.perf_counter()
+                await book.end(tenant, request_id, EndReason.TENANT_DELETED)
+                if not instrument.explain:
+                    operation.count += 1
+                    operation.seconds += time.perf_counter() - began
+                    operation.round_trips += (proxy.round_trips if proxy else 0) - before
+                    operation.backend_cpu_seconds += cpu_seconds(instrument.backend) - cpu
+        finally:
+            await engine.dispose()
+    return operation.summary()
 
 
 async def reclaim_split(database_url: str, instance: str, target_blocks: int) -> dict[str, Any]:
@@ -328,6 +378,11 @@ async def reclaim_split(database_url: str, instance: str, target_blocks: int) ->
         target = reclaim_core.ReclaimTarget(target_blocks, reclaim_core.Tier.EVICT)
         planned = reclaim_core.plan(snapshot, target)
         done = time.perf_counter()
+        jobs = reclaim.ReclaimJobs(engine)
+        job = await jobs.create(f"profile-{time.monotonic_ns()}", instance, target, True)
+        created = time.perf_counter()
+        await jobs.get(job.job_id)
+        fetched = time.perf_counter()
         async with engine.connect() as conn:
             plans = {}
             for name, clause in (("_LIVE", reclaim._LIVE), ("_CACHED", reclaim._CACHED)):
@@ -342,6 +397,10 @@ async def reclaim_split(database_url: str, instance: str, target_blocks: int) ->
     return {
         "snapshot_seconds": round(loaded - began, 3),
         "plan_seconds": round(done - loaded, 3),
+        # ReclaimJobs.create: the same snapshot and plan, then the job and its steps stored,
+        # then the job read back (`get`, timed alone as well).
+        "create_seconds": round(created - done, 3),
+        "get_seconds": round(fetched - created, 3),
         "cached_blocks": len(snapshot.cached),
         "reservations": len(snapshot.reservations),
         "held_entries": sum(len(r.blocks) for r in snapshot.reservations),
@@ -359,17 +418,15 @@ def py_spy() -> str | None:
 
 
 class PySpy:
-    """`py-spy record` of a process for a while, in raw (collapsed stack) form."""
+    """`py-spy record` of a process from now until `stop`, in raw (collapsed stack) form."""
 
-    def __init__(self, binary: str, pid: int, seconds: float, out: Path) -> None:
+    def __init__(self, binary: str, pid: int, out: Path) -> None:
         self.out = out
         self.command = [
             binary,
             "record",
             "--pid",
             str(pid),
-            "--duration",
-            str(max(1, round(seconds))),
             "--rate",
             "200",
             "--format",
@@ -382,48 +439,84 @@ class PySpy:
             self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )
 
-    def finish(self) -> dict[str, Any]:
-        _, stderr = self._process.communicate(timeout=120)
-        if self._process.returncode or not self.out.exists():
-            return {"error": stderr.strip()[-500:]}
-        return collapsed_summary(self.out.read_text())
+    def stop(self) -> dict[str, Any]:
+        """Stop recording (py-spy writes its output on SIGINT) and summarise."""
+        self._process.send_signal(signal.SIGINT)
+        try:
+            _, stderr = self._process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            return {"error": "py-spy did not stop"}
+        if not self.out.exists():
+            return {"error": stderr.strip()[-500:] or f"py-spy exited {self._process.returncode}"}
+        summary = collapsed_summary(self.out.read_text())
+        summary["command"] = shlex.join(["py-spy", *self.command[1:-1], "raw.txt"])
+        return summary
+
+
+# Areas whose share of the (busy) samples is reported even when they are not a frame's leaf.
+LAYERS = (
+    "quota_service/api",
+    "quota_service/core",
+    "quota_service/store",
+    "quota_service/jobs",
+    "sqlalchemy",
+    "psycopg",
+    "grpc",
+    "google",
+    "logging",
+    "prometheus_client",
+)
 
 
 def _frame_area(frame: str) -> str:
-    """Where a frame's code lives: a package, a part of kvquota, or the standard library."""
-    match = re.search(r"\(([^)]*?):\d+\)$", frame)
+    """Where a frame's code lives: a part of kvquota, a package, or a standard module (py-spy
+    gives file names relative to their sys.path entry)."""
+    match = re.search(r"\(([^)]*?)(?::\d+)?\)$", frame)
     path = match.group(1) if match else frame
-    if "site-packages/" in path:
-        return path.split("site-packages/", 1)[1].split("/", 1)[0]
     if "quota_service/" in path:
-        parts = path.split("quota_service/", 1)[1].split("/")
-        return "quota_service/" + (parts[0] if len(parts) > 1 else parts[0].removesuffix(".py"))
+        part = path.split("quota_service/", 1)[1].split("/")[0]
+        return "quota_service/" + part.removesuffix(".py")
     if "kvquota/v1" in path:
-        return "kvquota/v1 (generated)"
-    stdlib = re.search(r"python3\.\d+/([^/]+)", path)
-    if stdlib:
-        return "stdlib " + stdlib.group(1).removesuffix(".py")
-    return path
+        return "kvquota/v1"
+    if "grpc" in path:
+        return "grpc"
+    if "site-packages/" in path:
+        path = path.split("site-packages/", 1)[1]
+    return path.split("/")[0].removesuffix(".py")
+
+
+def _waiting(frame: str) -> bool:
+    """The event loop waiting for I/O (py-spy's --nonblocking sampling counts it as busy)."""
+    return frame.startswith(("EpollSelector.select", "select (selectors"))
 
 
 def collapsed_summary(raw: str, top: int = 15) -> dict[str, Any]:
-    """Top frames by own samples, and the share of samples each area appears in."""
+    """Of the busy samples (not the event loop waiting in epoll): the top frames by own samples,
+    the own samples by area, and the share of samples each layer is on the stack of."""
     own: Counter[str] = Counter()
-    inclusive: Counter[str] = Counter()
-    total = 0
+    own_area: Counter[str] = Counter()
+    layers: Counter[str] = Counter()
+    busy = waiting = 0
     for line in raw.splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
         count = int(count_text)
         frames = stack.split(";")
-        total += count
+        if _waiting(frames[-1]):
+            waiting += count
+            continue
+        busy += count
         own[frames[-1]] += count
-        for area in {_frame_area(f) for f in frames[1:]}:
-            inclusive[area] += count
-    share = 100 / total if total else 0
+        own_area[_frame_area(frames[-1])] += count
+        for layer in {a for a in map(_frame_area, frames) if a.startswith(LAYERS)}:
+            layers[layer] += count
+    share = 100 / busy if busy else 0
     return {
-        "samples": total,
+        "busy_samples": busy,
+        "epoll_wait_samples": waiting,
         "top_own": [(frame, round(n * share, 1)) for frame, n in own.most_common(top)],
-        "areas": [(area, round(n * share, 1)) for area, n in inclusive.most_common(top)],
+        "own_by_area": [(a, round(n * share, 1)) for a, n in own_area.most_common(top)],
+        "layers": [(a, round(n * share, 1)) for a, n in layers.most_common()],
     }

@@ -29,6 +29,12 @@ LABELS: dict[str, tuple[str, str, int]] = {
     "server_cpu_ms_per_pair_prefix": ("server CPU per pair (best, prefix)", "ms", 2),
     "postgres_cpu_ms_per_pair_prefix": ("PostgreSQL CPU per pair (best, prefix)", "ms", 2),
     "driver_cpu_ms_per_pair_prefix": ("load generator CPU per pair (prefix)", "ms", 2),
+    "fleet_pairs_per_second": ("fleet: most clients over 8 instances, 16 tenants", "pairs/s", 1),
+    "fleet_ratio": ("  ÷ pgbench -N tps", "", 3),
+    "fleet_admit_p50_ms": ("  Admit p50", "ms", 2),
+    "fleet_admit_p99_ms": ("  Admit p99", "ms", 2),
+    "fleet_server_cpu_ms_per_pair": ("  server CPU per pair", "ms", 2),
+    "fleet_postgres_cpu_ms_per_pair": ("  PostgreSQL CPU per pair", "ms", 2),
     "half_no_prefix_rate": ("half load, no prefix: offered", "pairs/s", 1),
     "half_no_prefix_achieved": ("  achieved", "pairs/s", 1),
     "half_no_prefix_admit_p50_ms": ("  Admit p50", "ms", 2),
@@ -58,9 +64,12 @@ LABELS: dict[str, tuple[str, str, int]] = {
     "offboard_blocks": ("  blocks the tenant held", "", 0),
     "offboard_freed_blocks": ("  blocks freed", "", 0),
     "reclaim_plan_seconds": ("reclaim plan (dry run) over the big pool", "s", 2),
-    "no_auth_pairs_per_second": ("without authentication: pairs/s (best clients)", "pairs/s", 1),
+    "auth_pairs_per_second": ("API keys required: pairs/s (best clients)", "pairs/s", 1),
+    "auth_admit_p50_ms": ("  Admit p50", "ms", 2),
+    "no_auth_pairs_per_second": ("  then without authentication: pairs/s", "pairs/s", 1),
     "no_auth_admit_p50_ms": ("  Admit p50", "ms", 2),
-    "server_peak_rss_mib": ("server resident memory, peak", "MiB", 1),
+    "server_rss_hot_path_mib": ("server VmRSS, peak during the run's loads", "MiB", 1),
+    "server_peak_rss_mib": ("server VmHWM at the end (reclaim plan included)", "MiB", 1),
 }
 
 
@@ -267,6 +276,25 @@ def markdown(document: dict[str, Any], analysis: str) -> str:
             ],
         ),
         "",
+        "What the servers' PostgreSQL connections were doing during each point (sampled from "
+        "pg_stat_activity every 50 ms; average number of connections in each state, idle "
+        "ones not counted):",
+        "",
+        *_md_table(
+            ["run", "prefix", "clients", "connections"],
+            [
+                [
+                    str(n + 1),
+                    str(p["prefix_tokens"]),
+                    str(p["concurrency"]),
+                    "; ".join(f"{_short(k)} {v}" for k, v in p.get("connections", {}).items()),
+                ]
+                for n, r in enumerate(document["runs"])
+                for p in r["points"]
+            ],
+            "rrrl",
+        ),
+        "",
         *_md_table(
             ["run", "pgbench -N clients", "tps", "latency ms"],
             [
@@ -290,6 +318,80 @@ def markdown(document: dict[str, Any], analysis: str) -> str:
     return "\n".join(out)
 
 
+def _short(state: str) -> str:
+    if state.startswith("running a statement (on CPU"):
+        return "on CPU"
+    if state.startswith("in a transaction"):
+        return "in a transaction, awaiting its next statement"
+    return state.removeprefix("running a statement, waiting for ")
+
+
+def _operation(title: str, op: dict[str, Any]) -> list[str]:
+    accounted = sum(st["mean_ms"] * st["per_operation"] for st in op["statements"])
+    return [
+        f"**{title}**: {op['mean_ms']} ms per operation ({op.get('postgres_cpu_ms', 0)} ms of "
+        f"PostgreSQL CPU), {op['round_trips']} round trips, {op['transactions']} "
+        f"transaction(s); statements {accounted:.2f} ms, the rest (BEGIN, COMMIT, Python) "
+        f"{op['mean_ms'] - accounted:.2f} ms.",
+        "",
+        *_md_table(
+            ["statement", "per operation", "mean ms", "PostgreSQL CPU ms"],
+            [
+                [
+                    f"`{st['statement']}`",
+                    str(st["per_operation"]),
+                    str(st["mean_ms"]),
+                    str(st.get("postgres_cpu_ms", "")),
+                ]
+                for st in op["statements"]
+            ],
+        ),
+        "",
+        "```text",
+        *[f"{name}:\n  " + "\n  ".join(lines) for name, lines in op["explain"].items() if lines],
+        "```",
+        "",
+    ]
+
+
+def _spy(title: str, spy: dict[str, Any] | None) -> list[str]:
+    if not spy:
+        return []
+    if "error" in spy:
+        return [f"{title}: py-spy: {spy['error']}", ""]
+    return [
+        f"**{title}** (`{spy.get('command', '')}`): {spy['busy_samples']:,} busy samples, "
+        f"{spy['epoll_wait_samples']:,} more in the event loop's epoll wait (not counted "
+        "below). Own samples by where the code lives, and the share of busy samples each "
+        "layer is on the stack of:",
+        "",
+        *_md_table(
+            ["area (own)", "%", "layer (on the stack)", "%"],
+            [
+                [
+                    *(list(map(str, own)) if own else ["", ""]),
+                    *(list(map(str, layer)) if layer else ["", ""]),
+                ]
+                for own, layer in _zip_longest(spy["own_by_area"][:10], spy["layers"])
+            ],
+            "lrlr",
+        ),
+        "",
+        "Frames with the most samples of their own:",
+        "",
+        *_md_table(
+            ["frame", "% own"],
+            [[f"`{f.replace('|', '/')}`", str(p)] for f, p in spy["top_own"][:12]],
+        ),
+        "",
+    ]
+
+
+def _zip_longest(a: list[Any], b: list[Any]) -> list[tuple[Any, Any]]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else None, b[i] if i < len(b) else None) for i in range(n)]
+
+
 def _profile_section(extra: dict[str, Any]) -> list[str]:
     out = ["## Where the time goes", ""]
     hot = extra.get("hot_path")
@@ -302,33 +404,20 @@ def _profile_section(extra: dict[str, Any]) -> list[str]:
             "",
         ]
         for kind in ("admit_no_prefix", "release_no_prefix", "admit_with_prefix"):
-            op = hot.get(kind)
-            if not op:
-                continue
-            accounted = sum(st["mean_ms"] * st["per_operation"] for st in op["statements"])
-            out += [
-                f"**{kind.replace('_', ' ')}**: {op['mean_ms']} ms per operation, "
-                f"{op['round_trips']} round trips, {op['transactions']} transaction(s); "
-                f"statements {accounted:.2f} ms, the rest (BEGIN, COMMIT, Python) "
-                f"{op['mean_ms'] - accounted:.2f} ms.",
-                "",
-                *_md_table(
-                    ["statement", "per operation", "mean ms"],
-                    [
-                        [f"`{st['statement']}`", str(st["per_operation"]), str(st["mean_ms"])]
-                        for st in op["statements"]
-                    ],
-                ),
-                "",
-                "```text",
-                *[
-                    f"{name}:\n  " + "\n  ".join(lines)
-                    for name, lines in op["explain"].items()
-                    if lines
-                ],
-                "```",
-                "",
-            ]
+            if hot.get(kind):
+                out += _operation(kind.replace("_", " "), hot[kind])
+    big = extra.get("hot_path_big_pool")
+    if big:
+        for kind in ("admit_no_prefix", "release_no_prefix"):
+            if big.get(kind):
+                out += _operation(f"{kind.replace('_', ' ')}, big pool 90% in use", big[kind])
+    ending = extra.get("offboard_end")
+    if ending:
+        out += _operation(
+            "Ending one reservation as offboarding does (TENANT_DELETED), the tenant holding "
+            "~100,000 blocks",
+            ending,
+        )
     split = extra.get("reclaim_split")
     if split:
         out += [
@@ -336,33 +425,18 @@ def _profile_section(extra: dict[str, Any]) -> list[str]:
             f"{split['reservations']:,} live reservations ({split['held_entries']:,} table "
             f"entries): snapshot (SQL and rows into Python) {split['snapshot_seconds']} s, "
             f"planner {split['plan_seconds']} s; {split['planned_steps']:,} steps for "
-            f"{split['planned_blocks']:,} blocks.",
+            f"{split['planned_blocks']:,} blocks. ReclaimJobs.create as a whole (the same "
+            f"snapshot and plan, the job and its steps stored, the job read back) "
+            f"{split.get('create_seconds', '?')} s, of which reading the job back "
+            f"{split.get('get_seconds', '?')} s.",
             "",
             "```text",
             *[f"{name}:\n  " + "\n  ".join(lines) for name, lines in split["explain"].items()],
             "```",
             "",
         ]
-    spy = extra.get("py_spy")
-    if spy and "error" not in spy:
-        out += [
-            f"**py-spy** of server process 1 under the best no-prefix load "
-            f"({spy['samples']:,} samples of busy threads; `{spy.get('command', '')}`). "
-            "Share of samples by where the code lives (a sample counts once per area on its "
-            "stack):",
-            "",
-            *_md_table(["area", "% of samples"], [[a, str(p)] for a, p in spy["areas"]]),
-            "",
-            "Frames with the most samples of their own:",
-            "",
-            *_md_table(
-                ["frame", "% own"],
-                [[f"`{f.replace('|', '/')}`", str(p)] for f, p in spy["top_own"]],
-            ),
-            "",
-        ]
-    elif spy:
-        out += [f"py-spy: {spy['error']}", ""]
+    out += _spy("py-spy of server process 1 at the most clients, no prefix", extra.get("py_spy"))
+    out += _spy("py-spy of server process 1 during DeleteTenant", extra.get("py_spy_offboarding"))
     phases = extra.get("rss_by_phase_mib")
     if phases:
         out += [

@@ -23,7 +23,7 @@ ANALYZE of the hot path (bench/profile.py) and a py-spy profile of a server unde
 Prints a table (min / median / max over runs, each target met or not), or JSON with --json, and
 writes --docs (docs/benchmarks.md). `--quick` is a smoke form: short, small, one run.
 
-    python -m bench.suite [--runs 3] [--seconds 10] [--servers 1] [--auth on|off|both] [--quick]
+    python -m bench.suite [--runs 3] [--seconds 10] [--servers 1] [--auth both|on|off] [--quick]
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ import json
 import math
 import os
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,9 +56,13 @@ from kvquota.v1 import resources_pb2 as pb
 from quota_service.store.access import create_bootstrap_key
 
 TENANTS = ["t0", "t1", "t2", "t3"]
+FLEET = 8
+FLEET_TENANTS = [f"f{i}" for i in range(16)]
 QUEUE_TENANTS = ["q0", "q1", "q2", "q3"]
 QUEUE_WEIGHTS = [1, 1, 2, 4]
 PREFIX_TOKENS = 1024
+# Reservations the profiler ends one by one before the last run's timed offboarding.
+OFFBOARD_PROFILED = 20
 # Filling the big pool for the reclaim plan: sessions of 32,768 tokens (2,048 blocks).
 FILL_PROMPT, FILL_OUTPUT = 32_752, 16
 
@@ -159,6 +164,8 @@ class Point:
     server_cpu_ms_per_pair: float
     postgres_cpu_ms_per_pair: float
     driver_cpu_ms_per_pair: float
+    # The servers' PostgreSQL connections: how many were in each state, on average.
+    connections: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -208,11 +215,11 @@ class CpuMeter:
     """CPU seconds of the servers and of the PostgreSQL backends serving this database."""
 
     def __init__(self, database_url: str, server_pids: Sequence[int]) -> None:
-        self._url = database_url
+        self.url = database_url
         self._servers = list(server_pids)
 
     def _backends(self) -> list[int]:
-        with psycopg.connect(self._url, autocommit=True) as conn:
+        with psycopg.connect(self.url, autocommit=True) as conn:
             rows = conn.execute(
                 "SELECT pid FROM pg_stat_activity "
                 "WHERE datname = current_database() AND pid <> pg_backend_pid()"
@@ -227,6 +234,46 @@ class CpuMeter:
         servers, backends = self.snapshot()
         postgres = sum(cpu - before[1].get(pid, 0.0) for pid, cpu in backends.items())
         return servers - before[0], postgres
+
+
+class Connections:
+    """Samples what the servers' PostgreSQL connections are doing (pg_stat_activity), every
+    50 ms: on CPU, waiting for a lock, for WAL, or for the server's next statement."""
+
+    QUERY = """
+        SELECT state, wait_event_type, wait_event FROM pg_stat_activity
+        WHERE datname = current_database() AND backend_type = 'client backend'
+          AND pid <> pg_backend_pid()
+    """
+
+    def __init__(self, database_url: str) -> None:
+        self._url = database_url
+
+    @staticmethod
+    def _state(state: str | None, kind: str | None, event: str | None) -> str | None:
+        if state == "idle":
+            return None  # in the pool, or listening
+        if state == "idle in transaction":
+            return "in a transaction, waiting for the server's next statement"
+        if state == "active" and kind is None:
+            return "running a statement (on CPU or runnable)"
+        return f"running a statement, waiting for {kind}:{event}"
+
+    async def sample(self, stop: asyncio.Event) -> dict[str, float]:
+        counts: dict[str, int] = {}
+        samples = 0
+        async with await psycopg.AsyncConnection.connect(self._url, autocommit=True) as conn:
+            while not stop.is_set():
+                rows = await (await conn.execute(self.QUERY)).fetchall()
+                samples += 1
+                for row in rows:
+                    state = self._state(*row)
+                    if state:
+                        counts[state] = counts.get(state, 0) + 1
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.05)
+        ordered = sorted(counts.items(), key=lambda kv: -kv[1])
+        return {k: round(v / max(samples, 1), 2) for k, v in ordered}
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
@@ -249,6 +296,8 @@ class Suite:
         self.once: dict[str, list[float]] = {}
         self.extra: dict[str, Any] = {}
         self.token: str | None = None
+        self.spied: harness.Server  # the server py-spy watches (the one admin calls go to)
+        self.scratch = tempfile.mkdtemp(prefix="kvq-bench-")
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -260,9 +309,13 @@ class Suite:
         seconds = await load.register_instance(gateway, "pool-big", self.sizes.big_pool)
         self.extra["register_big_pool_seconds"] = round(seconds, 1)
         await load.register_instance(gateway, "queue", 10 * Shape().blocks)
-        offboard_slots = (math.ceil(self.sizes.offboard_blocks / Shape().blocks) + 1) * 96
+        offboard_requests = math.ceil(self.sizes.offboard_blocks / Shape().blocks)
+        offboard_slots = (offboard_requests + OFFBOARD_PROFILED + 1) * Shape().blocks
         await load.register_instance(gateway, "offboard", offboard_slots)
+        for i in range(FLEET):
+            await load.register_instance(gateway, f"fleet-{i}", throughput_slots)
         await load.create_tenants(gateway, TENANTS)
+        await load.create_tenants(gateway, FLEET_TENANTS)
         await load.create_tenants(gateway, QUEUE_TENANTS, QUEUE_WEIGHTS)
         await load.create_tenants(gateway, [f"r{i}" for i in range(8)])
         analyze(database_url)
@@ -307,6 +360,9 @@ class Suite:
             f[f"postgres_cpu_ms_per_pair_{kind}"] = best.postgres_cpu_ms_per_pair
             f[f"driver_cpu_ms_per_pair_{kind}"] = best.driver_cpu_ms_per_pair
 
+        watch.phase = f"run{number}-fleet"
+        await self.fleet(gateway, meter, run, number)
+
         for prefix, kind in ((0, "no_prefix"), (PREFIX_TOKENS, "prefix")):
             watch.phase = f"run{number}-half-{kind}"
             rate = f[f"pairs_per_second_{kind}"] / 2
@@ -343,13 +399,13 @@ class Suite:
         await self.queue_mix(gateway, run, number)
 
         watch.phase = f"run{number}-offboard"
-        await self.offboarding(gateway, run, number)
+        await self.offboarding(gateway, run, number, database_url, self.spied)
 
         if args.auth == "both":
             watch.phase = f"run{number}-auth-off"
-            await self.without_auth(database_url, run, number)
+            await self.auth_cost(gateway, database_url, run, number)
 
-        f["server_peak_rss_mib"] = watch.peak_since(
+        f["server_rss_hot_path_mib"] = watch.peak_since(
             [p for p in watch.peaks if p.startswith(f"run{number}-")]
         )
         return run
@@ -360,6 +416,8 @@ class Suite:
         kind = f"{prefix}-token prefix" if prefix else "no prefix"
         say(f"closed loop: {concurrency} clients, {kind}, {self.args.seconds:g} s")
         before = meter.snapshot()
+        stop = asyncio.Event()
+        sampling = asyncio.create_task(Connections(meter.url).sample(stop))
         result = await load.closed_loop(
             gateway,
             "tput",
@@ -369,6 +427,8 @@ class Suite:
             self.args.seconds,
             label=f"c{concurrency}-p{prefix}-{tag}",
         )
+        stop.set()
+        connections = await sampling
         servers, postgres = meter.since(before)
         pairs = max(result.pairs, 1)
         if result.first_refusal:
@@ -386,7 +446,35 @@ class Suite:
             servers * 1000 / pairs / spanned,
             postgres * 1000 / pairs / spanned,
             result.driver_cpu_seconds * 1000 / pairs / spanned,
+            connections,
         )
+
+    async def fleet(self, gateway: Gateway, meter: CpuMeter, run: Run, number: int) -> None:
+        """The most clients of the sweep, no prefix, spread over FLEET instances and 16
+        tenants (client c: instance c mod FLEET, tenant c mod 16): what one PostgreSQL gives a
+        fleet when no instance or tenant row is shared by all the work."""
+        clients = max(self.args.concurrency)
+        say(f"fleet: {clients} clients over {FLEET} instances and 16 tenants, no prefix")
+        before = meter.snapshot()
+        result = await load.closed_loop(
+            gateway,
+            [f"fleet-{i}" for i in range(FLEET)],
+            FLEET_TENANTS,
+            Shape(),
+            clients,
+            self.args.seconds,
+            label=f"fleet-r{number}",
+        )
+        servers, postgres = meter.since(before)
+        _refusals(run, "fleet", result)
+        pairs = max(result.pairs, 1)
+        f = run.figures
+        f["fleet_pairs_per_second"] = result.pairs_per_second
+        f["fleet_ratio"] = result.pairs_per_second / f["pgbench_tps"]
+        f["fleet_admit_p50_ms"] = percentile(result.admit_ms, 50)
+        f["fleet_admit_p99_ms"] = percentile(result.admit_ms, 99)
+        f["fleet_server_cpu_ms_per_pair"] = servers * 1000 / pairs
+        f["fleet_postgres_cpu_ms_per_pair"] = postgres * 1000 / pairs
 
     async def queue_mix(self, gateway: Gateway, run: Run, number: int) -> None:
         """24 clients of four tenants (weights 1, 1, 2, 4) on an instance that holds 10 requests;
@@ -415,18 +503,29 @@ class Suite:
         for tenant in QUEUE_TENANTS:
             f[f"queue_share_{tenant}_percent"] = 100 * result.per_tenant[tenant] / total
 
-    async def offboarding(self, gateway: Gateway, run: Run, number: int) -> None:
+    async def offboarding(
+        self, gateway: Gateway, run: Run, number: int, database_url: str, server: harness.Server
+    ) -> None:
         shape = Shape()
         count = math.ceil(self.sizes.offboard_blocks / shape.blocks)
         tenant = f"off{number}"
+        last = number == self.args.runs - 1
+        # The last run holds a few more, ended one by one under the profiler before the timing.
+        extra = OFFBOARD_PROFILED if last and self.args.profile else 0
         say(f"offboarding: {tenant} admits {count:,} requests ({count * shape.blocks:,} blocks)")
         await load.create_tenants(gateway, [tenant])
         await load.hold(gateway, "offboard", tenant, shape, count, label=f"{tenant}-hold")
+        if extra:
+            await load.hold(gateway, "offboard", tenant, shape, extra, label=f"{tenant}-more")
+            say(f"  profile: ending {extra} of its reservations one by one, as offboarding does")
+            ids = [f"{tenant}-more-{i}" for i in range(extra)]
+            self.extra["offboard_end"] = await profile.ending(database_url, tenant, ids)
         usage = await gateway.admin.GetTenantUsage(
             admin_pb2.GetTenantUsageRequest(name=f"tenants/{tenant}"), metadata=gateway.metadata
         )
         held = usage.usage.blocks_in_use
         say(f"  DeleteTenant of {held:,} blocks")
+        spying = self.start_spy(server) if last and self.args.py_spy else None
         began = time.perf_counter()
         deleted = await load.with_ticker(
             "DeleteTenant",
@@ -437,28 +536,32 @@ class Suite:
             ),
         )
         run.figures["offboard_seconds"] = time.perf_counter() - began
+        if spying:
+            self.extra["py_spy_offboarding"] = await asyncio.to_thread(spying.stop)
         run.figures["offboard_blocks"] = held
         run.figures["offboard_freed_blocks"] = deleted.report.freed_blocks
 
-    async def without_auth(self, database_url: str, run: Run, number: int) -> None:
-        """The no-prefix best concurrency again, against servers that skip authentication."""
+    async def auth_cost(self, gateway: Gateway, database_url: str, run: Run, number: int) -> None:
+        """The no-prefix best concurrency twice, back to back: against the servers (API keys
+        required), then against servers on the same database that skip authentication."""
         concurrency = int(run.figures["best_concurrency_no_prefix"])
-        say(f"without authentication: {concurrency} clients, {self.args.seconds:g} s")
+        say(f"authentication on, then off: {concurrency} clients, {self.args.seconds:g} s each")
         env = {"KVQUOTA_AUTH_REQUIRED": "false"}
         with harness.servers(database_url, self.args.servers, env) as plain:
-            async with Gateway([s.address for s in plain]) as gateway:
-                result = await load.closed_loop(
-                    gateway,
-                    "tput",
-                    TENANTS,
-                    Shape(),
-                    concurrency,
-                    self.args.seconds,
-                    label=f"noauth-r{number}",
-                )
-        _refusals(run, "without auth", result)
-        run.figures["no_auth_pairs_per_second"] = result.pairs_per_second
-        run.figures["no_auth_admit_p50_ms"] = percentile(result.admit_ms, 50)
+            async with Gateway([s.address for s in plain]) as without:
+                for key, target in (("auth", gateway), ("no_auth", without)):
+                    result = await load.closed_loop(
+                        target,
+                        "tput",
+                        TENANTS,
+                        Shape(),
+                        concurrency,
+                        self.args.seconds,
+                        label=f"{key}-r{number}",
+                    )
+                    _refusals(run, key.replace("_", " "), result)
+                    run.figures[f"{key}_pairs_per_second"] = result.pairs_per_second
+                    run.figures[f"{key}_admit_p50_ms"] = percentile(result.admit_ms, 50)
 
     # -- once ------------------------------------------------------------------------------
 
@@ -544,28 +647,24 @@ class Suite:
         self.once["pool_big_in_use_admit_p50_ms"] = [percentile(result.admit_ms, 50)]
         self.once["pool_big_in_use_admit_p99_ms"] = [percentile(result.admit_ms, 99)]
 
-    async def spy(self, gateway: Gateway, server: harness.Server, concurrency: int) -> None:
+    def start_spy(self, server: harness.Server) -> profile.PySpy | None:
         binary = profile.py_spy()
         if binary is None:
             self.extra["py_spy"] = {"error": "py-spy is not installed (pip install py-spy)"}
+            return None
+        return profile.PySpy(binary, server.pid, Path(self.scratch) / f"{time.monotonic_ns()}.raw")
+
+    async def spy(self, gateway: Gateway, server: harness.Server, concurrency: int) -> None:
+        """py-spy on a server through a closed-loop point of the most clients, no prefix."""
+        spying = self.start_spy(server)
+        if spying is None:
             return
-        with tempfile.TemporaryDirectory() as scratch:
-            seconds = self.args.seconds
-            say(f"py-spy on server {server.pid}: {concurrency} clients, no prefix, {seconds:g} s")
-            recording = profile.PySpy(binary, server.pid, seconds, Path(scratch) / "raw.txt")
-            await load.closed_loop(
-                gateway,
-                "tput",
-                TENANTS,
-                Shape(),
-                concurrency,
-                seconds,
-                label="py-spy",
-                warmup_seconds=0.0,
-            )
-            summary = await asyncio.to_thread(recording.finish)
-        summary["command"] = shlex.join(["py-spy", *recording.command[1:-1], "raw.txt"])
-        self.extra["py_spy"] = summary
+        seconds = self.args.seconds
+        say(f"py-spy on server {server.pid}: {concurrency} clients, no prefix, {seconds:g} s")
+        await load.closed_loop(
+            gateway, "tput", TENANTS, Shape(), concurrency, seconds, label="py-spy"
+        )
+        self.extra["py_spy"] = await asyncio.to_thread(spying.stop)
 
     # -- results ---------------------------------------------------------------------------
 
@@ -628,6 +727,7 @@ def _watching(pids: Sequence[int]) -> Iterator[Watch]:
 async def measure(suite: Suite, database_url: str, servers: list[harness.Server]) -> None:
     args = suite.args
     root = harness.server_url()
+    suite.spied = servers[0]
     async with Gateway([s.address for s in servers], suite.token) as gateway:
         with _watching([s.pid for s in servers]) as watch:
             watch.start()
@@ -643,11 +743,8 @@ async def measure(suite: Suite, database_url: str, servers: list[harness.Server]
                     )
             await suite.reclaim_planning(gateway, database_url, watch)
             if args.py_spy:
-                best = statistics.median(
-                    r.figures["best_concurrency_no_prefix"] for r in suite.runs
-                )
                 watch.phase = "py-spy"
-                await suite.spy(gateway, servers[0], int(best))
+                await suite.spy(gateway, servers[0], max(args.concurrency))
             watch.sample()
             suite.extra["server_vmhwm_mib"] = round(watch.hwm(), 1)
             suite.extra["rss_by_phase_mib"] = {k: round(v, 1) for k, v in watch.peaks.items()}
@@ -656,6 +753,10 @@ async def measure(suite: Suite, database_url: str, servers: list[harness.Server]
         say("profile: round trips, statement costs and EXPLAIN ANALYZE of Admit and Release")
         iterations = 10 if args.quick else 50
         suite.extra["hot_path"] = await profile.hot_path(database_url, "tput", "t0", iterations)
+        say("profile: Admit and Release on the big pool, 90% in use")
+        suite.extra["hot_path_big_pool"] = await profile.hot_path(
+            database_url, "pool-big", "t0", iterations, prefixes=(0,)
+        )
         say("profile: the reclaim plan's snapshot and planner")
         suite.extra["reclaim_split"] = await profile.reclaim_split(
             database_url, "pool-big", int(suite.sizes.big_pool * 0.9)
@@ -673,8 +774,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--auth",
         choices=["on", "off", "both"],
-        default="on",
-        help="API keys required by the servers (both: also measure the best point without)",
+        help="API keys required by the servers; both: also the best point without (default "
+        "both; on with --quick)",
     )
     parser.add_argument("--quick", action="store_true", help="smoke form: short, small, one run")
     parser.add_argument(
@@ -699,6 +800,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.runs = args.runs or (1 if quick else 3)
     args.seconds = args.seconds or (1.5 if quick else 10.0)
     args.concurrency = args.concurrency or ([1, 4] if quick else [1, 4, 16, 32])
+    args.auth = args.auth or ("on" if quick else "both")
     if args.docs is None:
         args.docs = "" if quick else "docs/benchmarks.md"
     if args.py_spy is None:
@@ -721,6 +823,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         say(f"starting {args.servers} server process(es), authentication {args.auth}")
         with harness.servers(database_url, args.servers, env) as servers:
             asyncio.run(measure(suite, database_url, servers))
+    shutil.rmtree(suite.scratch, ignore_errors=True)
     figures = suite.figures()
     verdicts = suite.verdicts(figures)
     document = {
