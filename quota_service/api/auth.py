@@ -11,15 +11,22 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
 from quota_service import logs
-from quota_service.api.errors import Behavior, StreamBehavior, answered_with
+from quota_service.api.errors import (
+    Behavior,
+    Request,
+    Response,
+    StreamBehavior,
+    WrappingInterceptor,
+    answered_with,
+)
 from quota_service.core import access, names
 from quota_service.core.access import ANONYMOUS, ApiKey, AuditEvent, Principal, Role
 from quota_service.store.access import ApiKeys, AuditLog
@@ -163,10 +170,6 @@ class Authenticator:
         return cached[1].principal
 
 
-Request = TypeVar("Request")
-Response = TypeVar("Response")
-
-
 def _request_id(metadata: Sequence[tuple[str, str | bytes]]) -> str:
     given = next((v for k, v in metadata if k == REQUEST_ID_KEY), None)
     if isinstance(given, str) and names.REQUEST_ID.fullmatch(given):
@@ -174,7 +177,7 @@ def _request_id(metadata: Sequence[tuple[str, str | bytes]]) -> str:
     return uuid.uuid4().hex
 
 
-class AccessInterceptor(grpc.aio.ServerInterceptor):
+class AccessInterceptor(WrappingInterceptor):
     def __init__(self, authenticator: Authenticator, audit: AuditLog) -> None:
         self._authenticator = authenticator
         self._audit = audit
@@ -205,7 +208,10 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
             # The action happened (or was refused) already; a lost audit row must be seen.
             log.exception("could not write the audit event of %s", method)
 
-    def _unary(
+    def covers(self, method: str) -> bool:
+        return method.startswith(PACKAGE)
+
+    def unary(
         self, behavior: Behavior[Request, Response], method: str
     ) -> Behavior[Request, Response]:
         async def checked(
@@ -226,7 +232,7 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
 
         return checked
 
-    def _stream(
+    def stream(
         self, behavior: StreamBehavior[Request, Response], method: str
     ) -> StreamBehavior[Request, Response]:
         async def checked(
@@ -237,28 +243,3 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
                 yield item
 
         return checked
-
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Request, Response] | None]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Request, Response] | None:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or not method.startswith(PACKAGE):
-            return handler
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream(handler.unary_stream, method),  # type: ignore[arg-type]
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_unary is None:
-            return handler
-        return grpc.unary_unary_rpc_method_handler(
-            self._unary(handler.unary_unary, method),  # type: ignore[arg-type]
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )

@@ -163,7 +163,23 @@ def _guard_stream(
     return guarded
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
+class WrappingInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps the behaviour of each unary-unary and server-streaming method it covers; the others
+    (reflection's bidirectional stream) pass through as they are."""
+
+    def covers(self, method: str) -> bool:
+        return True
+
+    def unary(
+        self, behavior: Behavior[Request, Response], method: str
+    ) -> Behavior[Request, Response]:
+        raise NotImplementedError
+
+    def stream(
+        self, behavior: StreamBehavior[Request, Response], method: str
+    ) -> StreamBehavior[Request, Response]:
+        raise NotImplementedError
+
     async def intercept_service(
         self,
         continuation: Callable[
@@ -172,16 +188,31 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Request, Response] | None:
         handler = await continuation(handler_call_details)
-        if handler is not None and handler.unary_stream is not None:
+        method = handler_call_details.method
+        if handler is None or not self.covers(method):
+            return handler
+        if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _guard_stream(handler.unary_stream, handler_call_details.method),  # type: ignore[arg-type]
+                self.stream(handler.unary_stream, method),  # type: ignore[arg-type]
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
-        if handler is None or handler.unary_unary is None:
+        if handler.unary_unary is None:
             return handler
         return grpc.unary_unary_rpc_method_handler(
-            _guard(handler.unary_unary, handler_call_details.method),  # type: ignore[arg-type]
+            self.unary(handler.unary_unary, method),  # type: ignore[arg-type]
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+class ErrorInterceptor(WrappingInterceptor):
+    def unary(
+        self, behavior: Behavior[Request, Response], method: str
+    ) -> Behavior[Request, Response]:
+        return _guard(behavior, method)
+
+    def stream(
+        self, behavior: StreamBehavior[Request, Response], method: str
+    ) -> StreamBehavior[Request, Response]:
+        return _guard_stream(behavior, method)

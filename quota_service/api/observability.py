@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TypeVar
 
 import grpc
 
 from kvquota.v1 import admission_pb2, resources_pb2
-from quota_service.api.errors import answered_with, responses
+from quota_service.api.errors import (
+    Behavior,
+    Request,
+    Response,
+    StreamBehavior,
+    WrappingInterceptor,
+    answered_with,
+    responses,
+)
 from quota_service.core.errors import Code
 from quota_service.jobs.metrics import ServiceMetrics
 
@@ -65,19 +72,11 @@ def admission_outcome(response: object, call: CallNotes) -> str:
     return QUEUED if outcome == ADMITTED and call.queued else outcome
 
 
-Request = TypeVar("Request")
-Response = TypeVar("Response")
-Behavior = Callable[[Request, grpc.aio.ServicerContext[Request, Response]], Awaitable[Response]]
-StreamBehavior = Callable[
-    [Request, grpc.aio.ServicerContext[Request, Response]], AsyncIterator[Response]
-]
-
-
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+class MetricsInterceptor(WrappingInterceptor):
     def __init__(self, metrics: ServiceMetrics) -> None:
         self._metrics = metrics
 
-    def _unary(
+    def unary(
         self, behavior: Behavior[Request, Response], full_method: str
     ) -> Behavior[Request, Response]:
         service, method = full_method.lstrip("/").rsplit("/", 1)
@@ -107,7 +106,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
 
         return timed
 
-    def _stream(
+    def stream(
         self, behavior: StreamBehavior[Request, Response], full_method: str
     ) -> StreamBehavior[Request, Response]:
         service, method = full_method.lstrip("/").rsplit("/", 1)
@@ -128,26 +127,3 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 self._metrics.observe_rpc(service, method, code, time.perf_counter() - started)
 
         return timed
-
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Request, Response] | None]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Request, Response] | None:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is not None and handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream(handler.unary_stream, method),  # type: ignore[arg-type]
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler is None or handler.unary_unary is None:
-            return handler
-        return grpc.unary_unary_rpc_method_handler(
-            self._unary(handler.unary_unary, method),  # type: ignore[arg-type]
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
