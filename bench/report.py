@@ -81,6 +81,26 @@ def _number(value: float, decimals: int = 2) -> str:
     return f"{value:,.{decimals}f}"
 
 
+def _pool(pool: dict[str, int] | None) -> str:
+    if not pool:
+        return "pool not filled"
+    return (
+        f"the pool then: {pool['in_use']:,} blocks in use, {pool['cached']:,} cached, "
+        f"{pool['free']:,} free; {pool['live_sessions']:,} live sessions, "
+        f"{pool['suspended_sessions']:,} of them suspended"
+    )
+
+
+def _sig(value: float | None) -> str:
+    """Three significant digits (a ratio of 0.006 must not print as 0.01)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if value == 0:
+        return "0"
+    decimals = max(0, 2 - math.floor(math.log10(abs(value))))
+    return f"{value:,.{decimals}f}"
+
+
 def _figure_rows(document: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     rows = []
     figures = document["figures"]
@@ -115,8 +135,8 @@ def table(document: dict[str, Any]) -> str:
     ]
     for v in document["targets"]:
         out.append(
-            f"{v['text']:<72} {_number(v.get('min', math.nan)):>9} "
-            f"{_number(v['median']):>9} {_number(v.get('max', math.nan)):>9}  {_verdict(v['met'])}"
+            f"{v['text']:<72} {_sig(v.get('min')):>9} "
+            f"{_sig(v['median']):>9} {_sig(v.get('max')):>9}  {_verdict(v['met'])}"
         )
     out += ["", f"{'figure':<52} {'unit':>8} {'min':>10} {'median':>10} {'max':>10}"]
     for label, unit, low, mid, high in _figure_rows(document):
@@ -206,8 +226,7 @@ def markdown(document: dict[str, Any], analysis: str) -> str:
         f"- Reclaim plan: the {sizes['big_pool']:,}-slot pool filled with sessions of 2,048 "
         "blocks (10% released with token ids, so cached; 80% live, every fourth suspended), "
         f"then CreateReclaimJob (dry_run, target 90% of the pool, up to EVICT) timed; fill "
-        f"took {extra.get('reclaim_fill_seconds', '?')} s; pool then: "
-        f"{extra.get('reclaim_pool', {})}.",
+        f"took {extra.get('reclaim_fill_seconds', '?')} s; {_pool(extra.get('reclaim_pool'))}.",
         "- After registering the pools the suite runs ANALYZE on `blocks`, and after filling "
         "the big pool ANALYZE on everything, as autovacuum would within a minute; the tables "
         "the load churns otherwise have the statistics autovacuum gives them.",
@@ -216,7 +235,11 @@ def markdown(document: dict[str, Any], analysis: str) -> str:
         "",
         "```sh",
         extra.get("pgbench_init", "?"),
-        *sorted({p["command"] for r in document["runs"] for p in r["pgbench"]}),
+        *dict.fromkeys(
+            p["command"]
+            for r in document["runs"]
+            for p in sorted(r["pgbench"], key=lambda p: p["clients"])
+        ),
         "```",
         "",
         "## Targets",
@@ -226,11 +249,11 @@ def markdown(document: dict[str, Any], analysis: str) -> str:
             [
                 [
                     v["text"],
-                    _number(v.get("min", math.nan)),
-                    _number(v["median"]),
-                    _number(v.get("max", math.nan)),
+                    _sig(v.get("min")),
+                    _sig(v["median"]),
+                    _sig(v.get("max")),
                     _verdict(v["met"]),
-                    _number(v.get("of_limit", math.nan)),
+                    _sig(v.get("of_limit")),
                 ]
                 for v in document["targets"]
             ],
