@@ -194,6 +194,9 @@ def drop(dropped: str) -> str:
         JOIN tenant_blocks o
           ON o.instance = :instance AND o.block_id = l.block_id AND o.tenant <> l.tenant
         CROSS JOIN LATERAL (VALUES (l.holders, -1), (l.holders - 1, 1)) AS m(k, delta)
+        -- An unshared block has no other holder: not probing for one keeps a release's cost
+        -- independent of how many blocks the instance's tenants hold.
+        WHERE l.holders > 1
         GROUP BY o.tenant, m.k
     ), {metering("left_shares", "SELECT tenant, -unpinned FROM tenant_changes")}"""
 
