@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import grpc
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
@@ -297,8 +298,6 @@ class Stress:
 
     async def recovered(self, admin: str) -> None:
         """Every server answers again (after a fault, within a minute)."""
-        import grpc
-
         for address in self.cluster.addresses:
             deadline = time.monotonic() + 60
             async with grpc.aio.insecure_channel(address) as channel:

@@ -20,9 +20,9 @@ from google.rpc import error_details_pb2, status_pb2
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
+from quota_service.api.errors import STATUS_DETAILS_KEY
 
 CALL_TIMEOUT_SECONDS = 10.0
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
 REMEMBERED = 32
 PREFIX_TOKENS = 64
 # Codes that are a bug whenever they appear.
@@ -124,9 +124,12 @@ class Client:
         self.tally.ops[(op, "OK")] += 1
         return answer
 
-    def _request_id(self) -> str:
+    def _next(self) -> int:
         self._sequence += 1
-        return f"{self.name}-{self._sequence}"
+        return self._sequence
+
+    def _request_id(self) -> str:
+        return f"{self.name}-{self._next()}"
 
     def prompt(self, tenant: str) -> list[int]:
         # A few shared prefixes per tenant, then a tail of its own.
@@ -290,7 +293,7 @@ class Operator(Client):
             tenant = self.rng.choice(self.tenants)
             request = admin_pb2.PinPrefixRequest(
                 parent=f"tenants/{tenant}",
-                pin_id=f"p{self._request_id().replace(self.name, '').strip('-')}",
+                pin_id=f"p{self._next()}",
                 instance=f"instances/{instance}",
                 token_ids=self.prompt(tenant)[:PREFIX_TOKENS],
             )
@@ -319,7 +322,7 @@ class Operator(Client):
 
     async def offboard(self) -> None:
         admin = self._admin()
-        tenant = f"gone-{self._request_id().rsplit('-', 1)[1]}"
+        tenant = f"gone-{self._next()}"
         quota = pb.TenantQuota(
             max_blocks=256,
             max_tokens_in_flight=100_000,

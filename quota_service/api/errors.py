@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from abc import abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -170,15 +171,15 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
     def covers(self, method: str) -> bool:
         return True
 
+    @abstractmethod
     def unary(
         self, behavior: Behavior[Request, Response], method: str
-    ) -> Behavior[Request, Response]:
-        raise NotImplementedError
+    ) -> Behavior[Request, Response]: ...
 
+    @abstractmethod
     def stream(
         self, behavior: StreamBehavior[Request, Response], method: str
-    ) -> StreamBehavior[Request, Response]:
-        raise NotImplementedError
+    ) -> StreamBehavior[Request, Response]: ...
 
     async def intercept_service(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,15 @@ from kvquota.v1 import admission_pb2
 from kvquota.v1 import resources_pb2 as pb
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def free_port() -> int:
+    """A loopback port free now, for a server that must be started on a known address."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 GIB = 1024**3
 
 

@@ -4,7 +4,6 @@ NOT_SERVING again while the database refuses connections, and SERVING when it is
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -19,15 +18,10 @@ from sqlalchemy import make_url
 from quota_service.api import server
 from quota_service.config import Settings
 from quota_service.store import migrate
+from tests.integration.grpc_helpers import free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_g
 from kvquota.v1 import resources_pb2 as pb
 from quota_service.config import Settings
 from quota_service.engine.simulated import EventPublisher
-from tests.integration.grpc_helpers import admit, quota, refused
+from tests.integration.grpc_helpers import admit, free_port, quota, refused
 from tests.integration.scraping import body, samples_of, serving, until
 
 DASHBOARD = Path(__file__).parents[2] / "dashboards" / "kvquota.json"
@@ -96,12 +95,6 @@ def variable_metrics(dashboard: dict[str, Any]) -> set[str]:
 
 def names(text: str) -> set[str]:
     return {name for name, _ in samples_of(text)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def seconds(value: float) -> Duration:

@@ -5,7 +5,6 @@ lag between an engine's KV events and their application to the ledger."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from contextlib import AsyncExitStack
 from typing import Any
@@ -29,7 +28,7 @@ from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
 from quota_service.store.ledger import Ledger
 from quota_service.store.reconcile import Reconciler
-from tests.integration.grpc_helpers import admit, quota, refused
+from tests.integration.grpc_helpers import admit, free_port, quota, refused
 from tests.integration.scraping import key, matching, scrape, serving, until
 
 ADMISSION = "kvquota.v1.AdmissionService"
@@ -156,12 +155,6 @@ async def test_the_pool_gauges_follow_connections_checked_out(database_url: str)
         assert pool() == {"size": 3, "checked_out": 0, "idle": 3, "overflow": 0}
     finally:
         await engine.dispose()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_engine_event_lag_is_observed_when_a_batch_is_applied(

@@ -5,7 +5,6 @@ real vLLM)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -24,16 +23,11 @@ from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
 from quota_service.store.reconcile import Reconciler
+from tests.integration.grpc_helpers import free_port
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_tenant
 
 BS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
