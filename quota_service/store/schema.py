@@ -357,11 +357,15 @@ class BlockRefRow(Base):
 
     holder_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     position: Mapped[int] = mapped_column(Integer, primary_key=True)
-    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"))
+    # Not foreign keys, here and in tenant_blocks: these rows are written only by statements
+    # holding the instance's and tenant's row locks, copying keys from the reservation or pin
+    # (whose foreign keys stand), and neither is ever deleted. The checks cost four trigger
+    # calls per block of every Admit and guarded nothing more (migration 0014).
+    instance: Mapped[ResourceId]
     block_id: Mapped[int] = mapped_column(Integer)
     generation: Mapped[int] = mapped_column(BigInteger)
     # The tenant charged for it; None for a namespace's pins.
-    tenant: Mapped[str | None] = mapped_column(ForeignKey("tenants.tenant"))
+    tenant: Mapped[str | None] = mapped_column(String(63))
     pinned: Mapped[bool] = mapped_column(Boolean)
     # Released by ReleaseBlocks while the reservation lives on (kept to answer repeats).
     released: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
@@ -377,8 +381,8 @@ class TenantBlockRow(Base):
 
     __tablename__ = "tenant_blocks"
 
-    tenant: Mapped[ResourceId] = mapped_column(ForeignKey("tenants.tenant"), primary_key=True)
-    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
+    tenant: Mapped[ResourceId] = mapped_column(primary_key=True)
+    instance: Mapped[ResourceId] = mapped_column(primary_key=True)
     block_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     generation: Mapped[int] = mapped_column(BigInteger)
     refs: Mapped[int] = mapped_column(Integer)
