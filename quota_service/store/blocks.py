@@ -46,17 +46,17 @@ _NEWLY_PINNED = "SELECT tenant, count(*) FROM tenant_refs WHERE pinned GROUP BY 
 
 ALLOCATE = f"""
     hit AS (
-        SELECT u.block_id, (u.ord - 1)::int AS position
+        -- Each hit with its state before: the update returns both, so no join of the two
+        -- (the planner expects a handful of rows from a CTE, and would nest the loops).
+        SELECT u.block_id, (u.ord - 1)::int AS position, b.state AS state_before
         FROM unnest(CAST(:hit_ids AS int[])) WITH ORDINALITY AS u(block_id, ord)
-    ), hit_before AS (
-        SELECT b.block_id, b.state FROM blocks b JOIN hit USING (block_id)
-        WHERE b.instance = :instance
+        JOIN blocks b ON b.instance = :instance AND b.block_id = u.block_id
     ), hit_after AS (
         UPDATE blocks b
         SET ref_count = b.ref_count + 1, pin_count = b.pin_count + :pin, lru_seq = NULL,
             last_used_at = now()
         FROM hit WHERE b.instance = :instance AND b.block_id = hit.block_id
-        RETURNING b.block_id, b.generation, b.state
+        RETURNING b.block_id, b.generation, b.state, hit.position, hit.state_before
     ), candidate AS (
         SELECT block_id, generation, content_hash, state,
                row_number() OVER (ORDER BY reuse, ord) AS rank
@@ -88,7 +88,7 @@ ALLOCATE = f"""
         WHERE b.instance = :instance AND b.block_id = c.block_id
         RETURNING b.block_id, b.generation, c.rank, c.state AS state_before, b.state
     ), entries AS (
-        SELECT hit.position, a.block_id, a.generation FROM hit JOIN hit_after a USING (block_id)
+        SELECT position, block_id, generation FROM hit_after
         UNION ALL
         SELECT (:hit_count + rank - 1)::int, block_id, generation FROM allocated
     ), refs AS (
@@ -104,7 +104,7 @@ ALLOCATE = f"""
         RETURNING t.tenant, t.block_id, (t.refs = 1) AS added,
                   (:pin = 1 AND t.pin_refs = 1) AS pinned
     ), transitions AS (
-        SELECT b.state AS state_before, a.state FROM hit_before b JOIN hit_after a USING (block_id)
+        SELECT state_before, state FROM hit_after
         UNION ALL
         SELECT state_before, state FROM allocated
     ), joined AS (
@@ -132,12 +132,12 @@ def drop(dropped: str) -> str:
     return f"""
     dropped AS ({dropped}),
     per_block AS (
-        SELECT block_id, count(*) AS refs, count(*) FILTER (WHERE pinned) AS pins,
-               max(position) AS position
-        FROM dropped GROUP BY block_id
-    ), block_before AS (
-        SELECT b.block_id, b.state FROM blocks b JOIN per_block p USING (block_id)
-        WHERE b.instance = :instance
+        -- With each block's state before, returned by the update (see ALLOCATE's hit).
+        SELECT p.*, b.state AS state_before
+        FROM (SELECT block_id, count(*) AS refs, count(*) FILTER (WHERE pinned) AS pins,
+                     max(position) AS position
+              FROM dropped GROUP BY block_id) p
+        JOIN blocks b ON b.instance = :instance AND b.block_id = p.block_id
     ), lru AS (
         SELECT nextval('block_lru') AS base
     ), block_after AS (
@@ -151,28 +151,33 @@ def drop(dropped: str) -> str:
             last_used_at = now()
         FROM per_block p, lru
         WHERE b.instance = :instance AND b.block_id = p.block_id
-        RETURNING b.block_id, b.generation, b.state
+        RETURNING b.block_id, b.generation, b.state, p.state_before
     ), freed AS (
         INSERT INTO tombstones (
             instance, block_id, generation, content_hash, reason, tenant, freed_at)
         SELECT :instance, block_id, generation - 1, NULL, 'FREED', :tenant, now()
         FROM block_after WHERE state = 'FREE'
     ), transitions AS (
-        SELECT b.state AS state_before, a.state
-        FROM block_before b JOIN block_after a USING (block_id)
+        SELECT state_before, state FROM block_after
     ), per_tenant AS (
-        SELECT tenant, block_id, count(*) AS refs, count(*) FILTER (WHERE pinned) AS pins
-        FROM dropped WHERE tenant IS NOT NULL GROUP BY tenant, block_id
+        -- Each tenant's row of each block, found by a key lookup per block (LIMIT keeps the
+        -- subquery a parameterised probe) and then changed by its row id: a plan that does not
+        -- depend on how many rows the planner expects, or the instance holds.
+        SELECT p.*, h.row_id, h.held
+        FROM (SELECT tenant, block_id, count(*) AS refs, count(*) FILTER (WHERE pinned) AS pins
+              FROM dropped WHERE tenant IS NOT NULL GROUP BY tenant, block_id) p
+        CROSS JOIN LATERAL (
+            SELECT t.ctid AS row_id, t.refs AS held FROM tenant_blocks t
+            WHERE t.tenant = p.tenant AND t.instance = :instance AND t.block_id = p.block_id
+            LIMIT 1) h
     ), tenant_kept AS (
         UPDATE tenant_blocks t SET refs = t.refs - p.refs, pin_refs = t.pin_refs - p.pins
         FROM per_tenant p
-        WHERE t.tenant = p.tenant AND t.instance = :instance AND t.block_id = p.block_id
-          AND t.refs > p.refs
+        WHERE t.ctid = p.row_id AND p.held > p.refs
         RETURNING t.tenant, false AS removed, (t.pin_refs = 0 AND p.pins > 0) AS unpinned
     ), tenant_gone AS (
         DELETE FROM tenant_blocks t USING per_tenant p
-        WHERE t.tenant = p.tenant AND t.instance = :instance AND t.block_id = p.block_id
-          AND t.refs <= p.refs
+        WHERE t.ctid = p.row_id AND p.held <= p.refs
         RETURNING t.tenant, true AS removed, t.pin_refs > 0 AS unpinned, t.block_id
     ), tenant_changes AS (
         SELECT tenant, count(*) FILTER (WHERE removed) AS removed,
@@ -257,17 +262,26 @@ _STATE_COLUMNS = (
 )
 
 # The cached blocks a prefix could reuse, with what the requesting tenant already holds of them.
+# Driven by the hashes, each looked up by key (OFFSET 0 and LIMIT keep the subqueries
+# parameterised probes): left to itself, the planner trusted statistics that said an instance
+# held few hashed blocks or a tenant few blocks, and scanned all of them instead, so an Admit
+# grew slower with the pool's history.
 PREFIX_LOOKUP = """
-    SELECT DISTINCT ON (b.content_hash)
-           b.content_hash, b.block_id, b.generation, b.state = 'CACHED' AS evictable,
-           tb.tenant IS NOT NULL AS held_by_tenant, coalesce(tb.pin_refs, 0) > 0 AS pinned_by_tenant
-    FROM blocks b
-    LEFT JOIN tenant_blocks tb
-      ON tb.tenant = :tenant AND tb.instance = b.instance AND tb.block_id = b.block_id
-    WHERE b.instance = :instance AND b.content_hash = ANY (CAST(:hashes AS bytea[]))
+    SELECT DISTINCT ON (h.content_hash)
+           h.content_hash, b.block_id, b.generation, b.state = 'CACHED' AS evictable,
+           tb.pin_refs IS NOT NULL AS held_by_tenant,
+           coalesce(tb.pin_refs, 0) > 0 AS pinned_by_tenant
+    FROM unnest(CAST(:hashes AS bytea[])) AS h(content_hash)
+    CROSS JOIN LATERAL (
+        SELECT s.block_id, s.generation, s.state FROM blocks s
+        WHERE s.instance = :instance AND s.content_hash = h.content_hash OFFSET 0) b
+    LEFT JOIN LATERAL (
+        SELECT t.pin_refs FROM tenant_blocks t
+        WHERE t.tenant = :tenant AND t.instance = :instance AND t.block_id = b.block_id
+        LIMIT 1) tb ON true
     -- Where a hash is on several slots: the tenant's own copy (free to share), then one in use
     -- (reusing it costs no evictable slot), then the lowest id.
-    ORDER BY b.content_hash, tb.tenant IS NULL, b.state = 'CACHED', b.block_id
+    ORDER BY h.content_hash, tb.pin_refs IS NULL, b.state = 'CACHED', b.block_id
 """
 
 
@@ -297,13 +311,16 @@ TENANT_ACCOUNT_COLUMNS = """
            t.blocks_in_use AS account_blocks, t.tokens_in_flight,
            t.mean_hold_seconds AS account_hold, t.pinned_blocks AS account_pinned"""
 
-# The salt a tenant's prefixes are hashed under, and whose it is (its own, or its namespace's).
-TENANT_SALT = """
-    SELECT coalesce(ns.cache_salt, t.cache_salt) AS cache_salt,
-           CASE WHEN ns.namespace IS NULL THEN 'tenants/' || t.tenant
-                ELSE 'namespaces/' || ns.namespace END AS hash_scope
-    FROM tenants t LEFT JOIN namespaces ns ON ns.namespace = t.namespace
-    WHERE t.tenant = :tenant"""
+# Select-list items of tenant `t`: the salt its prefixes are hashed under, and whose it is (its
+# own, or its namespace's). Subqueries, not a join, so that in a statement locking `t` they are
+# evaluated for the tenant row as it is once locked.
+SALT_COLUMNS = """
+           coalesce((SELECT ns.cache_salt FROM namespaces ns WHERE ns.namespace = t.namespace),
+                    t.cache_salt) AS cache_salt,
+           CASE WHEN t.namespace IS NULL THEN 'tenants/' || t.tenant
+                ELSE 'namespaces/' || t.namespace END AS hash_scope"""
+
+TENANT_SALT = f"SELECT {SALT_COLUMNS} FROM tenants t WHERE t.tenant = :tenant"
 
 
 LOCK_INSTANCE = text("SELECT 1 FROM instances WHERE instance = :instance FOR UPDATE")

@@ -5,8 +5,9 @@ so the ledger never shows one without the other.
 Lock order, everywhere: the instance's row, then the tenant's, then reservation and block rows.
 PostgreSQL runs a statement's data-modifying CTEs in no fixed order, so each tenant update reads
 the rows the instance update returned: that dependency is what orders the two locks. A locking
-statement selects only the rows it locks; what else it needs is read by the next statement, which
-sees the world as it is once the locks are held.
+statement selects only the rows it locks, plus what may be read as it was before the locks were
+granted (other rows come from the snapshot taken before the statement waited); the rest is read
+by the next statement, which sees the world as it is once the locks are held.
 """
 
 from __future__ import annotations
@@ -52,7 +53,11 @@ HOLD_EWMA_ALPHA = 0.2
 HOLDINGS_LIMIT = 1000
 
 # Locks the instance, then the tenant (the order every transaction here takes them), and draws
-# the holder id the new reservation's block references will carry.
+# the holder id the new reservation's block references will carry. Two things it reads may be
+# from before the locks were granted, and that is safe: a reservation with the same id that
+# committed meanwhile (`existing`) makes the insert conflict, and the Admit is retried; a
+# namespace's salt rotated meanwhile is the race any reader of it has (rotation takes no tenant
+# lock). The tenant's own salt is its locked row's, current.
 _LOCK_POOL_AND_ACCOUNT = text(
     f"""
     SELECT now() AS now, nextval('holder_ids') AS holder_id,
@@ -62,20 +67,17 @@ _LOCK_POOL_AND_ACCOUNT = text(
            i.max_queued_requests AS pool_max_queued, i.target_ttft_seconds,
            i.prefill_tokens_per_second,
            {blocks.TENANT_ACCOUNT_COLUMNS},
-           t.queued_requests AS account_queued, t.weight
+           t.queued_requests AS account_queued, t.weight, {blocks.SALT_COLUMNS},
+           (SELECT request_id FROM reservations
+            WHERE tenant = :tenant AND request_id = :request_id) AS existing
     FROM instances i CROSS JOIN tenants t
     WHERE i.instance = :instance AND t.tenant = :tenant
     FOR UPDATE OF i, t
     """
 )
 
-# Read once the locks are held: an Admit with the same id that committed meanwhile is seen.
-_ADMIT_CONTEXT = text(
-    f"""
-    SELECT salt.*, (SELECT request_id FROM reservations
-                    WHERE tenant = :tenant AND request_id = :request_id) AS existing
-    FROM ({blocks.TENANT_SALT}) salt
-    """
+_EXISTING_RESERVATION = text(
+    "SELECT 1 FROM reservations WHERE tenant = :tenant AND request_id = :request_id"
 )
 
 _TENANT_SALT = text(blocks.TENANT_SALT)
@@ -323,10 +325,11 @@ def _ewma(column: str) -> str:
     )
 
 
-def _dropping_table(holder: str) -> TextClause:
-    """A statement that drops the whole block table of the reservation `holder` updates (a CTE
-    returning its row): its references go, tail first, and the pool and tenant counters follow.
-    An offloaded reservation's tokens left the tenant's tokens in flight when it was offloaded.
+def dropping_tables(holder: str) -> TextClause:
+    """A statement that drops the whole block tables of the reservations `holder` updates (a CTE
+    returning their rows, all of :tenant on :instance): their references go, tail first, and the
+    pool and tenant counters follow. An offloaded reservation's tokens left the tenant's tokens
+    in flight when it was offloaded. It returns each reservation's row as updated.
     """
     return text(
         f"""
@@ -345,29 +348,35 @@ def _dropping_table(holder: str) -> TextClause:
         SELECT tenant, instance, coalesce(output_tokens, 0),
                CASE WHEN :offloading THEN offloaded_bytes ELSE -coalesce(offloaded_bytes, 0) END
         FROM holder WHERE output_tokens IS NOT NULL OR offloaded_bytes IS NOT NULL
-    ), {blocks.pool_counts("mean_hold_seconds = " + _ewma("i.mean_hold_seconds"), "holder e")},
+    ), ended AS (
+        -- One row, or none when nothing ended (a holding time is observed for one at a time).
+        SELECT max(admitted_at) AS admitted_at,
+               sum(CASE WHEN :offloading OR offloaded_bytes IS NULL THEN reserved_tokens
+                        ELSE 0 END) AS tokens
+        FROM holder HAVING count(*) > 0
+    ), {blocks.pool_counts("mean_hold_seconds = " + _ewma("i.mean_hold_seconds"), "ended e")},
     account AS (
         UPDATE tenants t
-        SET blocks_in_use = t.blocks_in_use - coalesce(c.removed, 0),
-            pinned_blocks = t.pinned_blocks - coalesce(c.unpinned, 0),
-            tokens_in_flight = t.tokens_in_flight
-                - CASE WHEN :offloading OR e.offloaded_bytes IS NULL THEN e.reserved_tokens
-                       ELSE 0 END,
+        SET blocks_in_use = t.blocks_in_use - c.removed,
+            pinned_blocks = t.pinned_blocks - c.unpinned,
+            tokens_in_flight = t.tokens_in_flight - e.tokens,
             mean_hold_seconds = {_ewma("t.mean_hold_seconds")}
-        FROM holder e LEFT JOIN tenant_changes c ON c.tenant = e.tenant
-        WHERE t.tenant = e.tenant
+        FROM ended e,
+             (SELECT coalesce(sum(removed), 0) AS removed, coalesce(sum(unpinned), 0) AS unpinned
+              FROM tenant_changes) c
+        WHERE t.tenant = :tenant
     )
-    SELECT request_id, {blocks.NOTIFY_RELEASED},
+    SELECT holder.*, {blocks.NOTIFY_RELEASED},
            pg_notify('kvquota_events', 'changed:' || tenant || '/' || request_id),
            (SELECT count(*) FROM transitions
             WHERE state IN ('FREE', 'CACHED') AND state_before NOT IN ('FREE', 'CACHED'))
-           AS freed_blocks
+           AS freed_now
     FROM holder
     """
     )
 
 
-_END_RESERVATION = _dropping_table(
+_END_RESERVATION = dropping_tables(
     """
     UPDATE reservations
     SET state = 'ENDED', ended_at = now(), end_reason = :reason, output_tokens = :output_tokens,
@@ -379,7 +388,7 @@ _END_RESERVATION = _dropping_table(
 )
 
 # OFFLOAD: a suspended reservation's blocks leave the GPU; it stays live, in the CPU tier.
-_OFFLOAD_RESERVATION = _dropping_table(
+_OFFLOAD_RESERVATION = dropping_tables(
     """
     UPDATE reservations r
     SET offloaded_bytes = coalesce(i.bytes_per_block, 0) * (
@@ -627,15 +636,33 @@ class Ledger:
         row = (await conn.execute(_LOCK_POOL_AND_ACCOUNT, keys)).mappings().first()
         if row is None:
             raise await self._missing(conn, p.tenant, p.instance)
-        context = (await conn.execute(_ADMIT_CONTEXT, keys)).mappings().one()
-        salt: str = context["cache_salt"]
-        if context["existing"] is not None:
-            existing = admission.check_replay(p, await self._get(conn, p.tenant, p.request_id))
-            if existing.state is ReservationState.QUEUED and request.wait_timeout_seconds > 0:
-                # A retry keeps its place, and waits at least as long as this call will.
-                extend = {**keys, "wait": request.wait_timeout_seconds}
-                await conn.execute(_EXTEND_WAIT, extend)
-            return existing, salt
+        salt: str = row["cache_salt"]
+        if row["existing"] is not None:
+            return await self._replay(conn, request), salt
+        try:
+            return await self._admit_new(conn, request, row), salt
+        except KvQuotaError:
+            # `existing` was read before the locks were granted: an identical Admit that
+            # committed while this one waited is answered as a repeat, not refused.
+            if (await conn.execute(_EXISTING_RESERVATION, keys)).first() is None:
+                raise
+            return await self._replay(conn, request), salt
+
+    async def _replay(self, conn: AsyncConnection, request: AdmitRequest) -> Reservation:
+        """A repeated Admit: the reservation as it is, if the parameters are the same."""
+        p = request.params
+        existing = admission.check_replay(p, await self._get(conn, p.tenant, p.request_id))
+        if existing.state is ReservationState.QUEUED and request.wait_timeout_seconds > 0:
+            # A retry keeps its place, and waits at least as long as this call will.
+            extend = {"tenant": p.tenant, "request_id": p.request_id}
+            await conn.execute(_EXTEND_WAIT, {**extend, "wait": request.wait_timeout_seconds})
+        return existing
+
+    async def _admit_new(
+        self, conn: AsyncConnection, request: AdmitRequest, row: RowMapping
+    ) -> Reservation:
+        p = request.params
+        salt: str = row["cache_salt"]
         pool = pool_from_row(p.instance, row)
         account = account_from_row(p.tenant, row)
         table = block_table.layout(
@@ -655,8 +682,7 @@ class Ledger:
             ahead = (await conn.execute(_QUEUED_AHEAD, place)).scalar_one()
         # Requests already waiting go first: nobody jumps the queue, however small.
         if isinstance(decision, AdmissionPlan) and ahead == 0:
-            holder, scope = row["holder_id"], context["hash_scope"]
-            return await self._insert(conn, request, decision, holder, scope), salt
+            return await self._insert(conn, request, decision, row["holder_id"], row["hash_scope"])
         shortfall = (
             decision
             if isinstance(decision, Shortfall)
@@ -678,7 +704,7 @@ class Ledger:
         queueing.check_bounds(load, p.prompt_tokens, p.instance, p.tenant, delay)
         await self._enqueue(conn, request, table.total, row["holder_id"], row["weight"])
         await self._dispatch(conn, p.instance)
-        return await self._get(conn, p.tenant, p.request_id), salt
+        return await self._get(conn, p.tenant, p.request_id)
 
     async def _insert(
         self,
@@ -907,10 +933,17 @@ class Ledger:
 
     async def _lock(self, conn: AsyncConnection, tenant: str, request_id: str) -> RowMapping:
         keys = {"tenant": tenant, "request_id": request_id}
-        if (await conn.execute(_LOCK_FOR_RESERVATION, keys)).first() is None:
-            raise not_found("reservation", reservation_name(tenant, request_id))
+        await self._lock_instance_of(conn, tenant, request_id)
         # Its state as it is now that the locks are held.
         return (await conn.execute(_RESERVATION_KEYS, keys)).mappings().one()
+
+    async def _lock_instance_of(self, conn: AsyncConnection, tenant: str, request_id: str) -> str:
+        """Lock a reservation's instance and tenant; returns the instance."""
+        keys = {"tenant": tenant, "request_id": request_id}
+        instance = (await conn.execute(_LOCK_FOR_RESERVATION, keys)).scalar()
+        if instance is None:
+            raise not_found("reservation", reservation_name(tenant, request_id))
+        return str(instance)
 
     async def end(
         self,
@@ -927,25 +960,28 @@ class Ledger:
         budget) has run out is ended: a renewal may have won."""
 
         async def work(conn: AsyncConnection) -> Reservation:
-            locked = await self._lock(conn, tenant, request_id)
-            if locked["state"] == ReservationState.QUEUED.value:
-                await self._dequeue(conn, tenant, request_id, reason, lapsed_only=lapsed_only)
-            else:
-                params = {
-                    "tenant": tenant,
-                    "request_id": request_id,
-                    "instance": locked["instance"],
-                    "reason": reason.value,
-                    "output_tokens": output_tokens,
-                    "lapsed_only": lapsed_only,
-                    # Only work that ran to its end says how long requests really hold blocks.
-                    "observed": reason is EndReason.RELEASED,
-                    "offloading": False,
-                }
-                ended = (await conn.execute(_END_RESERVATION, params)).mappings().first()
-                if ended is not None and reason is EndReason.PREEMPTED:
-                    keys = {"tenant": tenant, "request_id": request_id}
-                    await conn.execute(_RECORD_FREED, {**keys, "freed": ended["freed_blocks"]})
+            keys = {"tenant": tenant, "request_id": request_id}
+            params = {
+                **keys,
+                "instance": await self._lock_instance_of(conn, tenant, request_id),
+                "reason": reason.value,
+                "output_tokens": output_tokens,
+                "lapsed_only": lapsed_only,
+                # Only work that ran to its end says how long requests really hold blocks.
+                "observed": reason is EndReason.RELEASED,
+                "offloading": False,
+            }
+            # The common case first, in one statement that answers too: an admitted reservation
+            # ends (the statement sees its state as it is now that the locks are held).
+            ended = (await conn.execute(_END_RESERVATION, params)).mappings().first()
+            if ended is not None:
+                if reason is EndReason.PREEMPTED:
+                    await conn.execute(_RECORD_FREED, {**keys, "freed": ended["freed_now"]})
+                return reservation_from_row(ended)
+            current = await self._get(conn, tenant, request_id)
+            if current.state is not ReservationState.QUEUED:
+                return current  # ended already, or admitted with a lease that has not lapsed
+            await self._dequeue(conn, tenant, request_id, reason, lapsed_only=lapsed_only)
             return await self._get(conn, tenant, request_id)
 
         return await in_transaction(self._engine, work)
@@ -1069,9 +1105,13 @@ class Ledger:
         return await in_transaction(self._engine, work)
 
     async def _resume_refusal(self, conn: AsyncConnection, queued: Reservation) -> KvQuotaError:
-        keys = {"tenant": queued.tenant, "instance": queued.instance}
+        keys = {
+            "tenant": queued.tenant,
+            "instance": queued.instance,
+            "request_id": queued.request_id,
+        }
         row = (await conn.execute(_LOCK_POOL_AND_ACCOUNT, keys)).mappings().one()
-        stored = await conn.execute(_GET_RESERVATION, {**keys, "request_id": queued.request_id})
+        stored = await conn.execute(_GET_RESERVATION, keys)
         pool, account = pool_from_row(queued.instance, row), account_from_row(queued.tenant, row)
         decision, _ = await self._decide_queued(
             conn, queued, stored.mappings().one(), pool, account
@@ -1251,7 +1291,7 @@ async def offload(conn: AsyncConnection, instance: str, tenant: str, request_id:
         "offloading": True,
     }
     offloaded = (await conn.execute(_OFFLOAD_RESERVATION, params)).mappings().first()
-    return None if offloaded is None else int(offloaded["freed_blocks"])
+    return None if offloaded is None else int(offloaded["freed_now"])
 
 
 def _not_live(current: Reservation) -> KvQuotaError:
