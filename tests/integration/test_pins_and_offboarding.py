@@ -193,24 +193,25 @@ async def test_offboarding_resumes_after_a_crash(
     await add_tenant(engine, "gone")
     for i in range(10):
         await ledger.admit(request(f"r{i}", 10 * BS, BS, tenant="gone"))
-    real_end = ledger.end
-    calls = 0
+    offboarding = Offboarding(engine, ledger, pins, reservation_batch=3)
+    real_batch = offboarding._end_batch
+    batches = 0
 
-    async def crashing_end(*args: object, **kwargs: object) -> object:
-        nonlocal calls
-        calls += 1
-        if calls > 4:
+    async def crashing_batch(instance: str, tenant: str) -> int:
+        nonlocal batches
+        batches += 1
+        if batches > 2:
             raise RuntimeError("process killed")
-        return await real_end(*args, **kwargs)  # type: ignore[arg-type]
+        return await real_batch(instance, tenant)
 
-    monkeypatch.setattr(ledger, "end", crashing_end)
+    monkeypatch.setattr(offboarding, "_end_batch", crashing_batch)
     with pytest.raises(RuntimeError):
-        await Offboarding(engine, ledger, pins).delete_tenant("gone")
+        await offboarding.delete_tenant("gone")
     await assert_invariants(engine)  # every finished step committed whole
     with pytest.raises(KvQuotaError) as deleting:
         await ledger.admit(request("new", 10, 10, tenant="gone"))
     assert deleting.value.reason == "TENANT_SUSPENDED"
-    monkeypatch.setattr(ledger, "end", real_end)
+    monkeypatch.undo()
     finished = await Offboarding(engine, ledger, pins).resume_all()
     assert finished == 1
     report = await Offboarding(engine, ledger, pins).delete_tenant("gone")
@@ -252,9 +253,10 @@ async def test_an_offboarded_tenant_cannot_come_back(
     async def crash(*args: object, **kwargs: object) -> object:
         raise RuntimeError("process killed")
 
-    monkeypatch.setattr(ledger, "end", crash)
+    crashing = Offboarding(engine, ledger, pins)
+    monkeypatch.setattr(crashing, "_end_batch", crash)
     with pytest.raises(RuntimeError):
-        await Offboarding(engine, ledger, pins).delete_tenant("crashed")
+        await crashing.delete_tenant("crashed")
     monkeypatch.undo()
     with pytest.raises(KvQuotaError):
         await catalog.set_tenant_state("crashed", TenantState.SUSPENDED)
