@@ -6,6 +6,8 @@ One throwaway database; --servers `kvquota serve` processes on it (API keys requ
 load generator. Each of --runs runs measures:
 
 - pgbench -N at each --concurrency on a throwaway database of the same server (best tps);
+- the per-block floor (bench/pgbench.py FLOOR_SCRIPT): what any ledger with a durable count per
+  block must write for one Admit+Release, run by pgbench on the kvquota database (best tps);
 - Admit+Release of 1536-token requests (96 blocks of 16), closed loop at each --concurrency,
   without a prefix and with a shared 1024-token prefix (best pairs/s of each);
 - Admit latency at half of that best, open loop (Poisson arrivals at the rate, each Admit timed
@@ -50,12 +52,13 @@ import psycopg
 
 from bench import harness, load, profile, report
 from bench.load import Gateway, LoadResult, Shape, percentile, say
-from bench.pgbench import PgBench, pgbench_database
+from bench.pgbench import PerBlockFloor, PgBench, pgbench_database
 from kvquota.v1 import admin_pb2, admission_pb2
 from kvquota.v1 import resources_pb2 as pb
 from quota_service.store.access import create_bootstrap_key
 
 TENANTS = ["t0", "t1", "t2", "t3"]
+FLOOR = "floor"  # the per-block floor's instance and tenant
 FLEET = 8
 FLEET_TENANTS = [f"f{i}" for i in range(16)]
 QUEUE_TENANTS = ["q0", "q1", "q2", "q3"]
@@ -297,6 +300,7 @@ class Suite:
         self.extra: dict[str, Any] = {}
         self.token: str | None = None
         self.spied: harness.Server  # the server py-spy watches (the one admin calls go to)
+        self.floor: PerBlockFloor  # made by setup, once the database is
         self.scratch = tempfile.mkdtemp(prefix="kvq-bench-")
 
     # -- setup -----------------------------------------------------------------------------
@@ -309,6 +313,8 @@ class Suite:
         seconds = await load.register_instance(gateway, "pool-big", self.sizes.big_pool)
         self.extra["register_big_pool_seconds"] = round(seconds, 1)
         await load.register_instance(gateway, "queue", 10 * Shape().blocks)
+        # pgbench numbers its clients from 0: the floor's client c uses slots 96c to 96c + 95.
+        await load.register_instance(gateway, FLOOR, biggest * Shape().blocks)
         offboard_requests = math.ceil(self.sizes.offboard_blocks / Shape().blocks)
         offboard_slots = (offboard_requests + OFFBOARD_PROFILED + 1) * Shape().blocks
         await load.register_instance(gateway, "offboard", offboard_slots)
@@ -318,6 +324,9 @@ class Suite:
         await load.create_tenants(gateway, FLEET_TENANTS)
         await load.create_tenants(gateway, QUEUE_TENANTS, QUEUE_WEIGHTS)
         await load.create_tenants(gateway, [f"r{i}" for i in range(8)])
+        await load.create_tenants(gateway, [FLOOR])
+        self.floor = PerBlockFloor(database_url, FLOOR, FLOOR, Shape().blocks, Path(self.scratch))
+        self.extra["floor_script"] = self.floor.script.read_text()
         # Only the pools: the tables the load fills keep the statistics autovacuum gives them.
         analyze(database_url, "blocks")
 
@@ -344,6 +353,10 @@ class Suite:
             run.pgbench.append(asdict(reference))
             best_tps = max(best_tps, reference.tps)
         f["pgbench_tps"] = best_tps
+        watch.phase = f"run{number}-floor"
+        floor = max(self.floor.run(c, args.seconds).tps for c in args.concurrency)
+        f["floor_pairs_per_second"] = floor
+        f["floor_ratio"] = floor / best_tps if best_tps else math.nan
 
         for prefix, kind in ((0, "no_prefix"), (PREFIX_TOKENS, "prefix")):
             watch.phase = f"run{number}-{kind}"
@@ -357,6 +370,7 @@ class Suite:
             f[f"pairs_per_second_{kind}"] = best.pairs_per_second
             f[f"best_concurrency_{kind}"] = best.concurrency
             f[f"ratio_{kind}"] = best.pairs_per_second / best_tps if best_tps else math.nan
+            f[f"of_floor_{kind}"] = best.pairs_per_second / floor if floor else math.nan
             f[f"server_cpu_ms_per_pair_{kind}"] = best.server_cpu_ms_per_pair
             f[f"postgres_cpu_ms_per_pair_{kind}"] = best.postgres_cpu_ms_per_pair
             f[f"driver_cpu_ms_per_pair_{kind}"] = best.driver_cpu_ms_per_pair
@@ -478,9 +492,13 @@ class Suite:
         f["fleet_postgres_cpu_ms_per_pair"] = postgres * 1000 / pairs
 
     async def queue_mix(self, gateway: Gateway, run: Run, number: int) -> None:
-        """24 clients of four tenants (weights 1, 1, 2, 4) on an instance that holds 10 requests;
-        each holds its reservation 50 ms (its generation), waiting up to 10 s in the queue."""
-        clients = 24
+        """48 clients of four tenants (weights 1, 1, 2, 4) on an instance that holds 10 requests;
+        each holds its reservation 50 ms (its generation), waiting up to 10 s in the queue.
+        Twelve clients a tenant keep every tenant waiting with more requests than its share of
+        the slots (weight 4's share is 5): fair queueing divides by weight only among tenants
+        that are waiting. With six each, weight 4 often had none queued when a slot freed, and
+        got 31% instead of 50%."""
+        clients = 48
         say(f"queue mix: {clients} clients of 4 tenants, room for 10, {self.args.seconds:g} s")
         result = await load.closed_loop(
             gateway,
