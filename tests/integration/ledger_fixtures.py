@@ -3,6 +3,7 @@ and a read of every counter straight from the database."""
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -10,6 +11,7 @@ from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.model import AdmitParams, TenantQuota
 from quota_service.store.catalog import Catalog
+from quota_service.store.offboarding import Offboarding
 
 UNLIMITED = TenantQuota(10**9, 10**12, 1000, 1000, 10**12)
 
@@ -78,3 +80,20 @@ async def snapshot(engine: AsyncEngine) -> tuple[object, ...]:
             result = await conn.execute(text(f"SELECT * FROM {table} ORDER BY 1, 2"))
             rows.append(tuple(tuple(r) for r in result))
         return tuple(rows)
+
+
+def crash_after_batches(
+    offboarding: Offboarding, monkeypatch: pytest.MonkeyPatch, batches: int
+) -> None:
+    """Make the offboarding's process die once `batches` batches of reservations committed."""
+    real_batch = offboarding._end_batch
+    started = 0
+
+    async def crashing_batch(instance: str, tenant: str) -> int:
+        nonlocal started
+        started += 1
+        if started > batches:
+            raise RuntimeError("process killed")
+        return await real_batch(instance, tenant)
+
+    monkeypatch.setattr(offboarding, "_end_batch", crashing_batch)

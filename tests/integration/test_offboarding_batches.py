@@ -22,7 +22,13 @@ from quota_service.store.notifications import Listener
 from quota_service.store.offboarding import Offboarding, OffboardingReport
 from quota_service.store.pins import Pins
 from tests.integration.invariants import assert_invariants
-from tests.integration.ledger_fixtures import add_tenant, counters, request, snapshot
+from tests.integration.ledger_fixtures import (
+    add_tenant,
+    counters,
+    crash_after_batches,
+    request,
+    snapshot,
+)
 
 BS = 16
 GEOMETRY = geometry.KvGeometry(2, 2, 64, geometry.KvDtype.FP16)  # 16 KiB a block
@@ -181,17 +187,7 @@ async def test_a_crash_between_batches_resumes_where_it_stopped(
 ) -> None:
     ledger, pins = await offboarded_tenant(engine, settings)
     offboarding = Offboarding(engine, ledger, pins, reservation_batch=BATCH)
-    real_batch = offboarding._end_batch
-    batches = 0
-
-    async def crashing_batch(instance: str, tenant: str) -> int:
-        nonlocal batches
-        batches += 1
-        if batches > 2:
-            raise RuntimeError("process killed")
-        return await real_batch(instance, tenant)
-
-    monkeypatch.setattr(offboarding, "_end_batch", crashing_batch)
+    crash_after_batches(offboarding, monkeypatch, 2)
     with pytest.raises(RuntimeError):
         await offboarding.delete_tenant("big")
     reasons = await end_reasons(engine, "big")

@@ -25,7 +25,14 @@ from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import Offboarding, OffboardingReport
 from quota_service.store.pins import Pins
 from tests.integration.invariants import assert_invariants
-from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request, snapshot
+from tests.integration.ledger_fixtures import (
+    add_instance,
+    add_tenant,
+    counters,
+    crash_after_batches,
+    request,
+    snapshot,
+)
 
 BS = 16
 
@@ -194,17 +201,7 @@ async def test_offboarding_resumes_after_a_crash(
     for i in range(10):
         await ledger.admit(request(f"r{i}", 10 * BS, BS, tenant="gone"))
     offboarding = Offboarding(engine, ledger, pins, reservation_batch=3)
-    real_batch = offboarding._end_batch
-    batches = 0
-
-    async def crashing_batch(instance: str, tenant: str) -> int:
-        nonlocal batches
-        batches += 1
-        if batches > 2:
-            raise RuntimeError("process killed")
-        return await real_batch(instance, tenant)
-
-    monkeypatch.setattr(offboarding, "_end_batch", crashing_batch)
+    crash_after_batches(offboarding, monkeypatch, 2)
     with pytest.raises(RuntimeError):
         await offboarding.delete_tenant("gone")
     await assert_invariants(engine)  # every finished step committed whole
