@@ -385,7 +385,10 @@ async def reclaim_split(database_url: str, instance: str, target_blocks: int) ->
         fetched = time.perf_counter()
         async with engine.connect() as conn:
             plans = {}
-            for name, clause in (("_LIVE", reclaim._LIVE), ("_CACHED", reclaim._CACHED)):
+            for name, clause in (
+                ("_LIVE", reclaim._LIVE),
+                ("_UNREFERENCED", reclaim._UNREFERENCED),
+            ):
                 compiled = str(clause.compile(dialect=engine.dialect))
                 raw = await conn.exec_driver_sql(
                     "EXPLAIN (ANALYZE, BUFFERS) " + compiled, {"instance": instance}
@@ -401,9 +404,9 @@ async def reclaim_split(database_url: str, instance: str, target_blocks: int) ->
         # then the job read back (`get`, timed alone as well).
         "create_seconds": round(created - done, 3),
         "get_seconds": round(fetched - created, 3),
-        "cached_blocks": len(snapshot.cached),
+        "cached_blocks": sum(c.blocks for c in snapshot.cached),
         "reservations": len(snapshot.reservations),
-        "held_entries": sum(len(r.blocks) for r in snapshot.reservations),
+        "held_entries": sum(r.entries for r in snapshot.reservations),
         "planned_steps": len(planned.steps),
         "planned_blocks": planned.total_blocks,
         "explain": {name: plan_summary(plan) for name, plan in plans.items()},

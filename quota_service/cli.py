@@ -399,12 +399,25 @@ def format_size(size: int) -> str:
     return f"{size}B"
 
 
+def finished_steps(job: resources_pb2.ReclaimJob) -> int:
+    """Steps applied, skipped or failed (a FREE step part way through has blocks back but is
+    still planned)."""
+    return sum(s.state != resources_pb2.RECLAIM_STEP_STATE_PLANNED for s in job.steps)
+
+
 def _step_row(step: resources_pb2.ReclaimStep) -> dict[str, object]:
-    handle = f"block {step.block.block_id}@{step.block.generation}"
+    if step.reservation:
+        what = step.reservation
+    elif step.HasField("block"):  # a FREE step of a job planned block by block
+        what = f"block {step.block.block_id}@{step.block.generation}"
+    elif step.tier == resources_pb2.RECLAIM_TIER_FREE:
+        what = "cached blocks, least recently used first"
+    else:
+        what = "-"
     return {
         "step": step.seq,
         "tier": _enum_name(step, "tier"),
-        "what": step.reservation or handle,
+        "what": what,
         "expected": step.expected_blocks,
         "actual": "-" if step.actual_blocks < 0 else step.actual_blocks,
         "state": _enum_name(step, "state"),
@@ -440,9 +453,9 @@ def _reclaim(args: argparse.Namespace) -> int:
         while job.state not in finished:
             time.sleep(POLL_SECONDS)
             job = stub.GetReclaimJob(admin_pb2.GetReclaimJobRequest(name=job.name))
-            done = sum(s.actual_blocks >= 0 for s in job.steps)
             print(
-                f"{done}/{len(job.steps)} steps, {job.actual_blocks} blocks back", file=sys.stderr
+                f"{finished_steps(job)}/{len(job.steps)} steps, {job.actual_blocks} blocks back",
+                file=sys.stderr,
             )
     if args.json:
         print(json.dumps(_as_dict(job), indent=2))

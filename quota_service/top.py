@@ -27,6 +27,7 @@ from quota_service.cli import (
     _enum_name,
     _instance_row,
     _tenant_row,
+    finished_steps,
     format_size,
     table_lines,
 )
@@ -204,7 +205,7 @@ def job_row(j: resources_pb2.ReclaimJob) -> dict[str, object]:
         "target": j.target_blocks,
         "expected": j.expected_blocks,
         "back": j.actual_blocks,
-        "steps": f"{sum(s.actual_blocks >= 0 for s in j.steps)}/{len(j.steps)}",
+        "steps": f"{finished_steps(j)}/{len(j.steps)}",
     }
 
 

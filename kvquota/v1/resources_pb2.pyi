@@ -1018,7 +1018,9 @@ class ReclaimStep(_message.Message):
     reservation: _builtins.str
     """OFFLOAD and EVICT: tenants/{tenant}/reservations/{request_id}."""
     expected_blocks: _builtins.int
-    """GPU blocks the plan expects this step to give back, and what it did (-1 until applied)."""
+    """GPU blocks the plan expects this step to give back, and what it gave back so far (-1
+    until it starts; a FREE step counts up batch by batch while still PLANNED).
+    """
     actual_blocks: _builtins.int
     cpu_bytes: _builtins.int
     """CPU-tier bytes it takes (offload) or gives back (compress, negative)."""
@@ -1028,7 +1030,9 @@ class ReclaimStep(_message.Message):
     """Why it gave back other than expected."""
     @_builtins.property
     def block(self) -> Global___BlockHandle:
-        """FREE: the block handle it frees."""
+        """FREE: unset; the step frees expected_blocks cached blocks, those of scopes with no live
+        reservation first, least recently used first (older jobs may name one block here).
+        """
 
     def __init__(
         self,

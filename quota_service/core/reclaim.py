@@ -2,8 +2,9 @@
 each step will really give back.
 
 Tiers, in the order they are used (a job never goes past its highest allowed tier):
-  FREE      cached blocks nobody references; blocks of cold scopes (no live reservations) before
-            active ones, least recently used first within each.
+  FREE      cached blocks nobody references: one step for as many as are needed, which the
+            executor takes least damage first (blocks of cold scopes, with no live reservation,
+            before active ones; least recently used first within each).
   OFFLOAD   suspended reservations move to the CPU tier while its use stays below the low
             watermark; their blocks leave the GPU.
   COMPRESS  only when the CPU tier is above its high watermark and the instance can compress;
@@ -16,7 +17,8 @@ when every reference to it is dropped, so blocks shared with reservations outsid
 tenants', or this tenant's that the plan does not touch) are never counted, nor are pinned blocks.
 What the plan cannot take is listed with the reason, so the books and the real watermark agree.
 
-Pure: the store loads a `PoolSnapshot`, the executor applies the steps.
+Pure: the store loads a `PoolSnapshot` (counts, not blocks: only the entries of blocks that other
+references share are listed one by one), the executor applies the steps.
 """
 
 from __future__ import annotations
@@ -46,19 +48,19 @@ class Unreclaimable(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class UnreferencedBlock:
-    block_id: int
-    generation: int
-    lru_seq: int
-    scope: str  # whose salt hashed it: tenants/{t} or namespaces/{n}
+class CachedScope:
+    scope: str  # whose salt hashed the blocks: tenants/{t} or namespaces/{n}
+    blocks: int  # cached blocks (nobody references them) of that scope
 
 
 @dataclass(frozen=True, slots=True)
-class HeldBlock:
+class SharedEntry:
+    """A block-table entry naming an unpinned block that other entries reference too (of other
+    reservations, or of the same table)."""
+
     block_id: int
     generation: int
-    ref_count: int  # every live reference, pins included
-    pinned: bool
+    ref_count: int  # every live reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +70,14 @@ class LiveReservation:
     priority: int
     admitted_seq: int  # larger: admitted later
     suspended: bool
-    blocks: tuple[HeldBlock, ...]  # its block table, one entry per reference
+    entries: int  # its block table's length
+    pinned_entries: int  # entries naming pinned blocks (never freed)
+    shared: tuple[SharedEntry, ...]  # the other entries name blocks only they reference
+
+    @property
+    def sole_blocks(self) -> int:
+        """Blocks that come back as soon as this reservation drops its references."""
+        return self.entries - self.pinned_entries - len(self.shared)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +122,8 @@ def cpu_tier(
 @dataclass(frozen=True, slots=True)
 class PoolSnapshot:
     bytes_per_block: int
-    cached: tuple[UnreferencedBlock, ...]
+    cached: tuple[CachedScope, ...]
     reservations: tuple[LiveReservation, ...]
-    active_scopes: frozenset[str]  # scopes with live reservations on the instance
     pinned_only: tuple[tuple[str, int], ...]  # (pin owner, blocks only pins hold)
     cpu: CpuTier | None  # None: no CPU tier (no LMCache)
 
@@ -131,8 +139,11 @@ class ReclaimTarget:
 @dataclass(frozen=True, slots=True)
 class PlannedStep:
     tier: Tier
-    # FREE: the cached block; OFFLOAD and EVICT: the reservation; COMPRESS: none.
+    # None: a FREE step frees `gpu_blocks` cached blocks, whichever are the least damaging
+    # when it runs. Only jobs planned before FREE steps were counted name the one cached
+    # block each of their FREE steps frees.
     block: tuple[int, int] | None
+    # OFFLOAD and EVICT: the reservation; FREE and COMPRESS: none.
     reservation: tuple[str, str] | None
     gpu_blocks: int  # GPU slots this step gives back
     cpu_bytes: int  # CPU-tier bytes it takes (offload) or gives back (compress, negative)
@@ -164,8 +175,14 @@ class ReclaimPlan:
         return self.total_blocks * self.bytes_per_block
 
 
+def tenant_scope(tenant: str) -> str:
+    """The hash scope of a tenant's own cached blocks (not of its namespace's, which other
+    tenants share)."""
+    return f"tenants/{tenant}"
+
+
 def _in_scope(scope: str, tenant: str | None) -> bool:
-    return tenant is None or scope == f"tenants/{tenant}"
+    return tenant is None or scope == tenant_scope(tenant)
 
 
 class _Planner:
@@ -189,21 +206,18 @@ class _Planner:
 
     def free_cached(self) -> None:
         tenant = self.target.tenant
-        candidates = [c for c in self.pool.cached if _in_scope(c.scope, tenant)]
-        candidates.sort(key=lambda c: (c.scope in self.pool.active_scopes, c.lru_seq))
-        for c in candidates:
-            if self.done:
-                return
-            step = PlannedStep(Tier.FREE, (c.block_id, c.generation), None, 1, 0, False)
-            self.add(step)
+        cached = sum(c.blocks for c in self.pool.cached if _in_scope(c.scope, tenant))
+        wanted = min(cached, self.target.target_blocks - self.freed)
+        if wanted > 0:
+            self.add(PlannedStep(Tier.FREE, None, None, wanted, 0, False))
 
     def drop(self, reservation: LiveReservation) -> int:
         """Drop the reservation's references; how many blocks that frees."""
-        freed = 0
-        for b in reservation.blocks:
+        freed = reservation.sole_blocks
+        for b in reservation.shared:
             key = (b.block_id, b.generation)
             self.dropped[key] += 1
-            freed += not b.pinned and self.dropped[key] == b.ref_count
+            freed += self.dropped[key] == b.ref_count
         return freed
 
     def offload(self, candidates: Iterable[LiveReservation]) -> list[LiveReservation]:
@@ -214,7 +228,7 @@ class _Planner:
             if self.done:
                 left.append(r)
                 continue
-            size = len(r.blocks) * self.pool.bytes_per_block
+            size = r.entries * self.pool.bytes_per_block
             if cpu is None or self.cpu_used + size > cpu.capacity_bytes * cpu.low_watermark:
                 left.append(r)
                 continue
@@ -252,19 +266,18 @@ class _Planner:
     def report_unfreed(self) -> None:
         """Blocks of taken reservations that stay on the GPU, and why."""
         taken = {s.reservation for s in self.steps if s.reservation is not None}
-        pinned: Counter[tuple[str, str]] = Counter()
-        shared: Counter[tuple[str, str]] = Counter()
+        pinned: dict[tuple[str, str], int] = {}
+        shared: dict[tuple[str, str], int] = {}
         for r in self.pool.reservations:
             key = (r.tenant, r.request_id)
             if key not in taken:
                 continue
-            for b in r.blocks:
-                if b.pinned:
-                    pinned[key] += 1
-                elif self.dropped[(b.block_id, b.generation)] < b.ref_count:
-                    shared[key] += 1
+            pinned[key] = r.pinned_entries
+            shared[key] = sum(
+                self.dropped[(b.block_id, b.generation)] < b.ref_count for b in r.shared
+            )
         for reason, counts in ((Unreclaimable.PINNED, pinned), (Unreclaimable.SHARED, shared)):
-            self.excluded += [Exclusion(reason, n, key) for key, n in sorted(counts.items())]
+            self.excluded += [Exclusion(reason, n, key) for key, n in sorted(counts.items()) if n]
 
 
 def plan(pool: PoolSnapshot, target: ReclaimTarget) -> ReclaimPlan:
@@ -286,12 +299,12 @@ def plan(pool: PoolSnapshot, target: ReclaimTarget) -> ReclaimPlan:
         suspended = p.evict(suspended, running)
     if not p.done and Tier.OFFLOAD in allowed:
         full = Unreclaimable.CPU_TIER_FULL if pool.cpu is not None else Unreclaimable.NO_CPU_TIER
-        p.excluded += [Exclusion(full, len(r.blocks), (r.tenant, r.request_id)) for r in suspended]
+        p.excluded += [Exclusion(full, r.entries, (r.tenant, r.request_id)) for r in suspended]
     beyond = (running if target.max_tier < Tier.EVICT else []) + (
         suspended if target.max_tier < Tier.OFFLOAD else []
     )
     if not p.done and beyond:
-        held = sum(len(r.blocks) for r in beyond)
+        held = sum(r.entries for r in beyond)
         p.excluded.append(Exclusion(Unreclaimable.ABOVE_MAX_TIER, held))
     pinned = sum(n for owner, n in pool.pinned_only if _in_scope(owner, target.tenant))
     if pinned:
@@ -347,6 +360,8 @@ class JobStep:
     seq: int
     planned: PlannedStep
     state: StepState
+    # GPU blocks it gave back; None until it ran. A FREE step frees its blocks a batch per
+    # transaction: while it is still PLANNED, this is what it has freed so far.
     actual_blocks: int | None
     note: str | None
 
@@ -369,11 +384,13 @@ class ReclaimJob:
 
     @property
     def differences(self) -> tuple[JobStep, ...]:
-        """Steps that gave back other than planned, each with its reason."""
+        """Finished steps that gave back other than planned, each with its reason."""
         return tuple(
             s
             for s in self.steps
-            if s.actual_blocks is not None and s.actual_blocks != s.planned.gpu_blocks
+            if s.state is not StepState.PLANNED
+            and s.actual_blocks is not None
+            and s.actual_blocks != s.planned.gpu_blocks
         )
 
 

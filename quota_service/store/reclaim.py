@@ -1,11 +1,13 @@
 """Reclaim jobs in the ledger. A plan starts from one consistent snapshot of an instance's pool
-(one repeatable-read transaction, so cached blocks, block tables and pins agree); the job and its
-steps are stored, and each step is applied in the transaction that marks it done."""
+(one repeatable-read transaction, so cached blocks, block tables and pins agree), counted in SQL
+so that its size does not grow with the pool's; the job and its steps are stored, and each step is
+applied in the transaction that marks it done (a FREE step a batch of blocks per transaction)."""
 
 from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,9 +20,9 @@ from quota_service.core.names import reclaim_job_name
 from quota_service.core.pagination import Page
 from quota_service.core.reclaim import (
     DEFAULT_WATERMARKS,
+    CachedScope,
     CpuWatermarks,
     Exclusion,
-    HeldBlock,
     InstanceLoad,
     JobState,
     JobStep,
@@ -32,57 +34,59 @@ from quota_service.core.reclaim import (
     ReclaimPlan,
     ReclaimTally,
     ReclaimTarget,
+    SharedEntry,
     StepState,
     TenantExcess,
     Tier,
     Unreclaimable,
-    UnreferencedBlock,
     check_executable,
     check_target,
     cpu_tier,
     plan,
+    tenant_scope,
 )
 from quota_service.store import blocks, ledger
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import in_transaction
 
-_CACHED = text(
-    "SELECT block_id, generation, lru_seq, hash_scope FROM blocks "
-    "WHERE instance = :instance AND state = 'CACHED' ORDER BY lru_seq"
+# Blocks no reservation references, by state (CACHED, or PINNED: only pins hold them) and by
+# whose salt hashed them: one scan of the pool, a row per scope.
+_UNREFERENCED = text(
+    """
+    SELECT state, hash_scope, count(*) AS blocks FROM blocks
+    WHERE instance = :instance AND state IN ('CACHED', 'PINNED')
+    GROUP BY state, hash_scope ORDER BY state, hash_scope
+    """
 )
 
-# Each admitted reservation with its live block table, and per entry the block's total
-# references and whether a pin holds it.
+# Each admitted reservation holding blocks, with its table's length. Only entries naming blocks
+# that have other references too (ref_count > 1: pinned, or shared) are looked at one by one;
+# the rest, most of a pool, are its alone and only counted.
 _LIVE = text(
     """
-    SELECT r.tenant, r.request_id, r.priority, r.suspended_at IS NOT NULL AS suspended,
-           row_number() OVER (ORDER BY r.admitted_at, r.holder_id) AS admitted_seq,
-           array_agg(ref.block_id ORDER BY ref.position) AS block_ids,
-           array_agg(ref.generation ORDER BY ref.position) AS generations,
-           array_agg(b.ref_count ORDER BY ref.position) AS ref_counts,
-           array_agg(b.pin_count > 0 ORDER BY ref.position) AS pinned
-    FROM reservations r
-    JOIN block_refs ref ON ref.holder_id = r.holder_id AND NOT ref.released
-    JOIN blocks b ON b.instance = ref.instance AND b.block_id = ref.block_id
-    WHERE r.instance = :instance AND r.state = 'ADMITTED'
-    GROUP BY r.tenant, r.request_id, r.priority, r.suspended_at, r.admitted_at, r.holder_id
-    ORDER BY admitted_seq
+    WITH live AS (
+        SELECT holder_id, tenant, request_id, priority, suspended_at IS NOT NULL AS suspended,
+               row_number() OVER (ORDER BY admitted_at, holder_id) AS admitted_seq
+        FROM reservations WHERE instance = :instance AND state = 'ADMITTED'
+    ), tables AS (
+        SELECT holder_id, count(*) AS entries FROM block_refs
+        WHERE instance = :instance AND NOT released
+        GROUP BY holder_id
+    ), multi AS (
+        SELECT ref.holder_id, count(*) FILTER (WHERE b.pin_count > 0) AS pinned_entries,
+               array_agg(ARRAY[ref.block_id, ref.generation, b.ref_count])
+                   FILTER (WHERE b.pin_count = 0) AS shared
+        FROM blocks b
+        JOIN block_refs ref
+          ON ref.instance = b.instance AND ref.block_id = b.block_id AND NOT ref.released
+        WHERE b.instance = :instance AND b.ref_count > 1
+        GROUP BY ref.holder_id
+    )
+    SELECT l.tenant, l.request_id, l.priority, l.admitted_seq, l.suspended, t.entries,
+           coalesce(m.pinned_entries, 0) AS pinned_entries, m.shared
+    FROM live l JOIN tables t USING (holder_id) LEFT JOIN multi m USING (holder_id)
+    ORDER BY l.admitted_seq
     """
-)
-
-# A scope is active while one of its tenants has a reservation live on the instance.
-_ACTIVE_SCOPES = text(
-    """
-    SELECT DISTINCT unnest(ARRAY['tenants/' || t.tenant, 'namespaces/' || t.namespace])
-    FROM reservations r JOIN tenants t USING (tenant)
-    WHERE r.instance = :instance AND r.state = 'ADMITTED'
-    """
-)
-
-# Blocks only pins hold, by whose salt hashed them (each block counted once).
-_PINNED_ONLY = text(
-    "SELECT hash_scope, count(*) FROM blocks WHERE instance = :instance AND state = 'PINNED' "
-    "GROUP BY hash_scope ORDER BY hash_scope"
 )
 
 
@@ -100,10 +104,7 @@ async def load_snapshot(
     args = {"instance": instance}
     async with engine.connect() as conn:
         await conn.execution_options(isolation_level="REPEATABLE READ")
-        cached = tuple(
-            UnreferencedBlock(r.block_id, r.generation, r.lru_seq, r.hash_scope)
-            for r in await conn.execute(_CACHED, args)
-        )
+        unreferenced = (await conn.execute(_UNREFERENCED, args)).all()
         reservations = tuple(
             LiveReservation(
                 r.tenant,
@@ -111,19 +112,16 @@ async def load_snapshot(
                 r.priority,
                 r.admitted_seq,
                 r.suspended,
-                tuple(
-                    HeldBlock(*entry)
-                    for entry in zip(
-                        r.block_ids, r.generations, r.ref_counts, r.pinned, strict=True
-                    )
-                ),
+                r.entries,
+                r.pinned_entries,
+                tuple(SharedEntry(*entry) for entry in r.shared or ()),
             )
             for r in await conn.execute(_LIVE, args)
         )
-        active = frozenset(s for (s,) in await conn.execute(_ACTIVE_SCOPES, args) if s)
-        pinned = tuple((scope, n) for scope, n in await conn.execute(_PINNED_ONLY, args))
         await conn.rollback()
-    return PoolSnapshot(bytes_per_block, cached, reservations, active, pinned, cpu)
+    cached = tuple(CachedScope(r.hash_scope, r.blocks) for r in unreferenced if r.state == "CACHED")
+    pinned = tuple((r.hash_scope, r.blocks) for r in unreferenced if r.state == "PINNED")
+    return PoolSnapshot(bytes_per_block, cached, reservations, pinned, cpu)
 
 
 _INSERT_JOB = text(
@@ -159,7 +157,8 @@ _JOB_BY_REQUEST = text("SELECT job_id FROM reclaim_jobs WHERE request_id = :requ
 # The next planned step of a running job, claimed so that replicas work on different steps.
 _NEXT_STEP = text(
     """
-    SELECT j.instance, s.seq, s.tier, s.block_id, s.generation, s.tenant, s.request_id
+    SELECT j.instance, j.tenant AS job_tenant, s.seq, s.tier, s.block_id, s.generation,
+           s.tenant, s.request_id, s.expected_blocks, s.actual_blocks
     FROM reclaim_steps s JOIN reclaim_jobs j USING (job_id)
     WHERE s.job_id = :job_id AND s.state = 'PLANNED' AND j.state IN ('PLANNED', 'RUNNING')
     ORDER BY s.seq LIMIT 1
@@ -173,6 +172,28 @@ _FREE_BLOCK = text(
     blocks.drop_contents(
         "SELECT block_id, state, content_hash FROM blocks WHERE instance = :instance "
         "AND block_id = :block_id AND generation = :generation AND state = 'CACHED'",
+        "RECLAIMED",
+    )
+)
+
+# The next cached blocks of a FREE step, least damage first: those of scopes with no live
+# reservation on the instance (no request is about to hit them) before the others, least
+# recently used first within each, as vLLM evicts; only the job's tenant's own when it has one.
+_FREE_CACHED = text(
+    blocks.drop_contents(
+        """
+        WITH active AS (
+            SELECT s.scope FROM reservations r JOIN tenants t USING (tenant)
+            CROSS JOIN LATERAL unnest(ARRAY['tenants/' || t.tenant, 'namespaces/' || t.namespace])
+                AS s(scope)
+            WHERE r.instance = :instance AND r.state = 'ADMITTED' AND s.scope IS NOT NULL
+        )
+        SELECT block_id, state, content_hash FROM blocks
+        WHERE instance = :instance AND state = 'CACHED'
+          AND (CAST(:scope AS text) IS NULL OR hash_scope = :scope)
+        ORDER BY coalesce(hash_scope IN (SELECT scope FROM active), false), lru_seq
+        LIMIT :batch
+        """,
         "RECLAIMED",
     )
 )
@@ -196,6 +217,16 @@ _STEP_DONE = text(
         SELECT s.tenant, j.instance, jsonb_build_object(s.tier, :actual)
         FROM step s JOIN reclaim_jobs j ON j.job_id = :job_id
         WHERE s.tenant IS NOT NULL AND :actual > 0
+    )
+    UPDATE reclaim_jobs SET state = 'RUNNING' WHERE job_id = :job_id AND state = 'PLANNED'
+    """
+)
+
+# A FREE step's blocks freed so far, while it has more to free.
+_STEP_PROGRESS = text(
+    """
+    WITH step AS (
+        UPDATE reclaim_steps SET actual_blocks = :actual WHERE job_id = :job_id AND seq = :seq
     )
     UPDATE reclaim_jobs SET state = 'RUNNING' WHERE job_id = :job_id AND state = 'PLANNED'
     """
@@ -267,6 +298,7 @@ _TALLIES = text(
 )
 
 CHANGED_SINCE_PLAN = "the block was reused or evicted since the plan"
+FEWER_CACHED_SINCE_PLAN = "fewer cached blocks were left than planned (reused or evicted since)"
 GONE_SINCE_PLAN = "the reservation no longer exists"
 NOT_SUSPENDED_ANY_MORE = "the reservation was resumed or ended since the plan"
 OFFLOADED_SINCE_PLAN = "the reservation left the GPU for the CPU tier since the plan"
@@ -364,12 +396,23 @@ def _same_request(
     return job
 
 
+# Cached blocks a FREE step frees per transaction: each holds the instance's lock (admissions
+# on it wait), so a large step gives way between batches.
+FREE_BATCH_BLOCKS = 1024
+
+
 class ReclaimJobs:
     """Reclaim jobs: planned from a snapshot, stored step by step, executed by any replica."""
 
-    def __init__(self, engine: AsyncEngine, watermarks: CpuWatermarks = DEFAULT_WATERMARKS) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        watermarks: CpuWatermarks = DEFAULT_WATERMARKS,
+        free_batch_blocks: int = FREE_BATCH_BLOCKS,
+    ) -> None:
         self._engine = engine
         self._watermarks = watermarks
+        self._free_batch_blocks = free_batch_blocks
 
     async def create(
         self, request_id: str, instance: str, target: ReclaimTarget, dry_run: bool
@@ -441,8 +484,9 @@ class ReclaimJobs:
 
     async def run_step(self, job_id: str) -> bool | Preemption:
         """Apply the job's next planned step in one transaction with its bookkeeping (a crash
-        leaves it planned, never half-applied). True: a step was applied (or skipped, with
-        its reason); False: none is left and the job is finished; a Preemption: the step's
+        leaves it planned, never half-applied; a FREE step applies a batch of its blocks per
+        call, with its progress). True: a step (or a batch) was applied, or skipped with its
+        reason; False: none is left and the job is finished; a Preemption: the step's
         reservation still runs, and nothing changed — the engine must abort it first."""
 
         async def work(conn: AsyncConnection) -> bool | Preemption:
@@ -453,17 +497,23 @@ class ReclaimJobs:
             if step is None:
                 await conn.execute(_FINISH, {"job_id": job_id})
                 return False
-            outcome: _StepResult | Preemption
-            if step["tier"] == Tier.FREE.name:
+            outcome: _StepResult | _Progress | Preemption
+            if step["tier"] == Tier.FREE.name and step["block_id"] is not None:
                 outcome = await _free_block(conn, step)
+            elif step["tier"] == Tier.FREE.name:
+                outcome = await _free_cached(conn, step, self._free_batch_blocks)
             elif step["tier"] == Tier.OFFLOAD.name:
                 outcome = await _offloaded(conn, step)
             else:
                 outcome = await _preempted(conn, step)
             if isinstance(outcome, Preemption):
                 return outcome
+            if isinstance(outcome, _Progress):
+                progress = {"job_id": job_id, "seq": step["seq"], "actual": outcome.blocks}
+                await conn.execute(_STEP_PROGRESS, progress)
+                return True
             actual, note = outcome
-            state = StepState.APPLIED if note is None else StepState.SKIPPED
+            state = StepState.SKIPPED if note is not None and actual == 0 else StepState.APPLIED
             await conn.execute(
                 _STEP_DONE,
                 {
@@ -509,12 +559,43 @@ class ReclaimJobs:
             return list((await conn.execute(_OPEN_JOBS, {"limit": limit})).scalars().all())
 
 
-# What a step gave back, and why not what was planned (None: applied as planned).
+# What a finished step gave back, and why not what was planned (None: applied as planned).
 _StepResult = tuple[int, str | None]
 
 
+@dataclass(frozen=True, slots=True)
+class _Progress:
+    """A FREE step's blocks freed so far, more to come."""
+
+    blocks: int
+
+
+async def _free_cached(
+    conn: AsyncConnection, step: RowMapping, batch: int
+) -> _StepResult | _Progress:
+    """FREE: the next batch of the step's cached blocks, until it has freed what was planned or
+    no cached block is left to it (reused or evicted since the plan)."""
+    await conn.execute(blocks.LOCK_INSTANCE, {"instance": step["instance"]})
+    done, planned = step["actual_blocks"] or 0, step["expected_blocks"]
+    asked = min(batch, planned - done)
+    tenant = step["job_tenant"]
+    args = {
+        "instance": step["instance"],
+        "scope": None if tenant is None else tenant_scope(tenant),
+        "batch": asked,
+    }
+    freed = int((await conn.execute(_FREE_CACHED, args)).mappings().one()["freed"])
+    done += freed
+    if done == planned:
+        return done, None
+    if freed < asked:
+        return done, FEWER_CACHED_SINCE_PLAN
+    return _Progress(done)
+
+
 async def _free_block(conn: AsyncConnection, step: RowMapping) -> _StepResult:
-    """FREE: drop the cached block's contents, unless it was reused or evicted meanwhile."""
+    """FREE, as planned before FREE steps were counted (such jobs may still be open): drop the
+    one cached block's contents, unless it was reused or evicted meanwhile."""
     await conn.execute(blocks.LOCK_INSTANCE, {"instance": step["instance"]})
     args = {
         "instance": step["instance"],

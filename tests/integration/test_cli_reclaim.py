@@ -53,13 +53,13 @@ async def test_reclaim_prints_the_plan_and_the_result(
         out = capsys.readouterr().out.splitlines()
         assert out[0].endswith(": 3 blocks planned of 3")
         assert out[1].split() == ["STEP", "TIER", "WHAT", "EXPECTED", "ACTUAL", "STATE", "NOTE"]
-        assert [line.split()[1] for line in out[2:5]] == ["FREE"] * 3
+        assert out[2].split()[:3] == ["0", "FREE", "cached"] and len(out) == 3
         run = ["reclaim", "--instance", "gpu-0", "--blocks", "10", "--server", address]
         assert await asyncio.to_thread(cli_main, run) == 0
         captured = capsys.readouterr()
         assert "not reclaimable" not in captured.out  # only cached blocks here, all taken
         assert captured.out.splitlines()[-1] == "SUCCEEDED: 4 of 4 expected blocks back"
-        assert "4/4 steps, 4 blocks back" in captured.err  # progress while it ran
+        assert "1/1 steps, 4 blocks back" in captured.err  # progress while it ran
         tenant_scope = [*run, "--tenant", "acme", "--json", "--max-tier", "evict", "--dry-run"]
         assert await asyncio.to_thread(cli_main, tenant_scope) == 0
         job = json.loads(capsys.readouterr().out)

@@ -1,5 +1,6 @@
 """Reclaim jobs in the ledger: a dry run and an execution agree except where the pool changed
-(listed), a killed executor's job resumes without applying a step twice, refusals change nothing."""
+(listed), a FREE step takes the least damaging cached blocks a batch at a time, a killed
+executor's job resumes without applying a step twice, refusals change nothing."""
 
 from __future__ import annotations
 
@@ -19,23 +20,47 @@ from quota_service.core.model import EndReason
 from quota_service.core.pagination import Page
 from quota_service.core.reclaim import JobState, ReclaimTarget, StepState, Tier
 from quota_service.store.ledger import Ledger
-from quota_service.store.reclaim import CHANGED_SINCE_PLAN, ReclaimJobs
+from quota_service.store.reclaim import (
+    CHANGED_SINCE_PLAN,
+    FEWER_CACHED_SINCE_PLAN,
+    ReclaimJobs,
+)
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
 
 BS = 16
 
 
-async def cached_pool(engine: AsyncEngine, settings: Settings, blocks: int) -> Ledger:
-    """An instance whose tenant acme left `blocks` cached prompt blocks behind."""
+def prompt(i: int) -> tuple[int, ...]:
+    """The i-th 4-block prompt of the pools below."""
+    return tuple(range(i * 1000, i * 1000 + 4 * BS))
+
+
+async def cached_pool(
+    engine: AsyncEngine, settings: Settings, blocks: int, tenant: str = "acme"
+) -> Ledger:
+    """An instance whose tenant left `blocks` cached prompt blocks behind (4 a prompt)."""
     await add_instance(engine, blocks=blocks + 64)
-    await add_tenant(engine, "acme")
+    await add_tenant(engine, tenant)
     ledger = Ledger(engine, settings.admission_limits)
-    for i in range(blocks // 4):
-        tokens = tuple(range(i * 1000, i * 1000 + 4 * BS))
-        await ledger.admit(replace(request(f"r{i}", len(tokens), 1), prompt_token_ids=tokens))
-        await ledger.end("acme", f"r{i}", EndReason.RELEASED, 1)
+    await leave_cached(ledger, tenant, range(blocks // 4))
     return ledger
+
+
+async def leave_cached(ledger: Ledger, tenant: str, prompts: range) -> None:
+    for i in prompts:
+        tokens = prompt(i)
+        base = request(f"r{i}", len(tokens), 1, tenant=tenant)
+        await ledger.admit(replace(base, prompt_token_ids=tokens))
+        await ledger.end(tenant, f"r{i}", EndReason.RELEASED, 1)
+
+
+async def prefix_hits(ledger: Ledger, tenant: str, request_id: str, i: int) -> int:
+    """How many of the i-th prompt's blocks are still cached (a request reusing them)."""
+    tokens = prompt(i)
+    base = request(request_id, len(tokens), 1, tenant=tenant)
+    admitted, _ = await ledger.admit(replace(base, prompt_token_ids=tokens))
+    return admitted.prefix_hit_blocks
 
 
 async def test_a_dry_run_and_its_execution_agree_but_for_what_changed(
@@ -45,27 +70,113 @@ async def test_a_dry_run_and_its_execution_agree_but_for_what_changed(
     jobs = ReclaimJobs(engine)
     target = ReclaimTarget(6, Tier.FREE)
     dry = await jobs.create("dry", "gpu-0", target, dry_run=True)
-    assert (dry.state, dry.expected_blocks, len(dry.steps)) == (JobState.SUCCEEDED, 6, 6)
+    assert (dry.state, dry.expected_blocks, len(dry.steps)) == (JobState.SUCCEEDED, 6, 1)
+    assert (dry.steps[0].planned.tier, dry.steps[0].planned.gpu_blocks) == (Tier.FREE, 6)
     assert await jobs.run_step(dry.job_id) is False  # a dry run is never executed
 
     job = await jobs.create("real", "gpu-0", target, dry_run=False)
     assert [s.planned for s in job.steps] == [s.planned for s in dry.steps]
-    # Before it runs, a request reuses the first prompt's blocks (a prefix hit): those planned
-    # blocks are in use now and must not be taken.
-    first = tuple(range(0, 4 * BS))
-    again, _ = await ledger.admit(replace(request("again", len(first), 1), prompt_token_ids=first))
-    assert again.prefix_hit_blocks == 4
+    # Before it runs, a request reuses the first prompt's blocks (a prefix hit): those blocks
+    # are in use now and must not be taken; only 4 cached ones are left.
+    assert await prefix_hits(ledger, "acme", "again", 0) == 4
     while await jobs.run_step(job.job_id):
         pass
     done = await jobs.get(job.job_id)
     assert done.state is JobState.SUCCEEDED
-    reused = {s.seq for s in done.steps if s.state is StepState.SKIPPED}
-    assert len(reused) == 4  # the first prompt's blocks were the least recently used
-    assert all(s.note == CHANGED_SINCE_PLAN for s in done.differences)
-    assert {s.seq for s in done.differences} == reused
-    assert done.actual_blocks == done.expected_blocks - len(reused) == 2
+    (step,) = done.steps
+    assert (step.state, step.actual_blocks, step.note) == (
+        StepState.APPLIED,
+        4,
+        FEWER_CACHED_SINCE_PLAN,
+    )
+    assert done.differences == (step,)
     books = (await counters(engine))["instance:gpu-0"]
-    assert books["cached_blocks"] == 8 - 2 - 4  # 2 freed, 4 in use again
+    assert books["cached_blocks"] == 8 - 4 - 4  # 4 in use again, the 4 others freed
+    assert (await ledger.get("acme", "again")).prefix_hit_blocks == 4
+    await assert_invariants(engine)
+
+
+async def test_free_takes_cold_scopes_first_then_the_least_recently_used(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """Cached blocks of tenants with no live work go first; within each, least recently used
+    first, a table's tail before its head (as vLLM evicts); a tenant's job takes only its own."""
+    ledger = await cached_pool(engine, settings, 8)  # acme: prompts 0 and 1
+    await add_tenant(engine, "globex")
+    await leave_cached(ledger, "globex", range(2, 4))  # released after acme's: hotter
+    busy = tuple(range(50_000, 50_000 + BS))
+    await ledger.admit(replace(request("busy", len(busy), 1), prompt_token_ids=busy))
+    jobs = ReclaimJobs(engine)
+    job = await jobs.create("mixed", "gpu-0", ReclaimTarget(10, Tier.FREE), dry_run=False)
+    assert [(s.planned.tier, s.planned.gpu_blocks) for s in job.steps] == [(Tier.FREE, 10)]
+    assert await jobs.run_step(job.job_id) and not await jobs.run_step(job.job_id)
+    # globex is cold: all 8 of its blocks went; then acme's oldest prompt's tail.
+    assert await prefix_hits(ledger, "globex", "g", 2) == 0
+    assert await prefix_hits(ledger, "acme", "a0", 0) == 2
+    assert await prefix_hits(ledger, "acme", "a1", 1) == 4
+    for rid in ("a0", "a1"):  # both prompts whole in the cache again
+        await ledger.end("acme", rid, EndReason.RELEASED, 1)
+    # acme's own job: only acme's cached blocks, never another tenant's.
+    await leave_cached(ledger, "globex", range(4, 5))
+    acme = ReclaimTarget(100, Tier.FREE, tenant="acme")
+    only = await jobs.create("acme-only", "gpu-0", acme, dry_run=False)
+    assert only.expected_blocks == 8
+    while await jobs.run_step(only.job_id):
+        pass
+    assert (await jobs.get(only.job_id)).actual_blocks == 8
+    assert await prefix_hits(ledger, "globex", "g4", 4) == 4
+    await assert_invariants(engine)
+
+
+async def test_a_free_step_frees_a_batch_per_transaction_and_shows_its_progress(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    await cached_pool(engine, settings, 12)
+    jobs = ReclaimJobs(engine, free_batch_blocks=5)
+    job = await jobs.create("batched", "gpu-0", ReclaimTarget(12, Tier.FREE), dry_run=False)
+    progress = []
+    while await jobs.run_step(job.job_id):
+        running = await jobs.get(job.job_id)
+        progress.append((running.steps[0].state, running.actual_blocks, running.differences))
+    assert progress == [
+        (StepState.PLANNED, 5, ()),
+        (StepState.PLANNED, 10, ()),
+        (StepState.APPLIED, 12, ()),
+    ]
+    assert (await jobs.get(job.job_id)).state is JobState.SUCCEEDED
+    assert (await counters(engine))["instance:gpu-0"]["cached_blocks"] == 0
+    await assert_invariants(engine)
+
+
+async def test_a_free_step_planned_block_by_block_still_runs(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """Jobs planned before FREE steps were counted name one cached block a step; one still open
+    at an upgrade runs on."""
+    ledger = await cached_pool(engine, settings, 8)
+    jobs = ReclaimJobs(engine)
+    job = await jobs.create("old", "gpu-0", ReclaimTarget(2, Tier.FREE), dry_run=False)
+    async with engine.begin() as conn:
+        await conn.execute(text("DELETE FROM reclaim_steps"))
+        await conn.execute(
+            text(
+                "INSERT INTO reclaim_steps (job_id, seq, tier, block_id, generation, "
+                "expected_blocks, cpu_bytes, lossy) "
+                "SELECT :job_id, row_number() OVER (ORDER BY lru_seq) - 1, 'FREE', block_id, "
+                "generation, 1, 0, false FROM blocks WHERE state = 'CACHED' "
+                "ORDER BY lru_seq LIMIT 2"
+            ),
+            {"job_id": job.job_id},
+        )
+    assert await prefix_hits(ledger, "acme", "again", 0) == 4  # the first block is in use now
+    while await jobs.run_step(job.job_id):
+        pass
+    done = await jobs.get(job.job_id)
+    assert [(s.planned.block is not None, s.state, s.actual_blocks) for s in done.steps] == [
+        (True, StepState.SKIPPED, 0),
+        (True, StepState.SKIPPED, 0),
+    ]
+    assert all(s.note == CHANGED_SINCE_PLAN for s in done.differences)
     await assert_invariants(engine)
 
 
@@ -76,7 +187,7 @@ from quota_service.store.reclaim import ReclaimJobs
 
 async def main(url, job_id):
     engine = connect(url, pool_size=1)
-    jobs = ReclaimJobs(engine)
+    jobs = ReclaimJobs(engine, free_batch_blocks=1)
     while await jobs.run_step(job_id):
         print("step", flush=True)
         await asyncio.sleep(0.2)
@@ -85,11 +196,11 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 
-async def test_a_killed_executor_s_job_resumes_and_applies_each_step_once(
+async def test_a_killed_executor_s_job_resumes_and_frees_each_block_once(
     engine: AsyncEngine, settings: Settings, database_url: str
 ) -> None:
     await cached_pool(engine, settings, 12)
-    jobs = ReclaimJobs(engine)
+    jobs = ReclaimJobs(engine, free_batch_blocks=1)
     job = await jobs.create("kill-me", "gpu-0", ReclaimTarget(12, Tier.FREE), dry_run=False)
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-c", EXECUTOR, database_url, job.job_id, stdout=asyncio.subprocess.PIPE
@@ -100,13 +211,13 @@ async def test_a_killed_executor_s_job_resumes_and_applies_each_step_once(
     process.send_signal(signal.SIGKILL)
     await process.wait()
     interrupted = await jobs.get(job.job_id)
-    applied = sum(s.state is StepState.APPLIED for s in interrupted.steps)
-    assert interrupted.state is JobState.RUNNING and 3 <= applied < 12
+    assert interrupted.state is JobState.RUNNING and 3 <= interrupted.actual_blocks < 12
+    assert interrupted.steps[0].state is StepState.PLANNED
     while await jobs.run_step(job.job_id):  # another replica picks it up
         pass
     done = await jobs.get(job.job_id)
     assert (done.state, done.actual_blocks) == (JobState.SUCCEEDED, 12)
-    assert all(s.state is StepState.APPLIED and s.actual_blocks == 1 for s in done.steps)
+    assert [(s.state, s.actual_blocks) for s in done.steps] == [(StepState.APPLIED, 12)]
     async with engine.connect() as conn:
         per_block = await conn.execute(
             text(
@@ -123,14 +234,14 @@ async def test_concurrent_executors_share_a_job_without_applying_a_step_twice(
     engine: AsyncEngine, settings: Settings
 ) -> None:
     await cached_pool(engine, settings, 16)
-    jobs = ReclaimJobs(engine)
+    jobs = ReclaimJobs(engine, free_batch_blocks=1)
     job = await jobs.create("shared", "gpu-0", ReclaimTarget(16, Tier.FREE), dry_run=False)
 
     async def executor() -> int:
-        steps = 0
+        batches = 0
         while await jobs.run_step(job.job_id):
-            steps += 1
-        return steps
+            batches += 1
+        return batches
 
     assert sum(await asyncio.gather(*(executor() for _ in range(4)))) == 16
     assert (await jobs.get(job.job_id)).actual_blocks == 16
@@ -159,7 +270,7 @@ async def test_a_cancelled_job_keeps_what_it_applied_and_runs_nothing_more(
     engine: AsyncEngine, settings: Settings
 ) -> None:
     await cached_pool(engine, settings, 8)
-    jobs = ReclaimJobs(engine)
+    jobs = ReclaimJobs(engine, free_batch_blocks=1)
     job = await jobs.create("stop", "gpu-0", ReclaimTarget(8, Tier.FREE), dry_run=False)
     assert await jobs.run_step(job.job_id) and await jobs.run_step(job.job_id)
     cancelled = await jobs.cancel(job.job_id)
@@ -181,7 +292,7 @@ async def test_nothing_is_applied_after_a_cancel_returns(
 ) -> None:
     """Executors racing a cancel: the job the cancel returns is the job's final state."""
     await cached_pool(engine, settings, 32)
-    jobs = ReclaimJobs(engine)
+    jobs = ReclaimJobs(engine, free_batch_blocks=1)
     job = await jobs.create("race", "gpu-0", ReclaimTarget(32, Tier.FREE), dry_run=False)
 
     async def executor() -> None:
@@ -194,7 +305,7 @@ async def test_nothing_is_applied_after_a_cancel_returns(
     await asyncio.gather(*executors)
     final = await jobs.get(job.job_id)
     assert final == cancelled
-    if final.state is JobState.CANCELLED:  # else all 32 steps beat the cancel
+    if final.state is JobState.CANCELLED:  # else all 32 batches beat the cancel
         assert final.actual_blocks < 32
     await assert_invariants(engine)
 

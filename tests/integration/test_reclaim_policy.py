@@ -41,8 +41,9 @@ async def test_a_hot_instance_with_work_waiting_preempts_down_to_its_watermark(
     assert await ReclaimPolicy(jobs, Tier.OFFLOAD, 0.9, 30).sweep() == 0
     assert await jobs.list_jobs(Page(10, None)) == []
     policy = ReclaimPolicy(jobs, Tier.EVICT, watermark=0.9, cooldown_seconds=30)
-    # Two replicas decide at the same moment: one job.
-    assert list(await asyncio.gather(policy.sweep(), policy.sweep())) == [1, 1]
+    # Two replicas decide at the same moment: one job. The later one either finds it open or
+    # creates it again (its request_id names the scope and the period), as the timing falls.
+    assert sorted(await asyncio.gather(policy.sweep(), policy.sweep())) in ([0, 1], [1, 1])
     (job,) = await jobs.list_jobs(Page(10, None))
     assert job.target == ReclaimTarget(2, Tier.EVICT, None, Tier.OFFLOAD)  # 16 - 14
     assert [s.planned.reservation for s in job.steps] == [("acme", "r3")]  # newest first

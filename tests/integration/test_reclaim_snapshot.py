@@ -1,5 +1,5 @@
 """The planner's view of a real pool: cached blocks by scope, block tables with their shared
-and pinned entries, active scopes, pinned-only blocks; and a plan on it counts the right blocks."""
+and pinned entries, pinned-only blocks; and a plan on it counts the right blocks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
 from quota_service.core.model import EndReason
-from quota_service.core.reclaim import ReclaimTarget, Tier, Unreclaimable, plan
+from quota_service.core.reclaim import (
+    CachedScope,
+    ReclaimTarget,
+    SharedEntry,
+    Tier,
+    Unreclaimable,
+    plan,
+)
 from quota_service.store.ledger import Ledger
 from quota_service.store.pins import Pins
 from quota_service.store.reclaim import load_snapshot
@@ -46,13 +53,18 @@ async def test_the_snapshot_is_the_pool_and_the_plan_counts_only_what_comes_back
 
     pool = await load_snapshot(engine, "gpu-0")
     books = (await counters(engine))["instance:gpu-0"]
-    assert len(pool.cached) == books["cached_blocks"] == 2
-    assert {c.scope for c in pool.cached} == {"tenants/globex"}
-    assert pool.active_scopes == {"tenants/acme", "tenants/initech"}
+    assert pool.cached == (CachedScope("tenants/globex", 2),)
+    assert sum(c.blocks for c in pool.cached) == books["cached_blocks"]
     assert pool.pinned_only == ()  # the pinned prefix is in use by a reservation too
     tables = {r.request_id: r for r in pool.reservations}
-    assert [b.ref_count for b in tables["c"].blocks] == [2, 2, 2, 1]  # 3 shared, 1 for output
-    assert [b.pinned for b in tables["pinned-prefix"].blocks] == [True, True, False, False]
+    c, d = tables["c"], tables["d"]
+    assert (c.entries, c.pinned_entries, c.sole_blocks) == (4, 0, 1)  # 3 shared, 1 for output
+    assert sorted(c.shared, key=lambda e: e.block_id) == sorted(d.shared, key=lambda e: e.block_id)
+    assert [e.ref_count for e in c.shared] == [2, 2, 2]
+    assert all(isinstance(e, SharedEntry) for e in c.shared)
+    pinned = tables["pinned-prefix"]
+    assert (pinned.entries, pinned.pinned_entries, pinned.shared) == (4, 2, ())
+    assert (tables["i"].entries, tables["i"].sole_blocks) == (2, 2)
     # Admission order, for evicting the newest first.
     assert [r.request_id for r in pool.reservations] == ["pinned-prefix", "c", "d", "i"]
 
@@ -70,7 +82,7 @@ async def test_the_snapshot_is_the_pool_and_the_plan_counts_only_what_comes_back
     # The whole instance with no eviction: globex's cold cached blocks only.
     gentle = plan(pool, ReclaimTarget(100, Tier.COMPRESS))
     assert gentle.total_blocks == 2
-    assert [s.tier for s in gentle.steps] == [Tier.FREE, Tier.FREE]
+    assert [(s.tier, s.gpu_blocks) for s in gentle.steps] == [(Tier.FREE, 2)]
     # After acme's pin would be the only holder: pinned-only blocks are reported, not taken.
     for rid in ("pinned-prefix", "c", "d"):
         await ledger.end("acme", rid, EndReason.RELEASED, 1)

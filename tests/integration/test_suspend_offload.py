@@ -196,7 +196,7 @@ async def test_a_dry_run_across_every_tier_and_its_execution_agree_but_for_what_
     dry = await jobs.create("dry", "gpu-0", target, dry_run=True)
     expected = [(s.planned.tier, s.planned.reservation, s.planned.gpu_blocks) for s in dry.steps]
     assert expected == [
-        *[(Tier.FREE, None, 1)] * 3,
+        (Tier.FREE, None, 3),
         (Tier.OFFLOAD, ("acme", "idle-1"), 4),  # the CPU tier holds one more session
         (Tier.EVICT, ("acme", "idle-2"), 4),  # ... not two: the other is ended
         (Tier.EVICT, ("acme", "run-2"), 4),  # then running work, newest first

@@ -154,7 +154,7 @@ async def test_top_once_shows_the_ledger(
         "TARGET": "2",
         "EXPECTED": "2",
         "BACK": "0",
-        "STEPS": "0/2",
+        "STEPS": "0/1",
     }
 
 

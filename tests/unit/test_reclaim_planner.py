@@ -1,5 +1,5 @@
-"""The reclaim planner on hand-built pools: tier order, LRU and cold-first order, pinned and
-shared blocks excluded, exact expected counts."""
+"""The reclaim planner on hand-built pools: tier order, pinned and shared blocks excluded, exact
+expected counts."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ import pytest
 
 from quota_service.core.errors import Code, KvQuotaError
 from quota_service.core.reclaim import (
+    CachedScope,
     CpuTier,
     Exclusion,
-    HeldBlock,
     InstanceLoad,
     LiveReservation,
     PoolSnapshot,
     ReclaimPlan,
     ReclaimTarget,
+    SharedEntry,
     TenantExcess,
     Tier,
     Unreclaimable,
-    UnreferencedBlock,
     check_executable,
     plan,
     policy_jobs,
@@ -29,30 +29,30 @@ from quota_service.core.reclaim import (
 BPB = 100  # bytes per block
 
 
-def private(*ids: int) -> tuple[HeldBlock, ...]:
-    return tuple(HeldBlock(i, 0, 1, False) for i in ids)
-
-
 def reservation(
     tenant: str,
     rid: str,
-    blocks: tuple[HeldBlock, ...],
+    sole: int,
     *,
+    shared: tuple[SharedEntry, ...] = (),
+    pinned: int = 0,
     priority: int = 0,
     seq: int = 0,
     suspended: bool = False,
 ) -> LiveReservation:
-    return LiveReservation(tenant, rid, priority, seq, suspended, blocks)
+    """A reservation whose table has `sole` entries naming blocks only it holds, `shared`
+    entries, and `pinned` entries naming pinned blocks."""
+    entries = sole + len(shared) + pinned
+    return LiveReservation(tenant, rid, priority, seq, suspended, entries, pinned, shared)
 
 
 def pool(
-    cached: tuple[UnreferencedBlock, ...] = (),
+    cached: tuple[CachedScope, ...] = (),
     reservations: tuple[LiveReservation, ...] = (),
     cpu: CpuTier | None = None,
     pinned_only: tuple[tuple[str, int], ...] = (),
 ) -> PoolSnapshot:
-    active = frozenset(f"tenants/{r.tenant}" for r in reservations)
-    return PoolSnapshot(BPB, cached, reservations, active, pinned_only, cpu)
+    return PoolSnapshot(BPB, cached, reservations, pinned_only, cpu)
 
 
 def cpu(used: int, *, low: float = 0.5, high: float = 0.8, ratio: float = 0.5) -> CpuTier:
@@ -60,49 +60,45 @@ def cpu(used: int, *, low: float = 0.5, high: float = 0.8, ratio: float = 0.5) -
 
 
 def taken(p: ReclaimPlan) -> list[tuple[Tier, object, int]]:
-    return [(s.tier, s.block or s.reservation, s.gpu_blocks) for s in p.steps]
+    return [(s.tier, s.reservation, s.gpu_blocks) for s in p.steps]
 
 
-def test_free_takes_cold_scopes_first_then_least_recently_used() -> None:
-    cached = (
-        UnreferencedBlock(1, 0, 10, "tenants/acme"),
-        UnreferencedBlock(2, 0, 11, "tenants/acme"),
-        UnreferencedBlock(5, 3, 30, "tenants/globex"),
-        UnreferencedBlock(6, 0, 20, "tenants/globex"),
-    )
-    running = (reservation("acme", "r1", private(40)),)
+def test_free_is_one_step_for_the_cached_blocks_the_target_needs() -> None:
+    cached = (CachedScope("tenants/acme", 2), CachedScope("tenants/globex", 2))
+    running = (reservation("acme", "r1", 1),)
     result = plan(pool(cached, running), ReclaimTarget(3, Tier.FREE))
-    assert taken(result) == [
-        (Tier.FREE, (6, 0), 1),  # globex is cold (no live reservation), its LRU block first
-        (Tier.FREE, (5, 3), 1),
-        (Tier.FREE, (1, 0), 1),  # then acme's, least recently used first
-    ]
+    # Which 3 (cold scopes first, least recently used first) the executor picks when it runs.
+    assert taken(result) == [(Tier.FREE, None, 3)]
+    assert result.steps[0].block is None
     assert (result.total_blocks, result.total_bytes) == (3, 300)
     assert result.excluded == ()  # the target was reached
+    everything = plan(pool(cached, running), ReclaimTarget(100, Tier.FREE))
+    assert taken(everything) == [(Tier.FREE, None, 4)]
 
 
 def test_a_tenant_scope_frees_only_its_own_cached_blocks() -> None:
     cached = (
-        UnreferencedBlock(1, 0, 1, "tenants/acme"),
-        UnreferencedBlock(2, 0, 2, "namespaces/shared"),
-        UnreferencedBlock(3, 0, 3, "tenants/globex"),
+        CachedScope("namespaces/shared", 2),
+        CachedScope("tenants/acme", 1),
+        CachedScope("tenants/globex", 3),
     )
     result = plan(pool(cached), ReclaimTarget(10, Tier.FREE, tenant="acme"))
-    assert taken(result) == [(Tier.FREE, (1, 0), 1)]
+    assert taken(result) == [(Tier.FREE, None, 1)]
+    assert taken(plan(pool(cached), ReclaimTarget(10, Tier.FREE, tenant="initech"))) == []
 
 
 def test_the_highest_tier_allowed_bounds_the_plan_and_says_what_is_left() -> None:
-    cached = (UnreferencedBlock(1, 0, 1, "tenants/acme"),)
-    running = (reservation("acme", "r1", private(10, 11, 12)),)
+    cached = (CachedScope("tenants/acme", 1),)
+    running = (reservation("acme", "r1", 3),)
     result = plan(pool(cached, running), ReclaimTarget(4, Tier.OFFLOAD))
-    assert taken(result) == [(Tier.FREE, (1, 0), 1)]
+    assert taken(result) == [(Tier.FREE, None, 1)]
     assert result.excluded == (Exclusion(Unreclaimable.ABOVE_MAX_TIER, 3),)
 
 
 def test_offload_fills_the_cpu_tier_up_to_its_low_watermark_coldest_first() -> None:
     suspended = (
-        reservation("acme", "later", private(20, 21, 22), seq=2, suspended=True),
-        reservation("acme", "first", private(10, 11, 12), seq=1, suspended=True),
+        reservation("acme", "later", 3, seq=2, suspended=True),
+        reservation("acme", "first", 3, seq=1, suspended=True),
     )
     # 1000 bytes, low watermark 0.5: room for 500 bytes = one 3-block reservation.
     result = plan(pool((), suspended, cpu(0)), ReclaimTarget(6, Tier.OFFLOAD))
@@ -115,7 +111,7 @@ def test_offload_fills_the_cpu_tier_up_to_its_low_watermark_coldest_first() -> N
 
 
 def test_compress_only_above_the_high_watermark_and_only_with_the_capability() -> None:
-    suspended = (reservation("acme", "s", private(1, 2, 3), suspended=True),)
+    suspended = (reservation("acme", "s", 3, suspended=True),)
     # 900 of 1000 bytes used, above 0.85: compressing at 0.5 saves 450; then 300 more stay
     # below the low watermark, 0.8.
     full, target = cpu(900, low=0.8, high=0.85), ReclaimTarget(3, Tier.COMPRESS)
@@ -143,9 +139,9 @@ def test_compress_only_above_the_high_watermark_and_only_with_the_capability() -
 
 def test_evict_takes_the_lowest_priority_and_most_recently_admitted_first() -> None:
     running = (
-        reservation("acme", "important", private(1), priority=5, seq=1),
-        reservation("acme", "old", private(2), priority=0, seq=2),
-        reservation("acme", "new", private(3), priority=0, seq=3),
+        reservation("acme", "important", 1, priority=5, seq=1),
+        reservation("acme", "old", 1, priority=0, seq=2),
+        reservation("acme", "new", 1, priority=0, seq=3),
     )
     result = plan(pool((), running), ReclaimTarget(2, Tier.EVICT))
     assert taken(result) == [
@@ -155,11 +151,11 @@ def test_evict_takes_the_lowest_priority_and_most_recently_admitted_first() -> N
 
 
 def test_shared_and_pinned_blocks_are_never_counted() -> None:
-    shared = HeldBlock(7, 0, 2, False)  # acme's and globex's requests both reference it
-    pinned = HeldBlock(8, 0, 2, True)  # acme's request and a pin
+    shared = SharedEntry(7, 0, 2)  # acme's and globex's requests both reference it
     running = (
-        reservation("acme", "a", (pinned, shared, *private(1, 2))),
-        reservation("globex", "g", (shared, *private(3))),
+        # Blocks 1 and 2 its own, 7 shared, and 8 pinned (acme's request and a pin hold it).
+        reservation("acme", "a", 2, shared=(shared,), pinned=1),
+        reservation("globex", "g", 1, shared=(shared,)),  # block 3 its own
     )
     snapshot = pool((), running, pinned_only=(("tenants/acme", 4), ("tenants/globex", 9)))
     result = plan(snapshot, ReclaimTarget(100, Tier.EVICT, tenant="acme"))
@@ -175,11 +171,19 @@ def test_shared_and_pinned_blocks_are_never_counted() -> None:
     assert Exclusion(Unreclaimable.SHARED, 1, ("acme", "a")) not in everything.excluded
 
 
+def test_a_block_named_twice_in_one_table_comes_back_with_that_table() -> None:
+    twice = SharedEntry(5, 1, 2)  # n > 1: two sequences of one request share a prompt block
+    running = (reservation("acme", "n2", 1, shared=(twice, twice)),)
+    result = plan(pool((), running), ReclaimTarget(10, Tier.EVICT))
+    assert taken(result) == [(Tier.EVICT, ("acme", "n2"), 2)]
+    assert result.excluded == ()
+
+
 def test_offloading_a_request_that_shares_its_prefix_frees_only_its_own_blocks() -> None:
-    prefix = HeldBlock(1, 0, 2, False)
+    prefix = SharedEntry(1, 0, 2)
     table = (
-        reservation("acme", "idle", (prefix, *private(2, 3)), suspended=True),
-        reservation("acme", "busy", (prefix, *private(4))),
+        reservation("acme", "idle", 2, shared=(prefix,), suspended=True),
+        reservation("acme", "busy", 1, shared=(prefix,)),
     )
     result = plan(pool((), table, cpu(0)), ReclaimTarget(2, Tier.OFFLOAD))
     assert taken(result) == [(Tier.OFFLOAD, ("acme", "idle"), 2)]
@@ -188,8 +192,8 @@ def test_offloading_a_request_that_shares_its_prefix_frees_only_its_own_blocks()
 
 
 def test_evict_takes_idle_sessions_the_cpu_tier_cannot_hold_before_running_work() -> None:
-    idle = reservation("acme", "idle", private(1, 2), suspended=True, seq=1)
-    busy = reservation("acme", "busy", private(3, 4), seq=2)
+    idle = reservation("acme", "idle", 2, suspended=True, seq=1)
+    busy = reservation("acme", "busy", 2, seq=2)
     full = cpu(1000, ratio=1.0)  # and nothing to compress
     result = plan(pool((), (idle, busy), full), ReclaimTarget(2, Tier.EVICT))
     assert taken(result) == [(Tier.EVICT, ("acme", "idle"), 2)]
@@ -199,8 +203,8 @@ def test_evict_takes_idle_sessions_the_cpu_tier_cannot_hold_before_running_work(
 
 
 def test_the_lowest_tier_skips_what_comes_before_it() -> None:
-    cached = (UnreferencedBlock(9, 0, 1, "tenants/acme"),)
-    idle = reservation("acme", "idle", private(1, 2), suspended=True)
+    cached = (CachedScope("tenants/acme", 1),)
+    idle = reservation("acme", "idle", 2, suspended=True)
     target = ReclaimTarget(2, Tier.EVICT, None, Tier.OFFLOAD)
     assert taken(plan(pool(cached, (idle,), cpu(0)), target)) == [
         (Tier.OFFLOAD, ("acme", "idle"), 2)

@@ -45,7 +45,12 @@ def job(name: str, state: pb.ReclaimJobState.ValueType, steps: int = 0) -> pb.Re
         target_blocks=8,
         expected_blocks=6,
         actual_blocks=2,
-        steps=[pb.ReclaimStep(seq=i, actual_blocks=1 if i < 2 else -1) for i in range(steps)],
+        steps=[
+            pb.ReclaimStep(seq=i, actual_blocks=1, state=pb.RECLAIM_STEP_STATE_APPLIED)
+            if i < 2
+            else pb.ReclaimStep(seq=i, actual_blocks=-1, state=pb.RECLAIM_STEP_STATE_PLANNED)
+            for i in range(steps)
+        ],
     )
 
 
