@@ -80,6 +80,9 @@ class Settings:
     auth_cache_seconds: float = 5.0
     # Tombstones answer late releases through freed handles; after this they are purged.
     tombstone_retention_seconds: float = 86400.0
+    # The maintenance sweep vacuums a block table once it has this many dead rows (and a fifth
+    # of its live ones); 0 leaves it to autovacuum alone. See store/vacuum.py.
+    vacuum_min_dead_rows: int = 50_000
     shutdown_grace_seconds: float = 10.0
     log_level: str = "INFO"
     # "json" (one object per line, with the request id) or "text".
@@ -108,6 +111,8 @@ class Settings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive")
+        if self.vacuum_min_dead_rows < 0:
+            raise SettingsError(f"{ENV_PREFIX}VACUUM_MIN_DEAD_ROWS must not be negative")
         if not (
             self.min_lease_ttl_seconds
             <= self.default_lease_ttl_seconds

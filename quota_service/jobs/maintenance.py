@@ -1,6 +1,7 @@
 """The background loop every replica runs: end lapsed leases, finish interrupted offboardings,
-purge old tombstones. Each step is safe to run in several replicas at once (conditional updates,
-one transaction per item), and a failing step is retried on the next sweep."""
+purge old tombstones, vacuum the block tables. Each step is safe to run in several replicas at
+once (conditional updates, one transaction per item, SKIP LOCKED), and a failing step is retried
+on the next sweep."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import Offboarding
 from quota_service.store.usage import UsageRollup
+from quota_service.store.vacuum import vacuum_churned
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,11 @@ class Maintenance:
     async def close_usage_hours(self) -> int:
         grace = timedelta(seconds=self.settings.usage_close_grace_seconds)
         return await self.usage.close_due(datetime.now(UTC), grace)
+
+    async def vacuum(self) -> int:
+        if not self.settings.vacuum_min_dead_rows:
+            return 0
+        return await vacuum_churned(self.ledger_db, self.settings.vacuum_min_dead_rows)
 
     async def ledger_reachable(self) -> bool:
         """Check the ledger first: while it is down the sweep is skipped (every step would only
@@ -97,6 +104,7 @@ class Maintenance:
                 ),
             ),
             ("metrics refresh", self.metrics.refresh),
+            ("block table vacuum", self.vacuum),
             (
                 "tombstone purge",
                 lambda: self.inspection.purge_tombstones(
