@@ -187,7 +187,8 @@ def machine(database_url: str) -> dict[str, str]:
         settings: dict[str, str] = dict(
             conn.execute(
                 "SELECT name, setting FROM pg_settings WHERE name IN ("
-                "'shared_buffers', 'synchronous_commit', 'fsync', 'max_connections')"
+                "'shared_buffers', 'synchronous_commit', 'fsync', 'max_connections', "
+                "'autovacuum')"
             ).fetchall()
         )
     shared_buffers_mib = int(settings.get("shared_buffers", "0")) * 8 // 1024
@@ -198,6 +199,6 @@ def machine(database_url: str) -> dict[str, str]:
         "os": os_name,
         "postgresql": f"{row[0] if row else '?'} (shared_buffers {shared_buffers_mib} MiB, "
         f"fsync {settings.get('fsync')}, synchronous_commit "
-        f"{settings.get('synchronous_commit')})",
+        f"{settings.get('synchronous_commit')}, autovacuum {settings.get('autovacuum')})",
         "python": platform.python_version(),
     }
