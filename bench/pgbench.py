@@ -97,7 +97,7 @@ class PgBench:
             ["-N", "-c", str(clients), "-j", str(threads), "-T", str(max(1, round(seconds)))]
         )
         say(f"pgbench -N: {clients} clients, {seconds:g} s")
-        return _measured(command, self.url)
+        return _measured(command, self.url, clients)
 
 
 # The least any ledger that keeps a durable reference count per block must write for one
@@ -127,8 +127,9 @@ class PerBlockFloor:
 
     def __init__(self, url: str, instance: str, tenant: str, blocks: int, directory: Path) -> None:
         self.url = url
+        self.text = FLOOR_SCRIPT.format(instance=instance, tenant=tenant, blocks=blocks)
         self.script = directory / "per_block_floor.sql"
-        self.script.write_text(FLOOR_SCRIPT.format(instance=instance, tenant=tenant, blocks=blocks))
+        self.script.write_text(self.text)
         self.binary = binary()
 
     def run(self, clients: int, seconds: float) -> Reference:
@@ -136,17 +137,16 @@ class PerBlockFloor:
         options = ["-n", "-f", str(self.script), "-c", str(clients), "-j", str(threads)]
         command = [self.binary, *options, "-T", str(max(1, round(seconds))), *_connection(self.url)]
         say(f"pgbench, per-block floor: {clients} clients, {seconds:g} s")
-        return _measured(command, self.url)
+        return _measured(command, self.url, clients)
 
 
-def _measured(command: list[str], url: str) -> Reference:
+def _measured(command: list[str], url: str, clients: int) -> Reference:
     done = subprocess.run(command, env=_env(url), capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"pgbench failed ({done.returncode}): {done.stderr.strip()}")
     tps, latency = TPS.search(done.stdout), LATENCY.search(done.stdout)
     if tps is None or latency is None:
         raise RuntimeError(f"cannot read pgbench's output:\n{done.stdout}")
-    clients = int(command[command.index("-c") + 1])
     return Reference(clients, float(tps.group(1)), float(latency.group(1)), _shown(command))
 
 

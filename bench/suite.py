@@ -326,7 +326,7 @@ class Suite:
         await load.create_tenants(gateway, [f"r{i}" for i in range(8)])
         await load.create_tenants(gateway, [FLOOR])
         self.floor = PerBlockFloor(database_url, FLOOR, FLOOR, Shape().blocks, Path(self.scratch))
-        self.extra["floor_script"] = self.floor.script.read_text()
+        self.extra["floor_script"] = self.floor.text
         # Only the pools: the tables the load fills keep the statistics autovacuum gives them.
         analyze(database_url, "blocks")
 

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
+from quota_service.core.names import tenant_name
 
 
 class Tier(enum.IntEnum):
@@ -175,14 +176,10 @@ class ReclaimPlan:
         return self.total_blocks * self.bytes_per_block
 
 
-def tenant_scope(tenant: str) -> str:
-    """The hash scope of a tenant's own cached blocks (not of its namespace's, which other
-    tenants share)."""
-    return f"tenants/{tenant}"
-
-
 def _in_scope(scope: str, tenant: str | None) -> bool:
-    return tenant is None or scope == tenant_scope(tenant)
+    """Whether cached blocks of hash `scope` are a tenant's own (its name is the scope of its
+    own salt; a namespace's blocks are shared)."""
+    return tenant is None or scope == tenant_name(tenant)
 
 
 class _Planner:

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core.errors import Code, KvQuotaError, not_found
 from quota_service.core.model import EndReason, ReservationState
-from quota_service.core.names import reclaim_job_name
+from quota_service.core.names import reclaim_job_name, tenant_name
 from quota_service.core.pagination import Page
 from quota_service.core.reclaim import (
     DEFAULT_WATERMARKS,
@@ -43,7 +43,6 @@ from quota_service.core.reclaim import (
     check_target,
     cpu_tier,
     plan,
-    tenant_scope,
 )
 from quota_service.store import blocks, ledger
 from quota_service.store.catalog import Catalog
@@ -581,7 +580,7 @@ async def _free_cached(
     tenant = step["job_tenant"]
     args = {
         "instance": step["instance"],
-        "scope": None if tenant is None else tenant_scope(tenant),
+        "scope": None if tenant is None else tenant_name(tenant),
         "batch": asked,
     }
     freed = int((await conn.execute(_FREE_CACHED, args)).mappings().one()["freed"])
