@@ -113,6 +113,11 @@ async def followed_engine(
         stop_vllm(followed.process)
 
 
+async def engine_resyncs(engine: AsyncEngine) -> int:
+    async with engine.connect() as conn:
+        return int((await conn.execute(text("SELECT engine_resyncs FROM instances"))).scalar_one())
+
+
 async def test_following_a_restarted_engine(
     engine_python: Path, tiny_model: Path, tmp_path: Path, engine: AsyncEngine, database_url: str
 ) -> None:
@@ -137,15 +142,18 @@ async def test_following_a_restarted_engine(
                 return bool(rows.scalar_one() == len(ours))
 
         await until(confirmed)  # BlockStored confirmed exactly the ledger's prompt blocks
+        resyncs_before = await engine_resyncs(engine)
 
         stop_vllm(followed.process, signal.SIGKILL)
         followed.process = followed.restart()
         await complete(live, [9] * 40, max_tokens=1)  # its first batch numbers from 0 again
 
-        async def ended() -> bool:
-            return (await ledger.get("acme", "held")).state is ReservationState.ENDED
+        async def resynchronised() -> bool:
+            # The reservations end before the cache is forgotten, in a later transaction that
+            # also counts the resync: wait for that one, not only for the ended reservation.
+            return await engine_resyncs(engine) > resyncs_before
 
-        await until(ended)
+        await until(resynchronised)
         after = await ledger.get("acme", "held")
         assert held.state is ReservationState.ADMITTED
         assert after.end_reason is EndReason.ENGINE_RESTARTED
