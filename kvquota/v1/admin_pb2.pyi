@@ -367,22 +367,29 @@ class OffboardingReport(_message.Message):
     FREED_BLOCKS_FIELD_NUMBER: _builtins.int
     SHARED_BLOCKS_FIELD_NUMBER: _builtins.int
     PINNED_BY_OTHERS_FIELD_NUMBER: _builtins.int
+    AWAITING_ENGINE_ABORTS_FIELD_NUMBER: _builtins.int
     freed_blocks: _builtins.int
     """Blocks only it held: freed and tombstoned."""
     shared_blocks: _builtins.int
     """Blocks others still reference (or a shared namespace keeps cached): only its reference went."""
     pinned_by_others: _builtins.int
     """Of the shared blocks, those other tenants' or namespaces' pins hold."""
+    awaiting_engine_aborts: _builtins.int
+    """Reservations an engine has not yet confirmed aborting (it did not answer): they keep their
+    blocks, and the tenant stays DELETING, until it does or the abort's hard timeout passes;
+    the offboarding then finishes on its own.
+    """
     def __init__(
         self,
         *,
         freed_blocks: _builtins.int = ...,
         shared_blocks: _builtins.int = ...,
         pinned_by_others: _builtins.int = ...,
+        awaiting_engine_aborts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_blocks", b"freed_blocks", "pinned_by_others", b"pinned_by_others", "shared_blocks", b"shared_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["awaiting_engine_aborts", b"awaiting_engine_aborts", "freed_blocks", b"freed_blocks", "pinned_by_others", b"pinned_by_others", "shared_blocks", b"shared_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -215,8 +215,9 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteTenant(self, request, context):
-        """Offboards a tenant: ends its reservations, drops its pins, frees what only it held.
-        Idempotent and resumable: call it again after a crash to finish.
+        """Offboards a tenant: ends its reservations (those an engine runs once it aborted them),
+        drops its pins, frees what only it held. Idempotent and resumable: call it again after a
+        crash to finish.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -42,8 +42,9 @@ class AdminServiceStub:
     SuspendTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SuspendTenantRequest, _resources_pb2.Tenant]
     ResumeTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ResumeTenantRequest, _resources_pb2.Tenant]
     DeleteTenant: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DeleteTenantRequest, _admin_pb2.DeleteTenantResponse]
-    """Offboards a tenant: ends its reservations, drops its pins, frees what only it held.
-    Idempotent and resumable: call it again after a crash to finish.
+    """Offboards a tenant: ends its reservations (those an engine runs once it aborted them),
+    drops its pins, frees what only it held. Idempotent and resumable: call it again after a
+    crash to finish.
     """
     RotateCacheSalt: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RotateCacheSaltRequest, _admin_pb2.RotateCacheSaltResponse]
     """Gives a tenant or namespace a new cache salt: its cached prefixes stop matching."""
@@ -86,8 +87,9 @@ class AdminServiceAsyncStub(AdminServiceStub):
     SuspendTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.SuspendTenantRequest, _resources_pb2.Tenant]  # type: ignore[assignment]
     ResumeTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.ResumeTenantRequest, _resources_pb2.Tenant]  # type: ignore[assignment]
     DeleteTenant: _aio.UnaryUnaryMultiCallable[_admin_pb2.DeleteTenantRequest, _admin_pb2.DeleteTenantResponse]  # type: ignore[assignment]
-    """Offboards a tenant: ends its reservations, drops its pins, frees what only it held.
-    Idempotent and resumable: call it again after a crash to finish.
+    """Offboards a tenant: ends its reservations (those an engine runs once it aborted them),
+    drops its pins, frees what only it held. Idempotent and resumable: call it again after a
+    crash to finish.
     """
     RotateCacheSalt: _aio.UnaryUnaryMultiCallable[_admin_pb2.RotateCacheSaltRequest, _admin_pb2.RotateCacheSaltResponse]  # type: ignore[assignment]
     """Gives a tenant or namespace a new cache salt: its cached prefixes stop matching."""
@@ -169,8 +171,9 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.DeleteTenantRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.DeleteTenantResponse, _abc.Awaitable[_admin_pb2.DeleteTenantResponse]]:
-        """Offboards a tenant: ends its reservations, drops its pins, frees what only it held.
-        Idempotent and resumable: call it again after a crash to finish.
+        """Offboards a tenant: ends its reservations (those an engine runs once it aborted them),
+        drops its pins, frees what only it held. Idempotent and resumable: call it again after a
+        crash to finish.
         """
 
     @_abc_1.abstractmethod

@@ -185,6 +185,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 freed_blocks=report.freed_blocks,
                 shared_blocks=report.shared_blocks,
                 pinned_by_others=report.pinned_by_others,
+                awaiting_engine_aborts=report.awaiting_engine_aborts,
             ),
         )
 

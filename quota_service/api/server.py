@@ -198,7 +198,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         AdmissionServicer(ledger, waiters, termination, cpu_tier, observed), server
     )
     pins = Pins(engine, settings.admission_limits)
-    offboarding = Offboarding(engine, ledger, pins)
+    offboarding = Offboarding(engine, ledger, pins, termination)
     inspection = Inspection(engine)
     reclaim = ReclaimJobs(engine, settings.cpu_watermarks)
     admin = AdminServicer(Catalog(engine), pins, offboarding, inspection, reclaim, api_keys, audit)

@@ -157,6 +157,16 @@ def check_replay(params: AdmitParams, existing: Reservation) -> Reservation:
     return existing
 
 
+def tenant_not_active(tenant: str, state: TenantState) -> KvQuotaError:
+    """A suspended or offboarded tenant asked for new work."""
+    return KvQuotaError(
+        Code.FAILED_PRECONDITION,
+        "TENANT_SUSPENDED",
+        f"tenant {tenant} is {state.value.lower()}",
+        metadata={"tenant": tenant, "state": state.value},
+    )
+
+
 def decide(
     request: AdmitRequest,
     pool: InstancePool,
@@ -169,12 +179,7 @@ def decide(
     it can, or the plan to write. `hits` is the cached prefix of `table` on this instance."""
     p = request.params
     if account.state is not TenantState.ACTIVE:
-        raise KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "TENANT_SUSPENDED",
-            f"tenant {p.tenant} is {account.state.value.lower()}",
-            metadata={"tenant": p.tenant, "state": account.state.value},
-        )
+        raise tenant_not_active(p.tenant, account.state)
     if pool.state is InstanceState.DRAINING:
         raise KvQuotaError(
             Code.FAILED_PRECONDITION,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from quota_service.core.admission import Shortfall
+from quota_service.core.admission import Shortfall, tenant_not_active
 from quota_service.core.block_table import CachedBlock
 from quota_service.core.errors import (
     Code,
@@ -67,12 +67,7 @@ def decide(
     new_blocks = len(hashes) - len(hits)
     if account is not None:
         if account.state is not TenantState.ACTIVE:
-            raise KvQuotaError(
-                Code.FAILED_PRECONDITION,
-                "TENANT_SUSPENDED",
-                f"tenant {account.tenant} is {account.state.value.lower()}",
-                metadata={"tenant": account.tenant},
-            )
+            raise tenant_not_active(account.tenant, account.state)
         pinned_new = new_blocks + sum(1 for h in hits if not h.pinned_by_tenant)
         pin_room = account.quota.max_pinned_blocks - account.pinned_blocks
         if pinned_new > pin_room:

@@ -2,11 +2,12 @@
 blocks come back. Giving blocks back while vLLM still generates would let kvquota admit work
 into memory that is not free yet.
 
-Cancel and lease expiry ask the engine to abort the request (by the ids vLLM derives from the
-reservation's request_id). Until the engine confirms, the reservation keeps its blocks and the
-pending abort is recorded in the ledger; every replica's maintenance loop retries it, backing off
-per engine (a down engine is not called again for every request it ran), and after
-`engine_abort_hard_timeout_seconds` releases the blocks anyway, with reason ENGINE_UNREACHABLE.
+Cancel, lease expiry and offboarding ask the engine to abort the request (by the ids vLLM
+derives from the reservation's request_id). Until the engine confirms, the reservation keeps its
+blocks and the pending abort is recorded in the ledger; every replica's maintenance loop retries
+it, backing off per engine (a down engine is not called again for every request it ran), and
+after `engine_abort_hard_timeout_seconds` releases the blocks anyway, with reason
+ENGINE_UNREACHABLE.
 A Release needs no abort (the engine has finished), nor does a suspended session (idle between
 turns) or an instance with no engine.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import httpx
 
@@ -54,9 +56,9 @@ class Termination:
         ):
             return await self._ledger.end(tenant, request_id, reason, output_tokens)
         url = await self._ledger.engine_url(tenant, request_id)
-        if url is None or await self._abort(url, request_id):
+        if url is None or await self.abort(url, [request_id]):
             return await self._ledger.end(tenant, request_id, reason, output_tokens)
-        await self._ledger.request_abort(tenant, request_id, reason)
+        await self._ledger.request_aborts(tenant, [request_id], reason)
         return await self._ledger.get(tenant, request_id)
 
     async def sweep(self, batch: int) -> int:
@@ -68,7 +70,7 @@ class Termination:
             ended += result.state is ReservationState.ENDED
         for tenant, request_id, reason, pending in await self._ledger.pending_aborts(batch):
             url = await self._ledger.engine_url(tenant, request_id)
-            if url is not None and await self._abort(url, request_id):
+            if url is not None and await self.abort(url, [request_id]):
                 await self._ledger.end(tenant, request_id, reason)
             elif pending >= self._hard_timeout:
                 log.warning(
@@ -80,11 +82,11 @@ class Termination:
             ended += 1
         return ended
 
-    async def _abort(self, url: str, request_id: str) -> bool:
-        """Ask the engine to abort; True once it answered. vLLM answers 200 whether or not it
-        found the request and ignores an abort that overtakes the request's registration, so the
-        abort is sent twice, a moment apart (aborting an aborted request is harmless). An engine
-        that failed recently is not called until its backoff has passed."""
+    async def abort(self, url: str, request_ids: Sequence[str]) -> bool:
+        """Ask the engine at `url` to abort these requests; True once it answered. vLLM answers
+        200 whether or not it found a request and ignores an abort that overtakes the request's
+        registration, so the abort is sent twice, a moment apart (aborting an aborted request is
+        harmless). An engine that failed recently is not called until its backoff has passed."""
         clock = asyncio.get_running_loop().time
         if not self._backoff.ready(url, clock()):
             return False
@@ -92,12 +94,18 @@ class Termination:
         if client is None:
             client = self._clients[url] = VllmHttp(url, self._abort_timeout)
         try:
-            await client.abort([request_id])
+            await client.abort(request_ids)
             await asyncio.sleep(ABORT_REPEAT_SECONDS)
-            await client.abort([request_id])
+            await client.abort(request_ids)
         except httpx.HTTPError as exc:
             delay = self._backoff.failed(url, clock())
-            log.info("abort of %s at %s failed (%s); next try in %ss", request_id, url, exc, delay)
+            log.info(
+                "abort of %d requests at %s failed (%s); next try in %ss",
+                len(request_ids),
+                url,
+                exc,
+                delay,
+            )
             return False
         self._backoff.succeeded(url)
         return True

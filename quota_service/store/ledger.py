@@ -311,8 +311,10 @@ _LOCK_FOR_RESERVATION = text(
 )
 
 _RESERVATION_KEYS = text(
-    "SELECT now() AS now, instance, holder_id, state, priority FROM reservations "
-    "WHERE tenant = :tenant AND request_id = :request_id"
+    "SELECT now() AS now, r.instance, r.holder_id, r.state, r.priority, "
+    "t.state AS tenant_state, t.weight AS tenant_weight "
+    "FROM reservations r JOIN tenants t USING (tenant) "
+    "WHERE r.tenant = :tenant AND r.request_id = :request_id"
 )
 
 _HOLD = "extract(epoch FROM now() - e.admitted_at)::float8"
@@ -413,8 +415,6 @@ _UNSUSPEND = text(
     "UPDATE reservations SET suspended_at = NULL, prompt_token_ids = NULL "
     "WHERE tenant = :tenant AND request_id = :request_id AND state = 'ADMITTED'"
 )
-
-_TENANT_WEIGHT = text("SELECT weight FROM tenants WHERE tenant = :tenant")
 
 # Refusals of an admission, metered per reason (a malformed request or an unknown tenant or
 # instance is not one: nothing was asked of a real pool).
@@ -526,7 +526,8 @@ _REQUEST_ABORT = text(
     UPDATE reservations
     SET abort_requested_at = coalesce(abort_requested_at, now()),
         abort_reason = coalesce(abort_reason, :reason)
-    WHERE tenant = :tenant AND request_id = :request_id AND state = 'ADMITTED'
+    WHERE tenant = :tenant AND request_id = ANY (CAST(:request_ids AS text[]))
+      AND state = 'ADMITTED'
     """
 )
 
@@ -1086,11 +1087,16 @@ class Ledger:
                 current.lease_expires_at is not None and current.lease_expires_at <= locked["now"]
             ):
                 raise _not_live(current)
+            tenant_state = TenantState(locked["tenant_state"])
+            if tenant_state in (TenantState.DELETING, TenantState.DELETED):
+                # Offboarding ends an idle session without asking its engine to abort: it
+                # must not start running again. (A suspended tenant's sessions run to their end.)
+                raise admission.tenant_not_active(tenant, tenant_state)
             keys = {"tenant": tenant, "request_id": request_id}
             if not resuming:
                 await conn.execute(_UNSUSPEND, keys)
                 return await self._get(conn, tenant, request_id)
-            weight = (await conn.execute(_TENANT_WEIGHT, keys)).scalar_one()
+            weight = locked["tenant_weight"]
             # Without a wait budget it still passes through the queue (a moment's deadline),
             # and is refused below unless admitted in this transaction.
             back = AdmitRequest(current.params, (), max(wait_seconds, 1.0), None)
@@ -1148,11 +1154,13 @@ class Ledger:
             keys = {"tenant": tenant, "request_id": request_id}
             return (await conn.execute(_ENGINE_URL, keys)).scalar_one_or_none()
 
-    async def request_abort(self, tenant: str, request_id: str, reason: EndReason) -> None:
-        """Remember that this reservation must end with `reason` once its engine confirms the
-        abort (it keeps its blocks until then)."""
+    async def request_aborts(
+        self, tenant: str, request_ids: Sequence[str], reason: EndReason
+    ) -> None:
+        """Remember that these reservations must end with `reason` once their engine confirms
+        the abort (they keep their blocks until then)."""
         async with self._engine.begin() as conn:
-            params = {"tenant": tenant, "request_id": request_id, "reason": reason.value}
+            params = {"tenant": tenant, "request_ids": list(request_ids), "reason": reason.value}
             await conn.execute(_REQUEST_ABORT, params)
 
     async def lapsed_on_engines(self, batch: int) -> list[tuple[str, str]]:

@@ -1,12 +1,19 @@
 """Offboarding a tenant (DeleteTenant): end its reservations, drop its pins, free the cached
 blocks only its salt could ever match, and report what that did. Every step is its own
 transaction and the tenant's state (DELETING) says where it is, so a crashed offboarding resumes
-by being called again, and calling it after it finished changes nothing."""
+by being called again, and calling it after it finished changes nothing.
+
+A reservation an engine may still be running ends only once that engine confirmed the abort, as
+a cancelled one does: its blocks are not free before. When the engine does not answer, the abort
+stays pending (the maintenance loop retries it, and gives the blocks back after the hard timeout)
+and the tenant stays DELETING until the last one ended."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -58,24 +65,36 @@ _QUEUED = text(
     "SELECT request_id FROM reservations WHERE tenant = :tenant AND state = 'QUEUED' LIMIT :batch"
 )
 
+# Admitted reservations with an abort pending are the maintenance loop's to end.
 _INSTANCES_WITH_ADMITTED = text(
-    "SELECT DISTINCT instance FROM reservations WHERE tenant = :tenant AND state = 'ADMITTED'"
+    "SELECT DISTINCT instance FROM reservations "
+    "WHERE tenant = :tenant AND state = 'ADMITTED' AND abort_requested_at IS NULL"
+)
+
+_ENGINE_URL = text("SELECT engine_url FROM instances WHERE instance = :instance")
+
+# The next batch to end on one instance, and whether each may be running (a suspended session
+# is idle between turns). Read before the locks are taken: the engine is asked to abort them
+# while admissions go on, and the ending statement skips any that ended meanwhile.
+_NEXT_BATCH = text(
+    """
+    SELECT request_id, suspended_at IS NULL AS running FROM reservations
+    WHERE tenant = :tenant AND instance = :instance AND state = 'ADMITTED'
+      AND abort_requested_at IS NULL
+    ORDER BY lease_expires_at LIMIT :batch
+    """
 )
 
 _LOCK_TENANT = text("SELECT 1 FROM tenants WHERE tenant = :tenant FOR UPDATE")
 
 # Ends a batch of the tenant's admitted reservations on one instance at once, as Ledger.end ends
-# one (TENANT_DELETED, no output tokens, and, like it, no abort asked of the engine): their
-# tables are dropped together, tail first, and the counters move by the batch's sums. The caller
-# holds the instance's row, then the tenant's.
+# one (TENANT_DELETED, no output tokens): their tables are dropped together, tail first, and the
+# counters move by the batch's sums. The caller holds the instance's row, then the tenant's.
 _END_BATCH = dropping_tables(
     """
     UPDATE reservations r
     SET state = 'ENDED', ended_at = now(), end_reason = :reason, prompt_token_ids = NULL
-    WHERE (r.tenant, r.request_id) IN (
-            SELECT tenant, request_id FROM reservations
-            WHERE tenant = :tenant AND instance = :instance AND state = 'ADMITTED'
-            ORDER BY lease_expires_at LIMIT :batch)
+    WHERE r.tenant = :tenant AND r.request_id = ANY (CAST(:request_ids AS text[]))
       AND r.state = 'ADMITTED'
     RETURNING r.*
     """
@@ -128,8 +147,12 @@ _FINISH = text(
 )
 
 _REPORT = text(
-    "SELECT offboard_freed_blocks, offboard_shared_blocks, offboard_pinned_by_others "
-    "FROM tenants WHERE tenant = :tenant"
+    """
+    SELECT offboard_freed_blocks, offboard_shared_blocks, offboard_pinned_by_others,
+           (SELECT count(*) FROM reservations
+            WHERE tenant = :tenant AND state = 'ADMITTED') AS awaiting_engine_aborts
+    FROM tenants WHERE tenant = :tenant
+    """
 )
 
 _DELETING = text("SELECT tenant FROM tenants WHERE state = 'DELETING' ORDER BY tenant")
@@ -140,6 +163,21 @@ class OffboardingReport:
     freed_blocks: int
     shared_blocks: int
     pinned_by_others: int
+    # Reservations whose engine has not confirmed their abort yet: the offboarding finishes
+    # (the tenant becomes DELETED) once they have ended.
+    awaiting_engine_aborts: int
+
+    @property
+    def finished(self) -> bool:
+        return self.awaiting_engine_aborts == 0
+
+
+class EngineAborts(Protocol):
+    """How offboarding stops what an engine runs (jobs.termination.Termination)."""
+
+    async def abort(self, url: str, request_ids: Sequence[str]) -> bool:
+        """True once the engine at `url` answered the abort of these requests."""
+        ...
 
 
 class Offboarding:
@@ -148,11 +186,13 @@ class Offboarding:
         engine: AsyncEngine,
         ledger: Ledger,
         pins: Pins,
+        aborts: EngineAborts,
         reservation_batch: int = RESERVATION_BATCH,
     ) -> None:
         self._engine = engine
         self._ledger = ledger
         self._pins = pins
+        self._aborts = aborts
         self._reservation_batch = reservation_batch
 
     async def delete_tenant(self, tenant: str) -> OffboardingReport:
@@ -181,22 +221,25 @@ class Offboarding:
             return OffboardingReport(*row)
 
         report = await in_transaction(self._engine, finish)
-        log.info("offboarded %s: %s", scope, report)
+        if report.finished:
+            log.info("offboarded %s: %s", scope, report)
+        else:
+            log.info("offboarding %s waits for its engines' aborts: %s", scope, report)
         return report
 
     async def resume_all(self) -> int:
-        """Finish every offboarding a crash interrupted; returns how many."""
+        """Go on with every offboarding a crash interrupted or an engine's abort held up;
+        returns how many finished."""
         async with self._engine.connect() as conn:
             tenants = [r[0] for r in await conn.execute(_DELETING)]
-        for tenant in tenants:
-            await self.delete_tenant(tenant)
-        return len(tenants)
+        return sum([(await self.delete_tenant(tenant)).finished for tenant in tenants])
 
     async def _end_reservations(self, tenant: str) -> None:
         """End every live reservation of the tenant. Queued ones leave the queue one by one,
         through the ledger (the queue limits keep them few); admitted ones end in batches, one
         transaction per batch and instance. The loop ends once a pass finds none: one the
-        dispatcher admitted just before offboarding began is found by the next pass."""
+        dispatcher admitted just before offboarding began is found by the next pass. Those
+        left waiting for their engine's abort are not looked at again."""
         keys = {"tenant": tenant, "batch": BATCH}
         while True:
             async with self._engine.connect() as conn:
@@ -207,27 +250,44 @@ class Offboarding:
             for request_id in queued:
                 await self._ledger.end(tenant, request_id, EndReason.TENANT_DELETED)
             for instance in instances:
-                while await self._end_batch(instance, tenant) == self._reservation_batch:
-                    pass
+                await self._end_on_instance(instance, tenant)
 
-    async def _end_batch(self, instance: str, tenant: str) -> int:
-        """End a batch of the tenant's admitted reservations on the instance; returns how many
-        ended."""
+    async def _end_on_instance(self, instance: str, tenant: str) -> None:
+        """End the tenant's admitted reservations on the instance, a batch at a time; with an
+        engine, each batch after that engine confirmed the abort of those it may be running."""
+        keys = {"instance": instance, "tenant": tenant, "batch": self._reservation_batch}
+        async with self._engine.connect() as conn:
+            url = (await conn.execute(_ENGINE_URL, keys)).scalar_one()
+        while True:
+            async with self._engine.connect() as conn:
+                batch = (await conn.execute(_NEXT_BATCH, keys)).all()
+            ending = [r.request_id for r in batch]
+            running = [r.request_id for r in batch if r.running]
+            if url is not None and running and not await self._aborts.abort(url, running):
+                reason = EndReason.TENANT_DELETED
+                await self._ledger.request_aborts(tenant, running, reason)
+                ending = [r.request_id for r in batch if not r.running]
+            if ending:
+                await self._end_batch(instance, tenant, ending)
+            if len(batch) < self._reservation_batch:
+                return
+
+    async def _end_batch(self, instance: str, tenant: str, request_ids: Sequence[str]) -> None:
         params = {
             "instance": instance,
             "tenant": tenant,
             "reason": EndReason.TENANT_DELETED.value,
-            "batch": self._reservation_batch,
+            "request_ids": list(request_ids),
             "observed": False,
             "offloading": False,
         }
 
-        async def work(conn: AsyncConnection) -> int:
+        async def work(conn: AsyncConnection) -> None:
             await conn.execute(blocks.LOCK_INSTANCE, params)
             await conn.execute(_LOCK_TENANT, params)
-            return len((await conn.execute(_END_BATCH, params)).all())
+            await conn.execute(_END_BATCH, params)
 
-        return await in_transaction(self._engine, work)
+        await in_transaction(self._engine, work)
 
     async def _free_own_cache(self, instance: str, tenant: str, scope: str) -> None:
         params = {"instance": instance, "tenant": tenant, "scope": scope, "batch": 10 * BATCH}

@@ -29,10 +29,10 @@ from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger
-from quota_service.store.offboarding import Offboarding
 from quota_service.store.pins import Pins
 from quota_service.store.reclaim import ReclaimJobs
 from tests.engines.conftest import LMCACHE_L1_BYTES, ChunkWriter, Lmcache
+from tests.integration.ledger_fixtures import offboarding_service
 
 BS = 16
 CHUNK = 256
@@ -109,7 +109,7 @@ async def test_quotas_are_mirrored_per_salt_and_follow_the_ledger(
         await Catalog(engine).update_tenant("acme", {"max_cpu_tier_bytes": 512 << 20})
         ledger = Ledger(engine, settings.admission_limits)
         pins = Pins(engine, settings.admission_limits)
-        await Offboarding(engine, ledger, pins).delete_tenant("bolt")
+        await offboarding_service(engine, ledger, pins).delete_tenant("bolt")
         assert await tier.mirror() == 2
         assert (await coordinator_get(lmcache, f"/quota/{acme}"))["quota_limit_gb"] == 0.5
         assert (await coordinator_get(lmcache, f"/quota/{bolt}"))["quota_exists"] is False

@@ -35,6 +35,8 @@ from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger
+from quota_service.store.offboarding import Offboarding
+from quota_service.store.pins import Pins
 from quota_service.store.reclaim import ReclaimJobs
 from tests.engines.conftest import BLOCK_SIZE, MAX_MODEL_LEN, NUM_GPU_BLOCKS, ROOT, Engine
 
@@ -208,8 +210,8 @@ async def test_register_from_the_engine_and_release_only_after_the_abort(
     ledger = await register_tiny(vllm, engine)
     termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
 
-    async def cancel(request_id: str) -> None:
-        ended = await termination.end("acme", request_id, EndReason.CANCELLED)
+    async def cancel(tenant: str, request_id: str) -> None:
+        ended = await termination.end(tenant, request_id, EndReason.CANCELLED)
         assert (ended.state, ended.end_reason) == (ReservationState.ENDED, EndReason.CANCELLED)
 
     try:
@@ -226,20 +228,49 @@ async def test_an_evict_step_aborts_the_running_request(vllm: Engine, engine: As
     jobs = ReclaimJobs(engine)
     executor = ReclaimExecutor(jobs, termination, CpuTierMirror(CpuTierBooks(engine)))
 
-    async def evict(request_id: str) -> None:
-        target = ReclaimTarget(1, Tier.EVICT, "acme")
+    async def evict(tenant: str, request_id: str) -> None:
+        target = ReclaimTarget(1, Tier.EVICT, tenant)
         job = await jobs.create(f"evict-{request_id}", "tiny", target, dry_run=False)
-        assert [s.planned.reservation for s in job.steps] == [("acme", request_id)]
+        assert [s.planned.reservation for s in job.steps] == [(tenant, request_id)]
         assert await executor.run(job.job_id, 10) == 1
         assert await jobs.run_step(job.job_id) is False
         done = await jobs.get(job.job_id)
         assert (done.state, done.differences) == (JobState.SUCCEEDED, ())
         assert done.actual_blocks == done.expected_blocks == 1 + LONG // BLOCK_SIZE
-        ended = await ledger.get("acme", request_id)
+        ended = await ledger.get(tenant, request_id)
         assert (ended.state, ended.end_reason) == (ReservationState.ENDED, EndReason.PREEMPTED)
 
     try:
         assert await abort_while_generating(vllm, ledger, evict) == "abort"
+    finally:
+        await termination.close()
+
+
+async def test_offboarding_aborts_the_tenants_generation(vllm: Engine, engine: AsyncEngine) -> None:
+    """DeleteTenant stops the tenant's generation in vLLM, and only then gives its blocks back
+    and finishes (each attempt offboards a tenant of its own)."""
+    ledger = await register_tiny(vllm, engine)
+    termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
+    offboarding = Offboarding(
+        engine, ledger, Pins(engine, Settings().admission_limits), termination
+    )
+
+    async def new_tenant(attempt: int) -> str:
+        tenant = f"gone-{attempt}"
+        await Catalog(engine).create_tenant(tenant, tenant, 1, TenantQuota(10**6, 10**9, 10, 10, 1))
+        return tenant
+
+    async def offboard(tenant: str, request_id: str) -> None:
+        report = await offboarding.delete_tenant(tenant)
+        assert report.finished
+        ended = await ledger.get(tenant, request_id)
+        assert (ended.state, ended.end_reason) == (
+            ReservationState.ENDED,
+            EndReason.TENANT_DELETED,
+        )
+
+    try:
+        assert await abort_while_generating(vllm, ledger, offboard, new_tenant) == "abort"
     finally:
         await termination.close()
 
@@ -273,17 +304,26 @@ EOS = {"ignore_eos": True}  # generate all LONG tokens, unless aborted
 ATTEMPTS = 6
 
 
+async def acme(attempt: int) -> str:
+    return "acme"
+
+
 async def abort_while_generating(
-    vllm: Engine, ledger: Ledger, stop: Callable[[str], Awaitable[None]]
+    vllm: Engine,
+    ledger: Ledger,
+    stop: Callable[[str, str], Awaitable[None]],
+    tenant_of_attempt: Callable[[int], Awaitable[str]] = acme,
 ) -> str | None:
-    """Admit a long generation, start it in vLLM, and `stop` its reservation once a token came;
-    returns how the generation finished. The client may read the first token only after a
-    loaded machine's tiny model has generated everything, and then there is nothing left to
-    abort: several attempts, so that one stop lands while vLLM still generates."""
+    """Admit a long generation, start it in vLLM, and `stop(tenant, request_id)` its
+    reservation once a token came; returns how the generation finished. The client may read the
+    first token only after a loaded machine's tiny model has generated everything, and then
+    there is nothing left to abort: several attempts, so that one stop lands while vLLM still
+    generates."""
     finish: str | None = None
     for attempt in range(ATTEMPTS):
         request_id = f"gen-{attempt}"
-        params = AdmitParams("acme", request_id, "tiny", 32, LONG, 1, 0)
+        tenant = await tenant_of_attempt(attempt)
+        params = AdmitParams(tenant, request_id, "tiny", 32, LONG, 1, 0)
         reservation, salt = await ledger.admit(AdmitRequest(params, (3,) * 32, 0.0, None))
         assert reservation.reserved_blocks == 1 + LONG // BLOCK_SIZE
         started = asyncio.Event()
@@ -299,7 +339,7 @@ async def abort_while_generating(
             )
         )
         await asyncio.wait_for(started.wait(), 60)  # a token came: vLLM runs it now
-        await stop(request_id)
+        await stop(tenant, request_id)
         finish = await asyncio.wait_for(generation, 60)
         if finish == "abort":
             break

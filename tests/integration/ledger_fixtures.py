@@ -3,6 +3,8 @@ and a read of every counter straight from the database."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -10,8 +12,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.model import AdmitParams, TenantQuota
+from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
-from quota_service.store.offboarding import Offboarding
+from quota_service.store.ledger import Ledger
+from quota_service.store.offboarding import RESERVATION_BATCH, Offboarding
+from quota_service.store.pins import Pins
 
 UNLIMITED = TenantQuota(10**9, 10**12, 1000, 1000, 10**12)
 
@@ -82,6 +87,15 @@ async def snapshot(engine: AsyncEngine) -> tuple[object, ...]:
         return tuple(rows)
 
 
+def offboarding_service(
+    engine: AsyncEngine, ledger: Ledger, pins: Pins, reservation_batch: int = RESERVATION_BATCH
+) -> Offboarding:
+    """Offboarding as the server builds it (the instances these tests register have no engine,
+    so nothing is aborted)."""
+    termination = Termination(ledger, abort_timeout_seconds=1.0, hard_timeout_seconds=5.0)
+    return Offboarding(engine, ledger, pins, termination, reservation_batch)
+
+
 def crash_after_batches(
     offboarding: Offboarding, monkeypatch: pytest.MonkeyPatch, batches: int
 ) -> None:
@@ -89,11 +103,11 @@ def crash_after_batches(
     real_batch = offboarding._end_batch
     started = 0
 
-    async def crashing_batch(instance: str, tenant: str) -> int:
+    async def crashing_batch(instance: str, tenant: str, request_ids: Sequence[str]) -> None:
         nonlocal started
         started += 1
         if started > batches:
             raise RuntimeError("process killed")
-        return await real_batch(instance, tenant)
+        await real_batch(instance, tenant, request_ids)
 
     monkeypatch.setattr(offboarding, "_end_batch", crashing_batch)

@@ -19,13 +19,14 @@ from quota_service.store import blocks
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger, offload
 from quota_service.store.notifications import Listener
-from quota_service.store.offboarding import Offboarding, OffboardingReport
+from quota_service.store.offboarding import OffboardingReport
 from quota_service.store.pins import Pins
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import (
     add_tenant,
     counters,
     crash_after_batches,
+    offboarding_service,
     request,
     snapshot,
 )
@@ -143,7 +144,7 @@ async def test_offboarding_ends_every_kind_of_reservation_in_batches(
     listener.start()
     await asyncio.wait_for(listener.connected.wait(), 10)
     try:
-        offboarding = Offboarding(engine, ledger, pins, reservation_batch=BATCH)
+        offboarding = offboarding_service(engine, ledger, pins, reservation_batch=BATCH)
         report = await offboarding.delete_tenant("big")
         live = {f"changed:big/{r}" for r in await end_reasons(engine, "big")}
         for _ in range(50):
@@ -157,7 +158,10 @@ async def test_offboarding_ends_every_kind_of_reservation_in_batches(
     # Freed: the two tails, the private and idle blocks; kept: the 4 shared blocks and the
     # ones hashed under the namespace's salt (cached for it: the pin's 3 and 2 full blocks).
     assert report == OffboardingReport(
-        freed_blocks=2 + 3 * PRIVATE + 3, shared_blocks=4 + 3 + 2, pinned_by_others=0
+        freed_blocks=2 + 3 * PRIVATE + 3,
+        shared_blocks=4 + 3 + 2,
+        pinned_by_others=0,
+        awaiting_engine_aborts=0,
     )
     reasons = await end_reasons(engine, "big")
     assert set(reasons.values()) == {EndReason.TENANT_DELETED.value}
@@ -186,7 +190,7 @@ async def test_a_crash_between_batches_resumes_where_it_stopped(
     engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ledger, pins = await offboarded_tenant(engine, settings)
-    offboarding = Offboarding(engine, ledger, pins, reservation_batch=BATCH)
+    offboarding = offboarding_service(engine, ledger, pins, reservation_batch=BATCH)
     crash_after_batches(offboarding, monkeypatch, 2)
     with pytest.raises(RuntimeError):
         await offboarding.delete_tenant("big")
@@ -196,7 +200,7 @@ async def test_a_crash_between_batches_resumes_where_it_stopped(
     await assert_invariants(engine)
 
     monkeypatch.undo()
-    assert await Offboarding(engine, ledger, pins).resume_all() == 1
+    assert await offboarding_service(engine, ledger, pins).resume_all() == 1
     assert set((await end_reasons(engine, "big")).values()) == {EndReason.TENANT_DELETED.value}
     assert (await Catalog(engine).get_tenant("big")).state is TenantState.DELETED
     assert await metered(engine) == await held(engine)

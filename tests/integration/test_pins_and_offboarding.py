@@ -22,7 +22,7 @@ from quota_service.core.model import (
 from quota_service.store.catalog import Catalog
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
-from quota_service.store.offboarding import Offboarding, OffboardingReport
+from quota_service.store.offboarding import OffboardingReport
 from quota_service.store.pins import Pins
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import (
@@ -30,6 +30,7 @@ from tests.integration.ledger_fixtures import (
     add_tenant,
     counters,
     crash_after_batches,
+    offboarding_service,
     request,
     snapshot,
 )
@@ -166,11 +167,11 @@ async def test_offboarding_ten_thousand_blocks(
     held = (await counters(engine))["tenant:big"]["blocks_in_use"]
     assert held == 5 + 10_000 + 22 + 4
 
-    report = await Offboarding(engine, ledger, pins).delete_tenant("big")
+    report = await offboarding_service(engine, ledger, pins).delete_tenant("big")
     # Freed: the pin, the private requests and the two tails. Kept: the 20 blocks "other" uses,
     # the namespace-hashed block (cached for the namespace), the 3 the namespace pins.
     assert report == OffboardingReport(
-        freed_blocks=5 + 10_000 + 2, shared_blocks=24, pinned_by_others=3
+        freed_blocks=5 + 10_000 + 2, shared_blocks=24, pinned_by_others=3, awaiting_engine_aborts=0
     )
     assert report.freed_blocks + report.shared_blocks == held
     books = await counters(engine)
@@ -187,7 +188,7 @@ async def test_offboarding_ten_thousand_blocks(
     assert reasons == {"FREED": 10_002, "OFFBOARDED": 5}
     # Calling it again changes nothing and gives the same report.
     before = await snapshot(engine)
-    assert await Offboarding(engine, ledger, pins).delete_tenant("big") == report
+    assert await offboarding_service(engine, ledger, pins).delete_tenant("big") == report
     assert await snapshot(engine) == before
     await assert_invariants(engine)
 
@@ -200,7 +201,7 @@ async def test_offboarding_resumes_after_a_crash(
     await add_tenant(engine, "gone")
     for i in range(10):
         await ledger.admit(request(f"r{i}", 10 * BS, BS, tenant="gone"))
-    offboarding = Offboarding(engine, ledger, pins, reservation_batch=3)
+    offboarding = offboarding_service(engine, ledger, pins, reservation_batch=3)
     crash_after_batches(offboarding, monkeypatch, 2)
     with pytest.raises(RuntimeError):
         await offboarding.delete_tenant("gone")
@@ -209,10 +210,12 @@ async def test_offboarding_resumes_after_a_crash(
         await ledger.admit(request("new", 10, 10, tenant="gone"))
     assert deleting.value.reason == "TENANT_SUSPENDED"
     monkeypatch.undo()
-    finished = await Offboarding(engine, ledger, pins).resume_all()
+    finished = await offboarding_service(engine, ledger, pins).resume_all()
     assert finished == 1
-    report = await Offboarding(engine, ledger, pins).delete_tenant("gone")
-    assert report == OffboardingReport(freed_blocks=110, shared_blocks=0, pinned_by_others=0)
+    report = await offboarding_service(engine, ledger, pins).delete_tenant("gone")
+    assert report == OffboardingReport(
+        freed_blocks=110, shared_blocks=0, pinned_by_others=0, awaiting_engine_aborts=0
+    )
     await assert_invariants(engine)
 
 
@@ -236,7 +239,7 @@ async def test_an_offboarded_tenant_cannot_come_back(
     await add_instance(engine, blocks=50)
     await add_tenant(engine, "gone")
     await add_tenant(engine, "crashed")
-    await Offboarding(engine, ledger, pins).delete_tenant("gone")
+    await offboarding_service(engine, ledger, pins).delete_tenant("gone")
     for change in (
         catalog.set_tenant_state("gone", TenantState.ACTIVE),
         catalog.update_tenant("gone", {"weight": 2}),
@@ -250,14 +253,14 @@ async def test_an_offboarded_tenant_cannot_come_back(
     async def crash(*args: object, **kwargs: object) -> object:
         raise RuntimeError("process killed")
 
-    crashing = Offboarding(engine, ledger, pins)
+    crashing = offboarding_service(engine, ledger, pins)
     monkeypatch.setattr(crashing, "_end_batch", crash)
     with pytest.raises(RuntimeError):
         await crashing.delete_tenant("crashed")
     monkeypatch.undo()
     with pytest.raises(KvQuotaError):
         await catalog.set_tenant_state("crashed", TenantState.SUSPENDED)
-    assert await Offboarding(engine, ledger, pins).resume_all() == 1
+    assert await offboarding_service(engine, ledger, pins).resume_all() == 1
     assert (await catalog.get_tenant("crashed")).state is TenantState.DELETED
 
 

@@ -33,10 +33,9 @@ from quota_service.core.model import AdmitParams, EndReason, TenantQuota
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
 from quota_service.store.ledger import Ledger
-from quota_service.store.offboarding import Offboarding
 from quota_service.store.pins import Pins
 from tests.integration.invariants import violations
-from tests.integration.ledger_fixtures import add_instance
+from tests.integration.ledger_fixtures import add_instance, offboarding_service
 from tests.model.ledger_model import Model, Slot, Tenant
 
 BS = 16
@@ -67,7 +66,7 @@ class LedgerMachine(RuleBasedStateMachine):
         limits = Settings().admission_limits
         self.ledger = Ledger(self.engine, limits)
         self.pins = Pins(self.engine, limits)
-        self.offboarding = Offboarding(self.engine, self.ledger, self.pins)
+        self.offboarding = offboarding_service(self.engine, self.ledger, self.pins)
         self.model = Model(limits, BS)
         self.requests = 0
         self.offboarded = False

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -91,7 +92,7 @@ class VllmHttp:
             metrics=await self.metrics(),
         )
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests by kvquota's request ids. The gateway passes a reservation's request_id
         to vLLM (`request_id` in the body, or X-Request-Id), and vLLM derives its own ids from it:
         `cmpl-{id}-{i}` for the i-th prompt of a completion, `chatcmpl-{id}` for a chat

@@ -1,0 +1,197 @@
+"""Offboarding stops what engines run before it frees their blocks, as a cancel does: the
+tenant's requests an engine may be running are aborted there first, and when the engine does
+not answer they keep their blocks (the tenant stays DELETING) until the abort is confirmed or
+its hard timeout passes. The real vLLM side is tests/engines/test_vllm_contract.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.core import catalog
+from quota_service.core.errors import Code, KvQuotaError
+from quota_service.core.model import (
+    EndReason,
+    EngineEndpoints,
+    ReservationState,
+    TenantState,
+)
+from quota_service.engine.vllm.http import vllm_request_ids
+from quota_service.jobs.termination import Termination
+from quota_service.store.catalog import Catalog
+from quota_service.store.ledger import Ledger
+from quota_service.store.offboarding import Offboarding
+from quota_service.store.pins import Pins
+from tests.integration.invariants import assert_invariants
+from tests.integration.ledger_fixtures import (
+    add_instance,
+    add_tenant,
+    counters,
+    crash_after_batches,
+    offboarding_service,
+    request,
+)
+from tests.integration.test_termination import closed_port
+
+RUNNING = ("r0", "r1", "r2")
+
+
+@asynccontextmanager
+async def abort_endpoint(
+    on_abort: Callable[[list[str]], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """An HTTP endpoint that answers POST /abort_requests as vLLM does (200, whatever the ids)
+    after handing the ids to `on_abort`; yields its base URL."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            request_line, *header_lines = head.decode().split("\r\n")
+            headers = dict(line.lower().split(":", 1) for line in header_lines if line)
+            body = json.loads(await reader.readexactly(int(headers["content-length"])))
+            assert request_line.startswith("POST /abort_requests ")
+            await on_abort(body["request_ids"])
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await serve(reader, writer)
+        except asyncio.IncompleteReadError:
+            pass  # the client closed its connection
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(connection, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def tenant_on_engine(engine: AsyncEngine, settings: Settings, url: str) -> Ledger:
+    """Tenant "gone" with three running reservations and a suspended one on "gpu-0", whose
+    engine is at `url`, and one on "bare" (no engine); tenant "stay" runs one on "gpu-0"."""
+    spec = catalog.instance_spec(
+        "gpu-0", "m", None, 16, 8192, None, 256, engine=EngineEndpoints(url)
+    )
+    await Catalog(engine).register_instance(spec)
+    await add_instance(engine, "bare", 256)
+    await add_tenant(engine, "gone")
+    await add_tenant(engine, "stay")
+    ledger = Ledger(engine, settings.admission_limits)
+    for request_id in (*RUNNING, "idle"):
+        await ledger.admit(request(request_id, 100, 60, tenant="gone"))
+    await ledger.suspend("gone", "idle", ())
+    await ledger.admit(request("elsewhere", 100, 60, tenant="gone", instance="bare"))
+    await ledger.admit(request("other", 100, 60, tenant="stay"))
+    return ledger
+
+
+async def test_the_engine_aborts_the_tenants_running_requests_before_their_blocks_are_freed(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    aborted: list[list[str]] = []
+    states_at_abort: list[set[ReservationState]] = []
+    ledger: Ledger | None = None
+
+    async def on_abort(ids: list[str]) -> None:
+        assert ledger is not None
+        aborted.append(ids)
+        states = {(await ledger.get("gone", r)).state for r in RUNNING}
+        states_at_abort.append(states)
+
+    async with abort_endpoint(on_abort) as url:
+        ledger = await tenant_on_engine(engine, settings, url)
+        termination = Termination(ledger, abort_timeout_seconds=30.0, hard_timeout_seconds=60.0)
+        pins = Pins(engine, settings.admission_limits)
+        try:
+            report = await Offboarding(engine, ledger, pins, termination).delete_tenant("gone")
+        finally:
+            await termination.close()
+
+    # Only the running ones, in one call (sent twice), and while they still held their blocks.
+    expected = sorted(i for r in RUNNING for i in vllm_request_ids(r))
+    assert [sorted(ids) for ids in aborted] == [expected, expected]
+    assert states_at_abort == [{ReservationState.ADMITTED}] * 2
+    assert (report.awaiting_engine_aborts, report.finished) == (0, True)
+    for request_id in (*RUNNING, "idle", "elsewhere"):
+        ended = await ledger.get("gone", request_id)
+        assert (ended.state, ended.end_reason) == (
+            ReservationState.ENDED,
+            EndReason.TENANT_DELETED,
+        )
+    assert (await ledger.get("stay", "other")).state is ReservationState.ADMITTED
+    assert (await Catalog(engine).get_tenant("gone")).state is TenantState.DELETED
+    await assert_invariants(engine)
+
+
+async def test_an_unreachable_engine_holds_the_offboarding_until_the_hard_timeout(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    ledger = await tenant_on_engine(engine, settings, f"http://127.0.0.1:{closed_port()}")
+    termination = Termination(ledger, abort_timeout_seconds=0.5, hard_timeout_seconds=1.5)
+    offboarding = Offboarding(engine, ledger, Pins(engine, settings.admission_limits), termination)
+    try:
+        report = await offboarding.delete_tenant("gone")
+        # The engine may still be generating for the running ones: they keep their blocks.
+        assert (report.awaiting_engine_aborts, report.finished) == (3, False)
+        assert (await Catalog(engine).get_tenant("gone")).state is TenantState.DELETING
+        for request_id in RUNNING:
+            assert (await ledger.get("gone", request_id)).state is ReservationState.ADMITTED
+        for request_id in ("idle", "elsewhere"):  # nothing runs them
+            assert (await ledger.get("gone", request_id)).end_reason is EndReason.TENANT_DELETED
+        held = (await counters(engine))["tenant:gone"]["blocks_in_use"]
+        assert held == 3 * 10  # ceil(160 / 16) blocks each
+        assert await offboarding.resume_all() == 0  # still waiting, nothing re-sent by it
+        await assert_invariants(engine)
+
+        await asyncio.sleep(1.6)  # past the hard timeout: the blocks come back anyway
+        assert await termination.sweep(10) == 3
+        assert await offboarding.resume_all() == 1
+    finally:
+        await termination.close()
+    for request_id in RUNNING:
+        ended = await ledger.get("gone", request_id)
+        assert ended.end_reason is EndReason.ENGINE_UNREACHABLE
+    assert (await Catalog(engine).get_tenant("gone")).state is TenantState.DELETED
+    assert (await counters(engine))["tenant:gone"]["blocks_in_use"] == 0
+    assert (await ledger.get("stay", "other")).state is ReservationState.ADMITTED
+    await assert_invariants(engine)
+
+
+async def test_an_idle_session_of_a_tenant_being_deleted_cannot_resume(
+    engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offboarding ends an idle session without an abort (nothing runs it): a resume between
+    the start of the offboarding and its end must not start it again."""
+    await add_instance(engine)
+    await add_tenant(engine, "gone")
+    ledger = Ledger(engine, settings.admission_limits)
+    pins = Pins(engine, settings.admission_limits)
+    await ledger.admit(request("idle", 100, 60, tenant="gone"))
+    await ledger.suspend("gone", "idle", ())
+    crashing = offboarding_service(engine, ledger, pins)
+    crash_after_batches(crashing, monkeypatch, 0)
+    with pytest.raises(RuntimeError):
+        await crashing.delete_tenant("gone")
+    assert (await Catalog(engine).get_tenant("gone")).state is TenantState.DELETING
+
+    with pytest.raises(KvQuotaError) as refused:
+        await ledger.resume("gone", "idle", 0.0)
+    assert (refused.value.code, refused.value.reason) == (
+        Code.FAILED_PRECONDITION,
+        "TENANT_SUSPENDED",
+    )
+    assert refused.value.metadata["state"] == "DELETING"
+    assert (await ledger.get("gone", "idle")).suspended_at is not None  # unchanged
+
+    assert await offboarding_service(engine, ledger, pins).resume_all() == 1
+    assert (await ledger.get("gone", "idle")).end_reason is EndReason.TENANT_DELETED
+    await assert_invariants(engine)
