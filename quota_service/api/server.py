@@ -223,7 +223,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     await asyncio.wait_for(listener.connected.wait(), LISTEN_TIMEOUT_SECONDS)
     await _set_health(health_servicer, True)
     stop = asyncio.Event()
-    followers = Followers(engine, database_url, Reconciler(engine, ledger), metrics=observed)
+    followers = Followers(database_url, Reconciler(engine, ledger), metrics=observed)
     await followers.scan()
     metrics = LedgerMetrics(Catalog(engine), inspection, reclaim, settings.metrics_refresh_seconds)
     await metrics.refresh()

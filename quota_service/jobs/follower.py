@@ -16,23 +16,16 @@ from contextlib import suppress
 
 import httpx
 import psycopg
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.engine.vllm.http import MetricsError, VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
 from quota_service.jobs.metrics import ServiceMetrics
-from quota_service.store.notifications import libpq_url
+from quota_service.store.ownership import owned
 from quota_service.store.reconcile import Reconciler
 
 log = logging.getLogger(__name__)
 
 RETRY_SECONDS = 2.0
-
-_FOLLOWED = text(
-    "SELECT instance, kv_events_endpoint, kv_replay_endpoint, engine_url FROM instances "
-    "WHERE kv_events_endpoint IS NOT NULL"
-)
 # How often the follower reads the engine's load (vllm:num_requests_running).
 LOAD_CHECK_SECONDS = 5.0
 
@@ -42,14 +35,12 @@ class Followers:
 
     def __init__(
         self,
-        engine: AsyncEngine,
         database_url: str,
         reconciler: Reconciler,
         load_check_seconds: float = LOAD_CHECK_SECONDS,
         metrics: ServiceMetrics | None = None,
     ) -> None:
-        self._engine = engine
-        self._url = libpq_url(database_url)
+        self._database_url = database_url
         self._reconciler = reconciler
         self._load_check_seconds = load_check_seconds
         self._metrics = metrics or ServiceMetrics()
@@ -57,10 +48,8 @@ class Followers:
 
     async def scan(self) -> int:
         """Start following instances not followed yet; returns how many were started."""
-        async with self._engine.connect() as conn:
-            rows = (await conn.execute(_FOLLOWED)).all()
         started = 0
-        for instance, events, replay, url in rows:
+        for instance, events, replay, url in await self._reconciler.followed_engines():
             if instance not in self._tasks or self._tasks[instance].done():
                 follow = self._follow(instance, events, replay, url)
                 self._tasks[instance] = asyncio.create_task(follow)
@@ -79,16 +68,8 @@ class Followers:
     ) -> None:
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(
-                    self._url, autocommit=True
-                ) as lock:
-                    owned = await (
-                        await lock.execute(
-                            "SELECT pg_try_advisory_lock(hashtext(%s))",
-                            (f"kvquota-follow:{instance}",),
-                        )
-                    ).fetchone()
-                    if owned and owned[0]:
+                async with owned(self._database_url, f"kvquota-follow:{instance}") as mine:
+                    if mine:
                         log.info("following the engine of %s at %s", instance, events)
                         load = asyncio.create_task(self._watch_load(instance, url))
                         try:
@@ -116,13 +97,7 @@ class Followers:
             await http.close()
 
     async def _apply_stream(self, instance: str, events: str, replay: str | None) -> None:
-        async with self._engine.connect() as conn:
-            last = (
-                await conn.execute(
-                    text("SELECT last_event_seq FROM instances WHERE instance = :i"),
-                    {"i": instance},
-                )
-            ).scalar_one_or_none()
+        last = await self._reconciler.last_applied(instance)
         subscriber = Subscriber(events, replay)
         try:
             if last is None:

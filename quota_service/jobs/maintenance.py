@@ -1,7 +1,9 @@
 """The background loop every replica runs: end lapsed leases, finish interrupted offboardings,
 purge old tombstones, vacuum the block tables. Each step is safe to run in several replicas at
 once (conditional updates, one transaction per item, SKIP LOCKED), and a failing step is retried
-on the next sweep."""
+on the next sweep. The steps that go over the same shared work in every replica run in one
+replica at a time (an advisory lock per step, tried): the others skip them that sweep instead
+of queueing on the same rows and, for engine aborts, calling the same engines again."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import NamedTuple
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -25,10 +28,18 @@ from quota_service.store.database import reachable
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import Offboarding
+from quota_service.store.ownership import exclusive
 from quota_service.store.usage import UsageRollup
 from quota_service.store.vacuum import vacuum_churned
 
 log = logging.getLogger(__name__)
+
+
+class Step(NamedTuple):
+    name: str
+    run: Callable[[], Awaitable[int]]
+    # It goes over work shared by every replica: one replica at a time runs it.
+    one_replica: bool = False
 
 
 @dataclass
@@ -81,40 +92,53 @@ class Maintenance:
         await self.on_ledger(up)
         return up
 
-    async def sweep(self) -> None:
-        if not await self.ledger_reachable():
-            return
-        steps = (
-            ("lease reaper", self.reap_leases),
-            ("engine aborts", lambda: self.termination.sweep(self.settings.reaper_batch_size)),
+    def steps(self) -> tuple[Step, ...]:
+        """The sweep's steps, by name, in order."""
+        return (
+            Step("lease reaper", self.reap_leases, one_replica=True),
+            Step(
+                "engine aborts",
+                lambda: self.termination.sweep(self.settings.reaper_batch_size),
+                one_replica=True,
+            ),
             # Instances registered since the last sweep get their engine followed.
-            ("engine followers", self.followers.scan),
+            Step("engine followers", self.followers.scan),
             # Dispatch also on a timer: a notification may have been lost.
-            ("dispatch sweep", self.ledger.dispatch_all),
-            ("offboarding", self.offboarding.resume_all),
-            ("reclaim policy", self.policy.sweep),
-            ("reclaim steps", lambda: self.reclaim.run_open(self.settings.reaper_batch_size)),
+            Step("dispatch sweep", self.ledger.dispatch_all, one_replica=True),
+            Step("offboarding", self.offboarding.resume_all, one_replica=True),
+            Step("reclaim policy", self.policy.sweep),
+            Step("reclaim steps", lambda: self.reclaim.run_open(self.settings.reaper_batch_size)),
             # LMCache coordinators follow the ledger's quotas and pins; L1 fill is read.
-            ("cpu tier mirror", self.cpu_tier.mirror),
-            ("usage rollup", self.close_usage_hours),
-            (
+            Step("cpu tier mirror", self.cpu_tier.mirror),
+            Step("usage rollup", self.close_usage_hours),
+            Step(
                 "usage event purge",
                 lambda: self.usage.purge_events(
                     self.settings.usage_event_retention_seconds, self.settings.reaper_batch_size
                 ),
+                one_replica=True,
             ),
-            ("metrics refresh", self.metrics.refresh),
-            ("block table vacuum", self.vacuum),
-            (
+            Step("metrics refresh", self.metrics.refresh),
+            Step("block table vacuum", self.vacuum),
+            Step(
                 "tombstone purge",
                 lambda: self.inspection.purge_tombstones(
                     self.settings.tombstone_retention_seconds, self.settings.reaper_batch_size
                 ),
+                one_replica=True,
             ),
         )
-        for name, step in steps:
+
+    async def sweep(self) -> None:
+        if not await self.ledger_reachable():
+            return
+        for name, step, one_replica in self.steps():
             try:
-                done = await step()
+                if one_replica:
+                    async with exclusive(self.ledger_db, f"kvquota-sweep:{name}") as mine:
+                        done = await step() if mine else 0
+                else:
+                    done = await step()
                 if done:
                     log.info("%s: %d done", name, done)
             except Exception:

@@ -3,14 +3,15 @@ prefix, each suspended session's tokens; and the CPU tier's fill as last read.""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from sqlalchemy import RowMapping, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.core.model import LmcacheEndpoint
+from quota_service.store import ownership
 from quota_service.store.catalog import lmcache_from_row
 
 # A salt's quota: what its tenants may hold in the CPU tier together (a namespace's tenants
@@ -79,11 +80,6 @@ _SESSION = text(
     WHERE r.tenant = :tenant AND r.request_id = :request_id
     """
 )
-
-# One mirror pass at a time per coordinator, whichever replica runs it (pins are refcounted:
-# two passes deciding at once would both send the same change).
-_TRY_LOCK = text("SELECT pg_try_advisory_lock(hashtext('kvquota-cpu-tier:' || :key))")
-_UNLOCK = text("SELECT pg_advisory_unlock(hashtext('kvquota-cpu-tier:' || :key))")
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,15 +168,8 @@ class CpuTierBooks:
             return None
         return Session(_endpoint(row), row["salt"], tuple(row["session"]))
 
-    @asynccontextmanager
-    async def exclusive(self, key: str) -> AsyncIterator[bool]:
-        """Whether this replica holds the mirror of `key` for the block (False: another does)."""
-        async with self._engine.connect() as conn:
-            held = bool((await conn.execute(_TRY_LOCK, {"key": key})).scalar_one())
-            await conn.commit()
-            try:
-                yield held
-            finally:
-                if held:
-                    await conn.execute(_UNLOCK, {"key": key})
-                    await conn.commit()
+    def exclusive(self, key: str) -> AbstractAsyncContextManager[bool]:
+        """Whether this replica holds the mirror of `key` for the block (False: another does).
+        One mirror pass at a time per coordinator: pins are refcounted, and two passes deciding
+        at once would both send the same change."""
+        return ownership.exclusive(self._engine, f"kvquota-cpu-tier:{key}")

@@ -70,6 +70,13 @@ _LIVE_ON_INSTANCE = text(
 )
 
 
+_FOLLOWED = text(
+    "SELECT instance, kv_events_endpoint, kv_replay_endpoint, engine_url FROM instances "
+    "WHERE kv_events_endpoint IS NOT NULL ORDER BY instance"
+)
+
+_LAST_APPLIED = text("SELECT last_event_seq FROM instances WHERE instance = :instance")
+
 _ENGINE_RUNNING = text(
     "UPDATE instances SET engine_requests_running = :running, engine_checked_at = now() "
     "WHERE instance = :instance"
@@ -85,6 +92,19 @@ class Reconciler:
     def __init__(self, engine: AsyncEngine, ledger: Ledger) -> None:
         self._engine = engine
         self._ledger = ledger
+
+    async def followed_engines(self) -> list[tuple[str, str, str | None, str | None]]:
+        """(instance, events endpoint, replay endpoint, engine URL) of every instance whose
+        engine publishes KV events."""
+        async with self._engine.connect() as conn:
+            return [(i, e, r, u) for i, e, r, u in await conn.execute(_FOLLOWED)]
+
+    async def last_applied(self, instance: str) -> int | None:
+        """The sequence number of the last batch applied (-1: resynchronised from empty, None:
+        never followed)."""
+        async with self._engine.connect() as conn:
+            seq = (await conn.execute(_LAST_APPLIED, {"instance": instance})).scalar_one_or_none()
+            return None if seq is None else int(seq)
 
     async def apply(self, instance: str, seq: int, batch: EventBatch) -> tuple[int, int]:
         """Apply one batch in order, in one transaction; returns (blocks freed, drift seen)."""

@@ -88,9 +88,7 @@ async def followed_engine(
     )
     await Catalog(engine).register_instance(spec)
     await Catalog(engine).create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
-    followers = Followers(
-        engine, database_url, Reconciler(engine, followed.ledger), load_check_seconds=0.5
-    )
+    followers = Followers(database_url, Reconciler(engine, followed.ledger), load_check_seconds=0.5)
     try:
         assert await followers.scan() == 1
 

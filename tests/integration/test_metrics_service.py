@@ -175,7 +175,7 @@ async def test_engine_event_lag_is_observed_when_a_batch_is_applied(
     await Catalog(engine).register_instance(spec)
     metrics = ServiceMetrics()
     ledger = Ledger(engine, settings.admission_limits)
-    followers = Followers(engine, database_url, Reconciler(engine, ledger), 60.0, metrics)
+    followers = Followers(database_url, Reconciler(engine, ledger), 60.0, metrics)
 
     def applied() -> float:
         found = metrics.registry.get_sample_value(

@@ -72,7 +72,7 @@ async def test_the_engine_path_against_the_simulated_host(
     await Catalog(engine).register_instance(spec)
     await add_tenant(engine, "acme")
     ledger = Ledger(engine, settings.admission_limits)
-    followers = Followers(engine, database_url, Reconciler(engine, ledger), load_check_seconds=0.1)
+    followers = Followers(database_url, Reconciler(engine, ledger), load_check_seconds=0.1)
     termination = Termination(ledger, abort_timeout_seconds=2, hard_timeout_seconds=5)
     try:
         await followers.scan()

@@ -1,0 +1,91 @@
+"""Sweep steps over work every replica shares (lapsed leases, engine aborts, dispatch,
+offboarding, purges) run in one replica at a time; the others skip them that sweep."""
+
+from __future__ import annotations
+
+import asyncio
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.core.model import EndReason, ReservationState
+from quota_service.jobs.cpu_tier import CpuTierMirror
+from quota_service.jobs.follower import Followers
+from quota_service.jobs.maintenance import Maintenance
+from quota_service.jobs.metrics import LedgerMetrics
+from quota_service.jobs.policy import ReclaimPolicy
+from quota_service.jobs.reclaim import ReclaimExecutor
+from quota_service.jobs.termination import Termination
+from quota_service.store.catalog import Catalog
+from quota_service.store.cpu_tier import CpuTierBooks
+from quota_service.store.inspection import Inspection
+from quota_service.store.ledger import Ledger
+from quota_service.store.ownership import exclusive
+from quota_service.store.pins import Pins
+from quota_service.store.reclaim import ReclaimJobs
+from quota_service.store.reconcile import Reconciler
+from quota_service.store.usage import UsageRollup
+from tests.integration.invariants import assert_invariants
+from tests.integration.ledger_fixtures import add_instance, add_tenant, offboarding_service, request
+
+
+def maintenance(engine: AsyncEngine, database_url: str, settings: Settings) -> Maintenance:
+    """A replica's maintenance loop, built as the server builds it."""
+    ledger = Ledger(engine, settings.admission_limits)
+    termination = Termination(ledger, 1.0, 5.0)
+    reclaim = ReclaimJobs(engine, settings.cpu_watermarks)
+    cpu_tier = CpuTierMirror(CpuTierBooks(engine))
+    inspection = Inspection(engine)
+
+    async def on_ledger(up: bool) -> None:
+        pass
+
+    return Maintenance(
+        ledger,
+        offboarding_service(engine, ledger, Pins(engine, settings.admission_limits)),
+        inspection,
+        termination,
+        Followers(database_url, Reconciler(engine, ledger)),
+        LedgerMetrics(Catalog(engine), inspection, reclaim, 60.0),
+        ReclaimExecutor(reclaim, termination, cpu_tier),
+        ReclaimPolicy(reclaim, None, 0.9, 30.0),
+        cpu_tier,
+        UsageRollup(engine),
+        settings,
+        engine,
+        on_ledger,
+    )
+
+
+async def test_a_key_is_held_by_one_holder_at_a_time(engine: AsyncEngine) -> None:
+    async with (
+        exclusive(engine, "kvquota-test:a") as first,
+        exclusive(engine, "kvquota-test:a") as second,
+        exclusive(engine, "kvquota-test:b") as other_key,
+    ):
+        assert (first, second, other_key) == (True, False, True)
+    async with exclusive(engine, "kvquota-test:a") as again:
+        assert again  # released when its holder finished
+
+
+async def test_a_lapsed_lease_is_reaped_by_the_replica_that_holds_the_step(
+    engine: AsyncEngine, database_url: str, settings: Settings
+) -> None:
+    await add_instance(engine)
+    await add_tenant(engine, "acme")
+    replica = maintenance(engine, database_url, settings)
+    shared = {step.name for step in replica.steps() if step.one_replica}
+    assert {"lease reaper", "engine aborts", "dispatch sweep", "offboarding"} <= shared
+    ledger = Ledger(engine, settings.admission_limits)
+    await ledger.admit(request("short", 100, 100, lease_ttl=1.0))
+    await asyncio.sleep(1.2)
+
+    async with exclusive(engine, "kvquota-sweep:lease reaper") as other_replica:
+        assert other_replica
+        await replica.sweep()  # another replica reaps now: this one skips the step
+        assert (await ledger.get("acme", "short")).state is ReservationState.ADMITTED
+    await replica.sweep()
+    reaped = await ledger.get("acme", "short")
+    assert (reaped.state, reaped.end_reason) == (ReservationState.ENDED, EndReason.LEASE_EXPIRED)
+    await replica.followers.stop()
+    await assert_invariants(engine)
