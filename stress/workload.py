@@ -92,10 +92,14 @@ class Client:
         self.rng = rng
         self.live: list[Live] = []
         # Recent admissions, to send again (invariant 5).
-        self.sent: list[tuple[admission_pb2.AdmitRequest, str]] = []
+        self.sent: list[tuple[admission_pb2.AdmitRequest, pb.Reservation]] = []
         self.released: list[tuple[str, int]] = []
+        # Reservations a suspend was sent for: a reclaim may offload them, and a resume from the
+        # CPU tier admits them again (a new admit_time).
+        self.suspended_ever: set[str] = set()
         self._sequence = 0
         self.unreachable = False
+        self.last_refusal: str | None = None  # the reason of the last call that failed
         self._http = httpx.AsyncClient(timeout=30)
         self._running: set[asyncio.Task[None]] = set()
 
@@ -109,7 +113,7 @@ class Client:
         try:
             answer = await rpc(request, metadata=self._metadata, timeout=CALL_TIMEOUT_SECONDS)
         except grpc.aio.AioRpcError as error:
-            reason = _reason(error)
+            reason = self.last_refusal = _reason(error)
             self.tally.ops[(op, error.code().name)] += 1
             self.tally.reasons[(error.code().name, reason)] += 1
             # The server or its database is down (not a refusal like INSTANCE_OVERLOADED): try
@@ -163,7 +167,7 @@ class Client:
         if answer is None:
             return
         reservation = answer.reservation
-        self.sent.append((request, reservation.name))
+        self.sent.append((request, reservation))
         del self.sent[:-REMEMBERED]
         self.tally.admitted.add(reservation.name)
         live = Live(reservation.name, tenant, instance, prompt, list(reservation.block_table))
@@ -206,10 +210,18 @@ class Client:
         Release sent again (with other figures) changes nothing."""
         admission = self._admission()
         if self.sent and self.rng.random() < 0.5:
-            request, name = self.rng.choice(self.sent)
+            request, first = self.rng.choice(self.sent)
             again = await self.call("admit_again", admission.Admit, request)
-            if again is not None and again.reservation.name != name:
-                self.tally.idempotency.append(f"{name} admitted again as {again.reservation.name}")
+            if again is None and self.last_refusal == "REQUEST_ID_REUSED":
+                self.tally.idempotency.append(f"{first.name} sent again was refused as reused")
+            # The same reservation: admitted at the same moment (its name alone is made of the
+            # request's own tenant and request_id).
+            if (
+                again is not None
+                and first.name not in self.suspended_ever
+                and again.reservation.admit_time != first.admit_time
+            ):
+                self.tally.idempotency.append(f"{first.name} admitted again, anew")
         elif self.released:
             name, output = self.rng.choice(self.released)
             release = admission_pb2.ReleaseRequest(name=name, output_tokens=output + 7)
@@ -257,6 +269,7 @@ class Client:
             suspend = admission_pb2.SuspendReservationRequest(
                 name=live.name, session_token_ids=live.prompt
             )
+            self.suspended_ever.add(live.name)
             if await self.call("suspend", admission.SuspendReservation, suspend):
                 live.suspended = True
             self.live.append(live)
