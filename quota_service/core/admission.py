@@ -5,6 +5,8 @@ the plan in the same transaction, so the decision is atomic whichever replica ma
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -145,9 +147,21 @@ def prompt_of(stored_token_ids: Sequence[int], prompt_tokens: int) -> tuple[int,
     return tuple(stored_token_ids[:prompt_tokens])
 
 
-def check_replay(params: AdmitParams, existing: Reservation) -> Reservation:
-    """A repeated Admit gets the same reservation; a different one under the same id is refused."""
-    if existing.params != params:
+def prompt_digest(token_ids: Sequence[int]) -> bytes | None:
+    """SHA-256 of a prompt's token ids (as signed 64-bit integers); None when none were given.
+    A repeated Admit must carry the same prompt, not only as many tokens."""
+    if not token_ids:
+        return None
+    return hashlib.sha256(array("q", token_ids).tobytes()).digest()
+
+
+def check_replay(request: AdmitRequest, existing: Reservation) -> Reservation:
+    """A repeated Admit gets the same reservation; a different one under the same id (other
+    counts, or another prompt) is refused."""
+    params = request.params
+    if existing.params != params or existing.prompt_digest != prompt_digest(
+        request.prompt_token_ids
+    ):
         raise KvQuotaError(
             Code.ALREADY_EXISTS,
             "REQUEST_ID_REUSED",

@@ -129,6 +129,8 @@ class Reservation:
     # Suspended between turns since then; offloaded: the bytes it holds in the CPU tier.
     suspended_at: datetime | None = None
     offloaded_bytes: int | None = None
+    # What identifies its prompt's token ids for a repeated Admit (None: none were given).
+    prompt_digest: bytes | None = None
 
     @property
     def params(self) -> AdmitParams:

@@ -114,11 +114,11 @@ _INSERT_RESERVATION = text(
         INSERT INTO reservations (
             tenant, request_id, holder_id, instance, prompt_tokens, max_output_tokens, n,
             priority, state, reserved_blocks, reserved_tokens, prefix_hit_blocks,
-            lease_ttl_seconds, lease_expires_at, admitted_at)
+            lease_ttl_seconds, lease_expires_at, admitted_at, prompt_digest)
         VALUES (
             :tenant, :request_id, :holder, :instance, :prompt_tokens, :max_output_tokens, :n,
             :priority, 'ADMITTED', :blocks, :tokens, :hit_count,
-            :ttl, now() + make_interval(secs => :ttl), now())
+            :ttl, now() + make_interval(secs => :ttl), now(), :prompt_digest)
         ON CONFLICT DO NOTHING
         RETURNING *, 0::bigint AS was_offloaded
         """
@@ -169,12 +169,13 @@ _ENQUEUE = text(
         INSERT INTO reservations (
             tenant, request_id, holder_id, instance, prompt_tokens, max_output_tokens, n,
             priority, state, reserved_blocks, reserved_tokens, lease_ttl_seconds,
-            queued_at, wait_deadline, virtual_start, virtual_finish, prompt_token_ids)
+            queued_at, wait_deadline, virtual_start, virtual_finish, prompt_token_ids,
+            prompt_digest)
         VALUES (
             :tenant, :request_id, :holder, :instance, :prompt_tokens, :max_output_tokens, :n,
             :priority, 'QUEUED', :blocks, :tokens, :ttl,
             now(), now() + make_interval(secs => :wait), :virtual_start, :virtual_finish,
-            CAST(:prompt_token_ids AS int[]))
+            CAST(:prompt_token_ids AS int[]), :prompt_digest)
         -- An offloaded session that resumes queues again as it is (same holder, its session's
         -- tokens kept for its prefix, offloaded_bytes kept until admitted: a resume that runs
         -- out of wait goes back to the CPU tier); any other row is an Admit's duplicate.
@@ -591,6 +592,7 @@ def reservation_from_row(row: RowMapping) -> Reservation:
         queue_position=row.get("queue_position"),
         suspended_at=row.get("suspended_at"),
         offloaded_bytes=row.get("offloaded_bytes"),
+        prompt_digest=row.get("prompt_digest"),
     )
 
 
@@ -652,7 +654,7 @@ class Ledger:
     async def _replay(self, conn: AsyncConnection, request: AdmitRequest) -> Reservation:
         """A repeated Admit: the reservation as it is, if the parameters are the same."""
         p = request.params
-        existing = admission.check_replay(p, await self._get(conn, p.tenant, p.request_id))
+        existing = admission.check_replay(request, await self._get(conn, p.tenant, p.request_id))
         if existing.state is ReservationState.QUEUED and request.wait_timeout_seconds > 0:
             # A retry keeps its place, and waits at least as long as this call will.
             extend = {"tenant": p.tenant, "request_id": p.request_id}
@@ -728,6 +730,7 @@ class Ledger:
             "blocks": plan.blocks,
             "tokens": plan.tokens,
             "ttl": plan.lease_ttl_seconds,
+            "prompt_digest": admission.prompt_digest(request.prompt_token_ids),
             **allocation_params(plan.hits, plan.new_hashes, hash_scope, pinned=False),
         }
         row = (await conn.execute(_INSERT_RESERVATION, params)).mappings().first()
@@ -765,6 +768,7 @@ class Ledger:
             "virtual_start": tags.start,
             "virtual_finish": tags.finish,
             "prompt_token_ids": list(request.prompt_token_ids) or None,
+            "prompt_digest": admission.prompt_digest(request.prompt_token_ids),
         }
         if (await conn.execute(_ENQUEUE, params)).first() is None:
             raise _DuplicateRace()

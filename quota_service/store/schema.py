@@ -231,6 +231,9 @@ class ReservationRow(Base):
     virtual_start: Mapped[float | None]
     virtual_finish: Mapped[float | None]
     prompt_token_ids: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    # SHA-256 of the prompt's token ids as the Admit gave them (NULL: none): a repeat with other
+    # tokens under the same request_id is refused.
+    prompt_digest: Mapped[bytes | None] = mapped_column(LargeBinary)
     # Release follows the engine: when ending it needs an abort the engine has not confirmed
     # yet, when that was first asked and the reason it will end with.
     abort_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

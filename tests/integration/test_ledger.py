@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
+from quota_service.core.admission import AdmitRequest
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.model import EndReason, ReservationState, TenantQuota, TenantState
 from quota_service.store.catalog import Catalog
@@ -90,6 +92,26 @@ async def test_same_request_id_with_other_parameters_is_refused(
         await ledger.admit(request("dup", 100, 51))
     assert reused.value.reason == "REQUEST_ID_REUSED"
     assert await snapshot(engine) == before
+
+
+async def test_same_request_id_with_another_prompt_is_refused(
+    ledger: Ledger, engine: AsyncEngine
+) -> None:
+    """As many tokens is not the same prompt: the first reservation's block table holds the
+    first prompt's blocks. The same prompt again is answered with the same reservation."""
+    prompt = tuple(range(1, 101))
+
+    def with_prompt(request_id: str, tokens: tuple[int, ...]) -> AdmitRequest:
+        return replace(request(request_id, 100, 50), prompt_token_ids=tokens)
+
+    first, _ = await ledger.admit(with_prompt("p", prompt))
+    before = await snapshot(engine)
+    for other in ((*prompt[:50], 0, *prompt[51:]), ()):
+        with pytest.raises(KvQuotaError) as reused:
+            await ledger.admit(with_prompt("p", other))
+        assert reused.value.reason == "REQUEST_ID_REUSED"
+    assert await snapshot(engine) == before
+    assert (await ledger.admit(with_prompt("p", prompt)))[0] == first
 
 
 async def test_cancel_is_idempotent_and_wins_over_a_later_release(ledger: Ledger) -> None:

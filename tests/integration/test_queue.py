@@ -58,9 +58,11 @@ async def test_queue_then_dispatch_in_order(engine: AsyncEngine, settings: Setti
     # A retry keeps its place; other parameters under its id are refused.
     again, _ = await ledger.admit(waiting("q1", 4))
     assert (again.state, again.queue_position) == (ReservationState.QUEUED, 1)
-    with pytest.raises(KvQuotaError) as reused:
-        await ledger.admit(waiting("q1", 5))
-    assert reused.value.reason == "REQUEST_ID_REUSED"
+    with_prompt = replace(waiting("q1", 4), prompt_token_ids=(1,) * (4 * BS - 1))
+    for other in (waiting("q1", 5), with_prompt):
+        with pytest.raises(KvQuotaError) as reused:
+            await ledger.admit(other)
+        assert reused.value.reason == "REQUEST_ID_REUSED"
     # Without a wait budget nobody jumps the queue, even a request that would fit.
     with pytest.raises(KvQuotaError) as no_jump:
         await ledger.admit(request("small", 10, 5))

@@ -64,6 +64,7 @@ class Holder:
     live: bool = True
     tokens: int = 0
     params: AdmitParams | None = None
+    token_ids: tuple[int, ...] = ()  # a reservation's prompt as its Admit gave it
     prefix: bytes | None = None
 
 
@@ -120,7 +121,7 @@ class Model:
             existing = self.reservations.get((params.tenant, params.request_id))
             if existing is not None:
                 assert existing.params is not None
-                if existing.params != params:
+                if (existing.params, existing.token_ids) != (params, tuple(token_ids)):
                     return "REQUEST_ID_REUSED"
                 return None
             tenant = self.tenants[params.tenant]
@@ -149,7 +150,12 @@ class Model:
             return "TENANT_QUOTA_EXCEEDED" if plan.scope == "tenant" else "INSTANCE_OVERLOADED"
         entries = self._allocate(params.instance, hits, plan.new_hashes, scope, pinned=False)
         self.reservations[(params.tenant, params.request_id)] = Holder(
-            params.instance, params.tenant, entries, tokens=plan.tokens, params=params
+            params.instance,
+            params.tenant,
+            entries,
+            tokens=plan.tokens,
+            params=params,
+            token_ids=tuple(token_ids),
         )
         return None
 

@@ -146,6 +146,9 @@ def test_shortfalls_name_their_scope() -> None:
     assert decide(req(), pool=instance_full) == Shortfall("instance", 10, 150, 7, 0)
 
 
+PROMPT = tuple(range(7, 107))
+
+
 def test_replay_same_parameters_returns_the_reservation() -> None:
     existing = Reservation(
         "acme",
@@ -165,11 +168,23 @@ def test_replay_same_parameters_returns_the_reservation() -> None:
         NOW,
         EndReason.RELEASED,
         5,
+        prompt_digest=admission.prompt_digest(PROMPT),
     )
-    assert admission.check_replay(existing.params, existing) is existing
-    with pytest.raises(KvQuotaError) as reused:
-        admission.check_replay(replace(existing.params, max_output_tokens=51), existing)
-    assert (reused.value.code, reused.value.reason) == (Code.ALREADY_EXISTS, "REQUEST_ID_REUSED")
+
+    def again(params: AdmitParams, tokens: tuple[int, ...]) -> AdmitRequest:
+        return AdmitRequest(params, tokens, 0.0, None)
+
+    assert admission.check_replay(again(existing.params, PROMPT), existing) is existing
+    other_counts = again(replace(existing.params, max_output_tokens=51), PROMPT)
+    other_prompt = again(existing.params, (*PROMPT[:-1], PROMPT[-1] + 1))
+    no_prompt = again(existing.params, ())
+    for different in (other_counts, other_prompt, no_prompt):
+        with pytest.raises(KvQuotaError) as reused:
+            admission.check_replay(different, existing)
+        assert (reused.value.code, reused.value.reason) == (
+            Code.ALREADY_EXISTS,
+            "REQUEST_ID_REUSED",
+        )
 
 
 def test_expected_end_uses_mean_hold_but_never_past_the_lease() -> None:
