@@ -1058,8 +1058,8 @@ Global___ReclaimStep: _TypeAlias = ReclaimStep  # noqa: Y015
 
 @_typing.final
 class ReclaimExclusion(_message.Message):
-    """What a plan cannot take, and why (PINNED, SHARED, CPU_TIER_FULL, NO_CPU_TIER,
-    NO_COMPRESSION, ABOVE_MAX_TIER).
+    """What a plan cannot take, and why (PINNED, SHARED, CPU_TIER_FULL, TENANT_CPU_QUOTA,
+    NO_CPU_TIER, NO_COMPRESSION, ABOVE_MAX_TIER).
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
@@ -43,6 +43,8 @@ class Unreclaimable(enum.Enum):
     PINNED = "PINNED"  # a pin holds it resident
     SHARED = "SHARED"  # references the plan does not drop remain (another tenant, or held work)
     CPU_TIER_FULL = "CPU_TIER_FULL"  # a suspended reservation that the CPU tier has no room for
+    # A suspended reservation whose tenant's CPU-tier quota (max_cpu_tier_bytes) has no room.
+    TENANT_CPU_QUOTA = "TENANT_CPU_QUOTA"
     NO_CPU_TIER = "NO_CPU_TIER"  # the instance has no CPU tier (no LMCache) to offload to
     NO_COMPRESSION = "NO_COMPRESSION"  # the CPU tier is above its high watermark; cannot compress
     ABOVE_MAX_TIER = "ABOVE_MAX_TIER"  # reachable only by a tier the job does not allow
@@ -127,6 +129,9 @@ class PoolSnapshot:
     reservations: tuple[LiveReservation, ...]
     pinned_only: tuple[tuple[str, int], ...]  # (pin owner, blocks only pins hold)
     cpu: CpuTier | None  # None: no CPU tier (no LMCache)
+    # Per tenant with reservations here: the CPU-tier bytes its quota still allows, over every
+    # instance (max_cpu_tier_bytes less what its offloaded sessions hold). Missing: none.
+    cpu_room: Mapping[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +196,8 @@ class _Planner:
         self.freed = 0
         self.dropped: Counter[tuple[int, int]] = Counter()
         self.cpu_used = pool.cpu.used_bytes if pool.cpu is not None else 0
+        self.cpu_room = Counter(pool.cpu_room)
+        self.over_cpu_quota: set[tuple[str, str]] = set()
 
     @property
     def done(self) -> bool:
@@ -230,6 +237,12 @@ class _Planner:
                 left.append(r)
                 continue
             key = (r.tenant, r.request_id)
+            if size > self.cpu_room[r.tenant]:
+                self.over_cpu_quota.add(key)
+                left.append(r)
+                continue
+            self.over_cpu_quota.discard(key)
+            self.cpu_room[r.tenant] -= size
             self.add(PlannedStep(Tier.OFFLOAD, None, key, self.drop(r), size, False))
         return left
 
@@ -296,7 +309,10 @@ def plan(pool: PoolSnapshot, target: ReclaimTarget) -> ReclaimPlan:
         suspended = p.evict(suspended, running)
     if not p.done and Tier.OFFLOAD in allowed:
         full = Unreclaimable.CPU_TIER_FULL if pool.cpu is not None else Unreclaimable.NO_CPU_TIER
-        p.excluded += [Exclusion(full, r.entries, (r.tenant, r.request_id)) for r in suspended]
+        for r in suspended:
+            key = (r.tenant, r.request_id)
+            why = Unreclaimable.TENANT_CPU_QUOTA if key in p.over_cpu_quota else full
+            p.excluded.append(Exclusion(why, r.entries, key))
     beyond = (running if target.max_tier < Tier.EVICT else []) + (
         suspended if target.max_tier < Tier.OFFLOAD else []
     )

@@ -324,6 +324,8 @@ TENANT_SALT = f"SELECT {SALT_COLUMNS} FROM tenants t WHERE t.tenant = :tenant"
 
 
 LOCK_INSTANCE = text("SELECT 1 FROM instances WHERE instance = :instance FOR UPDATE")
+# Always after the instance's row (the ledger's lock order).
+LOCK_TENANT = text("SELECT 1 FROM tenants WHERE tenant = :tenant FOR UPDATE")
 
 
 def drop_contents(victims: str, reason: str) -> str:

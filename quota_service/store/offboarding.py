@@ -85,8 +85,6 @@ _NEXT_BATCH = text(
     """
 )
 
-_LOCK_TENANT = text("SELECT 1 FROM tenants WHERE tenant = :tenant FOR UPDATE")
-
 # Ends a batch of the tenant's admitted reservations on one instance at once, as Ledger.end ends
 # one (TENANT_DELETED, no output tokens): their tables are dropped together, tail first, and the
 # counters move by the batch's sums. The caller holds the instance's row, then the tenant's.
@@ -284,7 +282,7 @@ class Offboarding:
 
         async def work(conn: AsyncConnection) -> None:
             await conn.execute(blocks.LOCK_INSTANCE, params)
-            await conn.execute(_LOCK_TENANT, params)
+            await conn.execute(blocks.LOCK_TENANT, params)
             await conn.execute(_END_BATCH, params)
 
         await in_transaction(self._engine, work)

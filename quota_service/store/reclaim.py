@@ -89,6 +89,38 @@ _LIVE = text(
 )
 
 
+# The CPU-tier bytes tenant t may still offload, over every instance: its quota less what its
+# offloaded sessions hold (one waiting to resume holds its bytes there until admitted).
+_CPU_ROOM_OF_T = """
+    t.max_cpu_tier_bytes - coalesce((
+        SELECT sum(r.offloaded_bytes) FROM reservations r
+        WHERE r.tenant = t.tenant AND r.state IN ('ADMITTED', 'QUEUED')
+          AND r.offloaded_bytes IS NOT NULL), 0)::bigint"""
+
+_CPU_ROOM = text(
+    f"""
+    SELECT t.tenant, {_CPU_ROOM_OF_T} AS room
+    FROM tenants t
+    WHERE t.tenant IN (SELECT tenant FROM reservations
+                       WHERE instance = :instance AND state = 'ADMITTED')
+    """
+)
+
+# Whether an OFFLOAD still fits in its tenant's quota, read under the tenant's row lock (two
+# offloads of one tenant on two instances must not both fit in the same room).
+_FITS_TENANT_CPU_QUOTA = text(
+    f"""
+    SELECT coalesce(i.bytes_per_block, 0) * (
+               SELECT count(*) FROM block_refs b
+               WHERE b.holder_id = r.holder_id AND NOT b.released) <= {_CPU_ROOM_OF_T}
+    FROM reservations r
+    JOIN instances i ON i.instance = r.instance
+    JOIN tenants t ON t.tenant = r.tenant
+    WHERE r.tenant = :tenant AND r.request_id = :request_id
+    """
+)
+
+
 async def load_snapshot(
     engine: AsyncEngine, instance: str, watermarks: CpuWatermarks = DEFAULT_WATERMARKS
 ) -> PoolSnapshot:
@@ -117,10 +149,11 @@ async def load_snapshot(
             )
             for r in await conn.execute(_LIVE, args)
         )
+        cpu_room = {tenant: room for tenant, room in await conn.execute(_CPU_ROOM, args)}
         await conn.rollback()
     cached = tuple(CachedScope(r.hash_scope, r.blocks) for r in unreferenced if r.state == "CACHED")
     pinned = tuple((r.hash_scope, r.blocks) for r in unreferenced if r.state == "PINNED")
-    return PoolSnapshot(bytes_per_block, cached, reservations, pinned, cpu)
+    return PoolSnapshot(bytes_per_block, cached, reservations, pinned, cpu, cpu_room)
 
 
 _INSERT_JOB = text(
@@ -301,6 +334,7 @@ FEWER_CACHED_SINCE_PLAN = "fewer cached blocks were left than planned (reused or
 GONE_SINCE_PLAN = "the reservation no longer exists"
 NOT_SUSPENDED_ANY_MORE = "the reservation was resumed or ended since the plan"
 OFFLOADED_SINCE_PLAN = "the reservation left the GPU for the CPU tier since the plan"
+OVER_TENANT_CPU_QUOTA = "its tenant's CPU-tier quota has no room for it any more"
 
 
 def ended_before_preemption(reason: str) -> str:
@@ -607,8 +641,13 @@ async def _free_block(conn: AsyncConnection, step: RowMapping) -> _StepResult:
 
 async def _offloaded(conn: AsyncConnection, step: RowMapping) -> _StepResult:
     """OFFLOAD: the suspended reservation's blocks leave the GPU, unless it was resumed or
-    ended meanwhile."""
-    await conn.execute(blocks.LOCK_INSTANCE, {"instance": step["instance"]})
+    ended meanwhile, or its tenant's CPU-tier quota has no room for them any more."""
+    keys = {"instance": step["instance"], "tenant": step["tenant"]}
+    await conn.execute(blocks.LOCK_INSTANCE, keys)
+    await conn.execute(blocks.LOCK_TENANT, keys)
+    fits = await conn.execute(_FITS_TENANT_CPU_QUOTA, {**keys, "request_id": step["request_id"]})
+    if fits.scalar_one_or_none() is False:
+        return 0, OVER_TENANT_CPU_QUOTA
     freed = await ledger.offload(conn, step["instance"], step["tenant"], step["request_id"])
     return (0, NOT_SUSPENDED_ANY_MORE) if freed is None else (freed, None)
 

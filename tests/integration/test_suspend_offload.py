@@ -24,6 +24,7 @@ from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger
 from quota_service.store.reclaim import (
     NOT_SUSPENDED_ANY_MORE,
+    OVER_TENANT_CPU_QUOTA,
     ReclaimJobs,
     ended_before_preemption,
 )
@@ -171,6 +172,34 @@ async def test_offload_needs_room_below_the_watermark_and_a_suspension(
     with pytest.raises(KvQuotaError) as ended:
         await ledger.resume("acme", "chat", 0.0)
     assert (ended.value.code, ended.value.reason) == (Code.FAILED_PRECONDITION, "RESERVATION_ENDED")
+    await assert_invariants(engine)
+
+
+async def test_offload_keeps_within_the_tenants_cpu_tier_quota(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """The CPU tier has room for both sessions; acme's quota (max_cpu_tier_bytes) for one. The
+    plan offloads one and says why the other stays; a step planned while there was room is
+    skipped once the quota is lowered before it runs."""
+    await with_cpu_tier(engine, blocks=16, cpu_used=0, cpu_capacity=1 << 30)
+    catalog_ = Catalog(engine)
+    await catalog_.update_tenant("acme", {"max_cpu_tier_bytes": 6 * BLOCK_BYTES})
+    ledger = Ledger(engine, settings.admission_limits)
+    for name, first in (("one", 0), ("two", 5000)):
+        await ledger.admit(session(name, first))
+        await ledger.suspend("acme", name, ())
+    jobs = ReclaimJobs(engine)
+    job = await jobs.create("offload", "gpu-0", ReclaimTarget(8, Tier.OFFLOAD), dry_run=False)
+    assert [s.planned.reservation for s in job.steps] == [("acme", "one")]
+    assert [(e.reason, e.blocks, e.reservation) for e in job.excluded] == [
+        (Unreclaimable.TENANT_CPU_QUOTA, 4, ("acme", "two"))
+    ]
+    await catalog_.update_tenant("acme", {"max_cpu_tier_bytes": 2 * BLOCK_BYTES})
+    while await jobs.run_step(job.job_id):
+        pass
+    skipped = (await jobs.get(job.job_id)).steps[0]
+    assert (skipped.actual_blocks, skipped.note) == (0, OVER_TENANT_CPU_QUOTA)
+    assert (await ledger.get("acme", "one")).offloaded_bytes is None
     await assert_invariants(engine)
 
 

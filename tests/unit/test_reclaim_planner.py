@@ -51,8 +51,11 @@ def pool(
     reservations: tuple[LiveReservation, ...] = (),
     cpu: CpuTier | None = None,
     pinned_only: tuple[tuple[str, int], ...] = (),
+    cpu_room: dict[str, int] | None = None,
 ) -> PoolSnapshot:
-    return PoolSnapshot(BPB, cached, reservations, pinned_only, cpu)
+    """Without `cpu_room`, no tenant's CPU-tier quota limits the plan."""
+    room = cpu_room if cpu_room is not None else {r.tenant: 1 << 60 for r in reservations}
+    return PoolSnapshot(BPB, cached, reservations, pinned_only, cpu, room)
 
 
 def cpu(used: int, *, low: float = 0.5, high: float = 0.8, ratio: float = 0.5) -> CpuTier:
@@ -108,6 +111,32 @@ def test_offload_fills_the_cpu_tier_up_to_its_low_watermark_coldest_first() -> N
     without_lmcache = plan(pool((), suspended), ReclaimTarget(6, Tier.OFFLOAD))
     assert taken(without_lmcache) == []
     assert {e.reason for e in without_lmcache.excluded} == {Unreclaimable.NO_CPU_TIER}
+
+
+def test_offload_stays_within_each_tenants_cpu_tier_quota() -> None:
+    """A tenant's offloaded sessions hold no more CPU-tier bytes than its quota allows, on
+    every instance together; what does not fit is evicted when the job may, or stays."""
+    suspended = (
+        reservation("acme", "a1", 2, seq=1, suspended=True),
+        reservation("bolt", "b1", 2, seq=2, suspended=True),
+        reservation("acme", "a2", 2, seq=3, suspended=True),
+    )
+    # Room in the CPU tier for all three (600 of 1000 bytes); acme may add 250 bytes, one.
+    roomy = cpu(0, low=0.9)
+    with_quota = pool((), suspended, roomy, cpu_room={"acme": 250, "bolt": 1000})
+    offloading = plan(with_quota, ReclaimTarget(6, Tier.OFFLOAD))
+    assert taken(offloading) == [
+        (Tier.OFFLOAD, ("acme", "a1"), 2),
+        (Tier.OFFLOAD, ("bolt", "b1"), 2),
+    ]
+    assert offloading.excluded == (Exclusion(Unreclaimable.TENANT_CPU_QUOTA, 2, ("acme", "a2")),)
+    evicting = plan(with_quota, ReclaimTarget(6, Tier.EVICT))
+    assert [s.tier for s in evicting.steps] == [Tier.OFFLOAD, Tier.OFFLOAD, Tier.EVICT]
+    assert evicting.steps[-1].reservation == ("acme", "a2")
+    # A tenant with no room at all (or not in the snapshot) offloads nothing.
+    nothing = plan(pool((), suspended, roomy, cpu_room={}), ReclaimTarget(6, Tier.OFFLOAD))
+    assert taken(nothing) == []
+    assert {e.reason for e in nothing.excluded} == {Unreclaimable.TENANT_CPU_QUOTA}
 
 
 def test_compress_only_above_the_high_watermark_and_only_with_the_capability() -> None:
