@@ -19,13 +19,13 @@ from collections.abc import Sequence
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from quota_service.core.model import EndReason
-from quota_service.engine.vllm.events import (
+from quota_service.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
 )
+from quota_service.core.model import EndReason
 from quota_service.store import blocks
 from quota_service.store.database import in_transaction
 from quota_service.store.ledger import Ledger

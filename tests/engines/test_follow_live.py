@@ -17,6 +17,7 @@ from quota_service.config import Settings
 from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.hashing import block_hashes, event_hash
+from quota_service.core.kv_events import BlockRemoved, BlockStored
 from quota_service.core.model import (
     AdmitParams,
     EndReason,
@@ -24,7 +25,6 @@ from quota_service.core.model import (
     ReservationState,
     TenantQuota,
 )
-from quota_service.engine.vllm.events import BlockRemoved, BlockStored
 from quota_service.engine.vllm.subscriber import Received, Subscriber
 from quota_service.jobs.follower import Followers
 from quota_service.store.catalog import Catalog

@@ -18,6 +18,7 @@ from quota_service.config import Settings
 from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.hashing import block_hashes, event_hash
+from quota_service.core.kv_events import BlockStored
 from quota_service.core.model import (
     AdmitParams,
     EndReason,
@@ -26,7 +27,6 @@ from quota_service.core.model import (
     TenantQuota,
 )
 from quota_service.core.reclaim import JobState, ReclaimTarget, Tier
-from quota_service.engine.vllm.events import BlockStored
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
 from quota_service.jobs.cpu_tier import CpuTierMirror

@@ -14,6 +14,7 @@ from quota_service.config import Settings
 from quota_service.core import catalog, geometry
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.hashing import block_hashes, event_hash
+from quota_service.core.kv_events import BlockRemoved, BlockStored, EventBatch
 from quota_service.core.model import (
     EndReason,
     EngineEndpoints,
@@ -22,7 +23,6 @@ from quota_service.core.model import (
     TenantQuota,
 )
 from quota_service.core.reclaim import ReclaimTarget, Tier
-from quota_service.engine.vllm.events import BlockRemoved, BlockStored, EventBatch
 from quota_service.jobs.metrics import LedgerMetrics, ServiceMetrics, serve_metrics
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks

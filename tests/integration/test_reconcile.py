@@ -9,8 +9,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
 from quota_service.core.hashing import block_hashes, event_hash
+from quota_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from quota_service.core.model import EndReason, ReservationState
-from quota_service.engine.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from quota_service.store.ledger import Ledger
 from quota_service.store.reconcile import Reconciler
 from tests.integration.invariants import assert_invariants

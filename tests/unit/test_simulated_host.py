@@ -6,8 +6,8 @@ import asyncio
 import socket
 
 from quota_service.core.hashing import block_hashes, event_hash
+from quota_service.core.kv_events import BlockRemoved, BlockStored
 from quota_service.engine.simulated import EventPublisher, SimulatedPool
-from quota_service.engine.vllm.events import BlockRemoved, BlockStored
 from quota_service.engine.vllm.subscriber import Received, Subscriber
 
 BS = 4

@@ -6,13 +6,8 @@ import msgspec
 import pytest
 
 from quota_service.core.hashing import block_hashes, event_hash
-from quota_service.engine.vllm.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventDecodeError,
-    decode_batch,
-)
+from quota_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from quota_service.engine.vllm.events import EventDecodeError, decode_batch
 from quota_service.engine.vllm.http import MetricsError, parse_metrics, vllm_request_ids
 
 STORED = {

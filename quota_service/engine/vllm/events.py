@@ -10,12 +10,18 @@ same ints here. Media are normalised to upper case (some connectors send lower c
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from quota_service.core.hashing import event_hash
+from quota_service.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+)
 
 # Field order of the positional (array) forms, after the tag.
 _POSITIONAL = {
@@ -35,36 +41,6 @@ DEFAULT_MEDIUM = "GPU"
 
 class EventDecodeError(ValueError):
     """A payload that is not a vLLM KV event batch."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    medium: str
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_hashes: tuple[int, ...]
-    medium: str
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-Event = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    ts: float
-    events: tuple[Event, ...]
-    data_parallel_rank: int | None
 
 
 def block_hash(value: object) -> int:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from quota_service.engine.vllm.events import EventBatch, decode_batch
+from quota_service.core.kv_events import EventBatch
+from quota_service.engine.vllm.events import decode_batch
 
 log = logging.getLogger(__name__)
 
