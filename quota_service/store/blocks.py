@@ -81,7 +81,8 @@ ALLOCATE = f"""
         SET generation = b.generation + CASE WHEN c.state = 'CACHED' THEN 1 ELSE 0 END,
             content_hash = n.content_hash,
             hash_scope = CASE WHEN n.content_hash IS NULL THEN NULL ELSE :hash_scope END,
-            ref_count = 1, pin_count = :pin, lru_seq = NULL, last_used_at = now()
+            ref_count = 1, pin_count = :pin, lru_seq = NULL, last_used_at = now(),
+            engine_confirmed_at = NULL, engine_copies = 0
         FROM candidate c
         JOIN unnest(CAST(:new_hashes AS bytea[])) WITH ORDINALITY AS n(content_hash, rank)
           USING (rank)
@@ -328,21 +329,23 @@ LOCK_INSTANCE = text("SELECT 1 FROM instances WHERE instance = :instance FOR UPD
 LOCK_TENANT = text("SELECT 1 FROM tenants WHERE tenant = :tenant FOR UPDATE")
 
 
-def drop_contents(victims: str, reason: str) -> str:
+def drop_contents(victims: str, reason: str, tenant: str = "NULL") -> str:
     """Free the unreferenced cached blocks `victims` selects (block_id, state, content_hash),
-    tombstone their handles, count referenced ones as drift, and move the pool's counters."""
+    tombstone their handles (for `tenant`, an SQL expression, when one tenant's action freed
+    them), count referenced ones as drift, and move the pool's counters."""
     return f"""
     WITH victim AS ({victims}), block_after AS (
         UPDATE blocks b
         SET generation = b.generation + 1, content_hash = NULL, hash_scope = NULL,
-            lru_seq = NULL, engine_confirmed_at = NULL
+            lru_seq = NULL, engine_confirmed_at = NULL, engine_copies = 0
         FROM victim v
         WHERE b.instance = :instance AND b.block_id = v.block_id AND v.state = 'CACHED'
         RETURNING b.block_id, b.generation, b.state
     ), tombstoned AS (
         INSERT INTO tombstones (
             instance, block_id, generation, content_hash, reason, tenant, freed_at)
-        SELECT :instance, a.block_id, a.generation - 1, v.content_hash, '{reason}', NULL, now()
+        SELECT :instance, a.block_id, a.generation - 1, v.content_hash, '{reason}', {tenant},
+               now()
         FROM block_after a JOIN victim v USING (block_id)
     ), transitions AS (
         SELECT v.state AS state_before, a.state

@@ -105,32 +105,13 @@ _INSTANCES_WITH_OWN_CACHE = text(
 
 # Drop the contents of cached blocks under the tenant's salt: nobody else could match them.
 _FREE_OWN_CACHE = text(
-    f"""
-    WITH victim AS (
-        SELECT block_id, content_hash FROM blocks
-        WHERE instance = :instance AND state = 'CACHED' AND hash_scope = :scope
-        ORDER BY block_id LIMIT :batch
-    ), block_before AS (
-        SELECT b.block_id, b.state FROM blocks b JOIN victim USING (block_id)
-        WHERE b.instance = :instance
-    ), block_after AS (
-        UPDATE blocks b
-        SET generation = b.generation + 1, content_hash = NULL, hash_scope = NULL,
-            lru_seq = NULL
-        FROM victim v WHERE b.instance = :instance AND b.block_id = v.block_id
-        RETURNING b.block_id, b.generation, b.state
-    ), tombstoned AS (
-        INSERT INTO tombstones (
-            instance, block_id, generation, content_hash, reason, tenant, freed_at)
-        SELECT :instance, a.block_id, a.generation - 1, v.content_hash, 'OFFBOARDED', :tenant,
-               now()
-        FROM block_after a JOIN victim v USING (block_id)
-    ), transitions AS (
-        SELECT b.state AS state_before, a.state
-        FROM block_before b JOIN block_after a USING (block_id)
-    ), {blocks.pool_counts()}
-    SELECT count(*) FROM block_after
-    """
+    blocks.drop_contents(
+        "SELECT block_id, state, content_hash FROM blocks "
+        "WHERE instance = :instance AND state = 'CACHED' AND hash_scope = :scope "
+        "ORDER BY block_id LIMIT :batch",
+        "OFFBOARDED",
+        tenant=":tenant",
+    )
 )
 
 # Finished: the salt is replaced so the old secret is gone, and the tenant leaves its namespace.
@@ -293,7 +274,7 @@ class Offboarding:
 
             async def work(conn: AsyncConnection) -> int:
                 await conn.execute(blocks.LOCK_INSTANCE, params)
-                return int((await conn.execute(_FREE_OWN_CACHE, params)).scalar_one())
+                return int((await conn.execute(_FREE_OWN_CACHE, params)).one().freed)
 
             if await in_transaction(self._engine, work) < 10 * BATCH:
                 return

@@ -1,13 +1,15 @@
 """Reconciliation: the ledger follows what the engine reports it holds.
 
-- BlockStored: the engine holds these contents; the ledger's blocks with those hashes are
-  confirmed (blocks the ledger does not know, such as full output blocks, are the engine's own).
-- BlockRemoved: the engine evicted them. A ledger block with such a hash and no references is
-  freed and tombstoned (ENGINE_EVICTED); one the ledger still references is drift, counted on the
-  instance and left alone (the reservation holding it still owns its budget).
-- AllBlocksCleared, and any resynchronisation: every cached, unreferenced block is freed
-  (ENGINE_CLEARED); after an engine restart the live reservations on it end (ENGINE_RESTARTED),
-  since the engine lost their work.
+- BlockStored: the engine holds a copy of these contents; the ledger's blocks with those hashes
+  are confirmed and count one more copy (the engine does not de-duplicate identical blocks).
+  Blocks the ledger does not know, such as full output blocks, are the engine's own.
+- BlockRemoved: the engine evicted a copy. Once a ledger block's last copy went, it is freed and
+  tombstoned (ENGINE_EVICTED) if nothing references it; if the ledger still references it, that
+  is drift, counted on the instance and left alone (the reservation holding it still owns its
+  budget).
+- AllBlocksCleared, and any resynchronisation: the engine holds no copies; every cached,
+  unreferenced block is freed (ENGINE_CLEARED); after an engine restart the live reservations on
+  it end (ENGINE_RESTARTED), since the engine lost their work.
 Only GPU-medium events speak of the instance's pool; CPU and storage tiers come with reclaim.
 """
 
@@ -34,20 +36,40 @@ log = logging.getLogger(__name__)
 
 GPU = "GPU"
 
-_CONFIRM = text(
-    """
-    UPDATE blocks SET engine_confirmed_at = now()
-    WHERE instance = :instance AND event_hash = ANY (CAST(:hashes AS bigint[]))
+# An event's hashes with how often each appears (an event may name a hash twice).
+_COPIES = (
+    "(SELECT h, count(*)::int AS copies FROM unnest(CAST(:hashes AS bigint[])) AS h GROUP BY h)"
+)
+
+_STORED = text(
+    f"""
+    UPDATE blocks b SET engine_confirmed_at = now(), engine_copies = b.engine_copies + e.copies
+    FROM {_COPIES} e
+    WHERE b.instance = :instance AND b.event_hash = e.h
     """
 )
 
+_REMOVED = text(
+    f"""
+    UPDATE blocks b SET engine_copies = greatest(b.engine_copies - e.copies, 0)
+    FROM {_COPIES} e
+    WHERE b.instance = :instance AND b.event_hash = e.h
+    """
+)
 
+# After _REMOVED: the blocks whose last copy the engine evicted.
 _REMOVE = text(
     blocks.drop_contents(
         "SELECT block_id, state, content_hash FROM blocks "
-        "WHERE instance = :instance AND event_hash = ANY (CAST(:hashes AS bigint[]))",
+        "WHERE instance = :instance AND event_hash = ANY (CAST(:hashes AS bigint[])) "
+        "AND engine_copies = 0",
         "ENGINE_EVICTED",
     )
+)
+
+_FORGET_COPIES = text(
+    "UPDATE blocks SET engine_copies = 0, engine_confirmed_at = NULL "
+    "WHERE instance = :instance AND (engine_copies > 0 OR engine_confirmed_at IS NOT NULL)"
 )
 
 _CLEAR = text(
@@ -114,16 +136,15 @@ class Reconciler:
             freed = drift = 0
             for event in batch.events:
                 if isinstance(event, AllBlocksCleared):
-                    row = (await conn.execute(_CLEAR, {"instance": instance})).one()
-                    freed += row.freed
+                    freed += await self._forget(conn, instance)
                 elif event.medium != GPU:
                     continue
                 elif isinstance(event, BlockStored):
-                    await conn.execute(_CONFIRM, self._hashes(instance, event.block_hashes))
+                    await conn.execute(_STORED, self._hashes(instance, event.block_hashes))
                 elif isinstance(event, BlockRemoved):
-                    row = (
-                        await conn.execute(_REMOVE, self._hashes(instance, event.block_hashes))
-                    ).one()
+                    hashes = self._hashes(instance, event.block_hashes)
+                    await conn.execute(_REMOVED, hashes)
+                    row = (await conn.execute(_REMOVE, hashes)).one()
                     freed, drift = freed + row.freed, drift + row.drift
             await conn.execute(_APPLIED, {"instance": instance, "seq": seq})
             return freed, drift
@@ -146,7 +167,7 @@ class Reconciler:
 
         async def forget(conn: AsyncConnection) -> None:
             await conn.execute(blocks.LOCK_INSTANCE, {"instance": instance})
-            await conn.execute(_CLEAR, {"instance": instance})
+            await self._forget(conn, instance)
             await conn.execute(_RESYNCED, {"instance": instance, "seq": seq})
 
         await in_transaction(self._engine, forget)
@@ -156,6 +177,13 @@ class Reconciler:
         """What the engine says it runs, beside the ledger's live reservations (GetInstance)."""
         async with self._engine.begin() as conn:
             await conn.execute(_ENGINE_RUNNING, {"instance": instance, "running": running})
+
+    @staticmethod
+    async def _forget(conn: AsyncConnection, instance: str) -> int:
+        """The engine holds nothing: no copies anywhere, and the cached blocks are freed.
+        Returns how many were."""
+        await conn.execute(_FORGET_COPIES, {"instance": instance})
+        return int((await conn.execute(_CLEAR, {"instance": instance})).one().freed)
 
     @staticmethod
     def _hashes(instance: str, hashes: Sequence[int]) -> dict[str, object]:

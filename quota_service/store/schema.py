@@ -328,8 +328,11 @@ class BlockRow(Base):
     # The hash as vLLM's KV events carry it (the digest's low 64 bits, as a signed bigint), to
     # match events to blocks by index.
     event_hash: Mapped[int | None] = mapped_column(BigInteger, Computed(EVENT_HASH, persisted=True))
-    # When the engine last reported holding these contents (BlockStored).
+    # When the engine last reported holding these contents (BlockStored), and how many copies
+    # of them it holds on the GPU (it does not de-duplicate: BlockStored adds one, BlockRemoved
+    # takes one away). Both reset when the contents change.
     engine_confirmed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    engine_copies: Mapped[int] = mapped_column(Integer, server_default="0")
 
     __table_args__ = (
         CheckConstraint("pin_count >= 0 AND ref_count >= pin_count", name="refs"),

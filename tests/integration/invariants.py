@@ -95,6 +95,15 @@ CHECKS = {
         SELECT instance, block_id FROM blocks
         WHERE ref_count = 0 AND content_hash IS NULL AND hash_scope IS NOT NULL
     """,
+    "4: a block's current handle is never tombstoned": """
+        SELECT b.instance, b.block_id FROM blocks b
+        JOIN tombstones s ON s.instance = b.instance AND s.block_id = b.block_id
+         AND s.generation = b.generation
+    """,
+    "engine copies: a block without contents holds no copy the engine reported": """
+        SELECT instance, block_id FROM blocks
+        WHERE content_hash IS NULL AND (engine_copies <> 0 OR engine_confirmed_at IS NOT NULL)
+    """,
     "6: an active pin holds every block of its prefix": """
         SELECT p.holder_id FROM pins p
         LEFT JOIN block_refs r ON r.holder_id = p.holder_id AND NOT r.released

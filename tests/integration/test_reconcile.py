@@ -89,6 +89,37 @@ async def test_events_confirm_evict_and_count_drift(
     await assert_invariants(engine)
 
 
+async def test_a_block_the_engine_stored_twice_stays_until_both_copies_went(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """vLLM does not de-duplicate identical blocks (ENGINES.md): two requests computing the same
+    prefix at once store it twice, and evicting one copy leaves the other cached."""
+    await add_instance(engine, blocks=16)
+    await add_tenant(engine, "acme")
+    ledger = Ledger(engine, settings.admission_limits)
+    reconciler = Reconciler(engine, ledger)
+    _, salt = await ledger.admit(
+        replace(request("a", len(PROMPT), 1), prompt_token_ids=tuple(PROMPT))
+    )
+    await ledger.end("acme", "a", EndReason.RELEASED, 1)
+    hashes = tuple(event_hash(h) for h in block_hashes(PROMPT, BS, salt))
+    stored = BlockStored(hashes, None, tuple(PROMPT), BS, "GPU")
+    await reconciler.apply("gpu-0", 0, batch(stored, stored))
+    removed = BlockRemoved(hashes[:1], "GPU")
+    assert await reconciler.apply("gpu-0", 1, batch(removed)) == (0, 0)  # one copy left
+    assert (await states(engine))[0] == ("CACHED", True)
+    assert await reconciler.apply("gpu-0", 2, batch(removed)) == (1, 0)  # the last one
+    assert (await states(engine))[0] == ("FREE", False)
+    # A hash named twice in one event is two copies too; a clear forgets every copy.
+    await reconciler.apply("gpu-0", 3, batch(BlockStored(hashes[1:2] * 2, None, (), BS, "GPU")))
+    assert await reconciler.apply("gpu-0", 4, batch(BlockRemoved(hashes[1:2], "GPU"))) == (0, 0)
+    assert await reconciler.apply("gpu-0", 5, batch(AllBlocksCleared())) == (3, 0)
+    async with engine.connect() as conn:
+        copies = await conn.execute(text("SELECT sum(engine_copies) FROM blocks"))
+        assert copies.scalar_one() == 0
+    await assert_invariants(engine)
+
+
 async def test_an_engine_restart_ends_its_reservations(
     engine: AsyncEngine, settings: Settings
 ) -> None:
