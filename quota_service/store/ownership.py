@@ -20,16 +20,26 @@ _UNLOCK = text("SELECT pg_advisory_unlock(hashtext(:key))")
 @asynccontextmanager
 async def exclusive(engine: AsyncEngine, key: str) -> AsyncIterator[bool]:
     """For a piece of work: yields whether this replica holds `key` (False: another one does
-    that work now), on a pooled connection kept until the block ends."""
+    that work now), on a pooled connection kept until the block ends. Returning that connection
+    to the pool only rolls back, which keeps a session lock: if taking or giving back the lock
+    is interrupted (an error, a cancellation), the connection is discarded, which frees it."""
     async with engine.connect() as conn:
-        held = bool((await conn.execute(_TRY_LOCK, {"key": key})).scalar_one())
-        await conn.commit()
+        try:
+            held = bool((await conn.execute(_TRY_LOCK, {"key": key})).scalar_one())
+            await conn.commit()
+        except BaseException:
+            await conn.invalidate()
+            raise
         try:
             yield held
         finally:
             if held:
-                await conn.execute(_UNLOCK, {"key": key})
-                await conn.commit()
+                try:
+                    await conn.execute(_UNLOCK, {"key": key})
+                    await conn.commit()
+                except BaseException:
+                    await conn.invalidate()
+                    raise
 
 
 @asynccontextmanager

@@ -4,7 +4,10 @@ offboarding, purges) run in one replica at a time; the others skip them that swe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
+import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
@@ -66,6 +69,50 @@ async def test_a_key_is_held_by_one_holder_at_a_time(engine: AsyncEngine) -> Non
         assert (first, second, other_key) == (True, False, True)
     async with exclusive(engine, "kvquota-test:a") as again:
         assert again  # released when its holder finished
+
+
+async def advisory_locks(engine: AsyncEngine) -> int:
+    """Advisory locks held on this database, by any session (a closed session's go once its
+    backend has exited: a moment after the client closed the connection)."""
+    query = text(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    )
+    for _ in range(50):
+        async with engine.connect() as conn:
+            held = int((await conn.execute(query)).scalar_one())
+        if held == 0:
+            break
+        await asyncio.sleep(0.05)
+    return held
+
+
+async def test_a_key_is_released_whatever_ends_the_work(engine: AsyncEngine) -> None:
+    """An error in the work, or a cancellation while the lock is being given back, still frees
+    the key (a pooled connection would otherwise go back to the pool still holding it)."""
+
+    async def failing() -> None:
+        async with exclusive(engine, "kvquota-test:a") as held:
+            assert held
+            raise RuntimeError("the step failed")
+
+    with pytest.raises(RuntimeError):
+        await failing()
+    assert await advisory_locks(engine) == 0
+
+    unlocking = asyncio.Event()
+
+    async def work() -> None:
+        async with exclusive(engine, "kvquota-test:b") as held:
+            assert held
+            unlocking.set()  # no await before the block ends: next, the unlock's round trip
+
+    task = asyncio.create_task(work())
+    await unlocking.wait()  # runs once the task waits for the unlock's answer
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert await advisory_locks(engine) == 0
 
 
 async def test_a_lapsed_lease_is_reaped_by_the_replica_that_holds_the_step(
