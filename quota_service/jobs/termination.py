@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import httpx
 
@@ -63,24 +64,41 @@ class Termination:
 
     async def sweep(self, batch: int) -> int:
         """Abort lapsed leases on engines, retry pending aborts, give up on the ones past the
-        hard timeout. Returns how many reservations ended."""
+        hard timeout; one abort call per engine for all it must stop. Returns how many
+        reservations ended."""
         ended = 0
-        for tenant, request_id in await self._ledger.lapsed_on_engines(batch):
-            result = await self.end(tenant, request_id, EndReason.LEASE_EXPIRED)
-            ended += result.state is ReservationState.ENDED
-        for tenant, request_id, reason, pending in await self._ledger.pending_aborts(batch):
-            url = await self._ledger.engine_url(tenant, request_id)
-            if url is not None and await self.abort(url, [request_id]):
-                await self._ledger.end(tenant, request_id, reason)
-            elif pending >= self._hard_timeout:
-                log.warning(
-                    "engine unreachable for %ss: releasing %s/%s", pending, tenant, request_id
-                )
-                await self._ledger.end(tenant, request_id, EndReason.ENGINE_UNREACHABLE)
+        lapsed = await self._ledger.lapsed_on_engines(batch)
+        for idle in (r for r in lapsed if not r.running):  # nothing runs a suspended session
+            ended += await self._ended(idle.tenant, idle.request_id, EndReason.LEASE_EXPIRED)
+        for url, running in _grouped((r for r in lapsed if r.running), lambda r: r.engine_url):
+            if await self.abort(url, [r.request_id for r in running]):
+                for r in running:
+                    ended += await self._ended(r.tenant, r.request_id, EndReason.LEASE_EXPIRED)
             else:
+                for tenant, held in _grouped(running, lambda r: r.tenant):
+                    ids = [r.request_id for r in held]
+                    await self._ledger.request_aborts(tenant, ids, EndReason.LEASE_EXPIRED)
+        pending_aborts = await self._ledger.pending_aborts(batch)
+        for pending_url, pending in _grouped(pending_aborts, lambda p: p.engine_url):
+            if pending_url is not None and await self.abort(
+                pending_url, [p.request_id for p in pending]
+            ):
+                for p in pending:
+                    ended += await self._ended(p.tenant, p.request_id, p.reason)
                 continue
-            ended += 1
+            for p in pending:
+                if p.pending_seconds >= self._hard_timeout:
+                    log.warning(
+                        "engine unreachable for %.0fs: releasing %s/%s",
+                        p.pending_seconds,
+                        p.tenant,
+                        p.request_id,
+                    )
+                    ended += await self._ended(p.tenant, p.request_id, EndReason.ENGINE_UNREACHABLE)
         return ended
+
+    async def _ended(self, tenant: str, request_id: str, reason: EndReason) -> bool:
+        return (await self._ledger.end(tenant, request_id, reason)).state is ReservationState.ENDED
 
     async def abort(self, url: str, request_ids: Sequence[str]) -> bool:
         """Ask the engine at `url` to abort these requests; True once it answered. vLLM answers
@@ -113,3 +131,17 @@ class Termination:
     async def close(self) -> None:
         for client in self._clients.values():
             await client.close()
+
+
+_Item = TypeVar("_Item")
+_Key = TypeVar("_Key")
+
+
+def _grouped(
+    items: Iterable[_Item], key: Callable[[_Item], _Key]
+) -> list[tuple[_Key, list[_Item]]]:
+    """Items grouped by `key`, groups and items in the order first seen."""
+    groups: dict[_Key, list[_Item]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.items())

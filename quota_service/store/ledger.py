@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
+from typing import NamedTuple
 
 from sqlalchemy import RowMapping, TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -391,14 +392,20 @@ _END_RESERVATION = dropping_tables(
 )
 
 # OFFLOAD: a suspended reservation's blocks leave the GPU; it stays live, in the CPU tier.
+# What reservation r (on instance i) holds in the CPU tier once offloaded: its live table.
+OFFLOADED_BYTES = """coalesce(i.bytes_per_block, 0) * (
+        SELECT count(*) FROM block_refs b WHERE b.holder_id = r.holder_id AND NOT b.released)"""
+
+# Which reservation an OFFLOAD may take: suspended, on the GPU.
+OFFLOADABLE = "r.state = 'ADMITTED' AND r.suspended_at IS NOT NULL AND r.offloaded_bytes IS NULL"
+
 _OFFLOAD_RESERVATION = dropping_tables(
-    """
+    f"""
     UPDATE reservations r
-    SET offloaded_bytes = coalesce(i.bytes_per_block, 0) * (
-        SELECT count(*) FROM block_refs b WHERE b.holder_id = r.holder_id AND NOT b.released)
+    SET offloaded_bytes = {OFFLOADED_BYTES}
     FROM instances i
-    WHERE r.tenant = :tenant AND r.request_id = :request_id AND r.state = 'ADMITTED'
-      AND r.suspended_at IS NOT NULL AND r.offloaded_bytes IS NULL AND i.instance = r.instance
+    WHERE r.tenant = :tenant AND r.request_id = :request_id AND {OFFLOADABLE}
+      AND i.instance = r.instance
     RETURNING r.*
     """
 )
@@ -504,7 +511,8 @@ _LAPSED = text(
 # Lapsed leases whose engine must abort the request first (see jobs/termination.py).
 _LAPSED_ON_ENGINES = text(
     """
-    SELECT r.tenant, r.request_id FROM reservations r
+    SELECT r.tenant, r.request_id, i.engine_url, r.suspended_at IS NULL AS running
+    FROM reservations r
     JOIN instances i ON i.instance = r.instance
     WHERE r.state = 'ADMITTED' AND r.lease_expires_at <= now() AND i.engine_url IS NOT NULL
       AND r.abort_requested_at IS NULL
@@ -515,8 +523,10 @@ _LAPSED_ON_ENGINES = text(
 _PENDING_ABORTS = text(
     """
     SELECT r.tenant, r.request_id, r.abort_reason,
-           extract(epoch FROM now() - r.abort_requested_at)::float8 AS pending_seconds
+           extract(epoch FROM now() - r.abort_requested_at)::float8 AS pending_seconds,
+           i.engine_url
     FROM reservations r
+    JOIN instances i ON i.instance = r.instance
     WHERE r.state = 'ADMITTED' AND r.abort_requested_at IS NOT NULL
     ORDER BY r.abort_requested_at LIMIT :batch
     """
@@ -594,6 +604,21 @@ def reservation_from_row(row: RowMapping) -> Reservation:
         offloaded_bytes=row.get("offloaded_bytes"),
         prompt_digest=row.get("prompt_digest"),
     )
+
+
+class LapsedOnEngine(NamedTuple):
+    tenant: str
+    request_id: str
+    engine_url: str
+    running: bool  # not suspended: the engine may be generating for it
+
+
+class PendingAbort(NamedTuple):
+    tenant: str
+    request_id: str
+    reason: EndReason  # what it ends with once the engine confirmed
+    pending_seconds: float
+    engine_url: str | None
 
 
 class Ledger:
@@ -1167,15 +1192,21 @@ class Ledger:
             params = {"tenant": tenant, "request_ids": list(request_ids), "reason": reason.value}
             await conn.execute(_REQUEST_ABORT, params)
 
-    async def lapsed_on_engines(self, batch: int) -> list[tuple[str, str]]:
+    async def lapsed_on_engines(self, batch: int) -> list[LapsedOnEngine]:
+        """Admitted reservations whose lease ran out on instances with an engine, no abort
+        asked yet."""
         async with self._engine.connect() as conn:
-            return [(t, r) for t, r in await conn.execute(_LAPSED_ON_ENGINES, {"batch": batch})]
+            rows = await conn.execute(_LAPSED_ON_ENGINES, {"batch": batch})
+            return [LapsedOnEngine(*row) for row in rows]
 
-    async def pending_aborts(self, batch: int) -> list[tuple[str, str, EndReason, float]]:
-        """(tenant, request_id, reason to end with, seconds pending) of unconfirmed aborts."""
+    async def pending_aborts(self, batch: int) -> list[PendingAbort]:
+        """Aborts asked of an engine that it has not confirmed yet, oldest first."""
         async with self._engine.connect() as conn:
             rows = await conn.execute(_PENDING_ABORTS, {"batch": batch})
-            return [(t, r, EndReason(reason), pending) for t, r, reason, pending in rows]
+            return [
+                PendingAbort(t, r, EndReason(reason), pending, url)
+                for t, r, reason, pending, url in rows
+            ]
 
     async def dispatch_all(self) -> int:
         """A dispatch pass on every instance with requests waiting (the periodic sweep that

@@ -122,6 +122,9 @@ _FINISH = text(
       AND NOT EXISTS (SELECT 1 FROM tenant_blocks WHERE tenant = :tenant)
       AND NOT EXISTS (SELECT 1 FROM reservations
                       WHERE tenant = :tenant AND state IN ('QUEUED', 'ADMITTED'))
+      -- A reservation whose engine confirmed its abort while this pass freed the cache leaves
+      -- blocks cached under the tenant's salt: the next pass frees them, then finishes.
+      AND NOT EXISTS (SELECT 1 FROM blocks WHERE state = 'CACHED' AND hash_scope = :scope)
     """
 )
 
@@ -129,12 +132,24 @@ _REPORT = text(
     """
     SELECT offboard_freed_blocks, offboard_shared_blocks, offboard_pinned_by_others,
            (SELECT count(*) FROM reservations
-            WHERE tenant = :tenant AND state = 'ADMITTED') AS awaiting_engine_aborts
+            WHERE tenant = :tenant AND state = 'ADMITTED') AS awaiting_engine_aborts,
+           state = 'DELETED' AS finished
     FROM tenants WHERE tenant = :tenant
     """
 )
 
-_DELETING = text("SELECT tenant FROM tenants WHERE state = 'DELETING' ORDER BY tenant")
+# Offboardings to go on with; not those waiting for an engine's abort (the sweep that retries it
+# ends the reservation, and the next pass finishes).
+_DELETING = text(
+    """
+    SELECT tenant FROM tenants t
+    WHERE state = 'DELETING'
+      AND NOT EXISTS (SELECT 1 FROM reservations r
+                      WHERE r.tenant = t.tenant AND r.state = 'ADMITTED'
+                        AND r.abort_requested_at IS NOT NULL)
+    ORDER BY tenant
+    """
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,12 +158,9 @@ class OffboardingReport:
     shared_blocks: int
     pinned_by_others: int
     # Reservations whose engine has not confirmed their abort yet: the offboarding finishes
-    # (the tenant becomes DELETED) once they have ended.
+    # once they have ended.
     awaiting_engine_aborts: int
-
-    @property
-    def finished(self) -> bool:
-        return self.awaiting_engine_aborts == 0
+    finished: bool  # the tenant is DELETED
 
 
 class EngineAborts(Protocol):
@@ -189,13 +201,10 @@ class Offboarding:
         while owned := await self._pins.active_of_tenant(tenant, BATCH):
             for owner, pin_id in owned:
                 await self._pins.unpin(owner, pin_id)
-        async with self._engine.connect() as conn:
-            instances = [r[0] for r in await conn.execute(_INSTANCES_WITH_OWN_CACHE, keys)]
-        for instance in instances:
-            await self._free_own_cache(instance, tenant, scope)
+        await self._free_own_cache(tenant, scope)
 
         async def finish(conn: AsyncConnection) -> OffboardingReport:
-            await conn.execute(_FINISH, {"tenant": tenant, "salt": new_salt()})
+            await conn.execute(_FINISH, {**keys, "salt": new_salt()})
             row = (await conn.execute(_REPORT, keys)).one()
             return OffboardingReport(*row)
 
@@ -268,7 +277,15 @@ class Offboarding:
 
         await in_transaction(self._engine, work)
 
-    async def _free_own_cache(self, instance: str, tenant: str, scope: str) -> None:
+    async def _free_own_cache(self, tenant: str, scope: str) -> None:
+        """Drop the contents of every block cached under the tenant's salt, on every instance."""
+        async with self._engine.connect() as conn:
+            keys = {"scope": scope}
+            instances = [r[0] for r in await conn.execute(_INSTANCES_WITH_OWN_CACHE, keys)]
+        for instance in instances:
+            await self._free_own_cache_on(instance, tenant, scope)
+
+    async def _free_own_cache_on(self, instance: str, tenant: str, scope: str) -> None:
         params = {"instance": instance, "tenant": tenant, "scope": scope, "batch": 10 * BATCH}
         while True:
 

@@ -108,15 +108,14 @@ _CPU_ROOM = text(
 
 # Whether an OFFLOAD still fits in its tenant's quota, read under the tenant's row lock (two
 # offloads of one tenant on two instances must not both fit in the same room).
+# (No row: it cannot be offloaded any more, whatever the quota.)
 _FITS_TENANT_CPU_QUOTA = text(
     f"""
-    SELECT coalesce(i.bytes_per_block, 0) * (
-               SELECT count(*) FROM block_refs b
-               WHERE b.holder_id = r.holder_id AND NOT b.released) <= {_CPU_ROOM_OF_T}
+    SELECT {ledger.OFFLOADED_BYTES} <= {_CPU_ROOM_OF_T}
     FROM reservations r
     JOIN instances i ON i.instance = r.instance
     JOIN tenants t ON t.tenant = r.tenant
-    WHERE r.tenant = :tenant AND r.request_id = :request_id
+    WHERE r.tenant = :tenant AND r.request_id = :request_id AND {ledger.OFFLOADABLE}
     """
 )
 

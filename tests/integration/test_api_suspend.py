@@ -12,8 +12,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from kvquota.v1 import admin_pb2, admission_pb2
 from kvquota.v1 import resources_pb2 as pb
 from quota_service.store.cpu_tier import CpuTierBooks
+from tests.integration.engine_stubs import closed_port
 from tests.integration.grpc_helpers import admit, quota, refused
-from tests.integration.test_termination import closed_port
 
 if TYPE_CHECKING:  # the async stubs exist only in the type stubs
     from kvquota.v1.admin_pb2_grpc import AdminServiceAsyncStub as Admin

@@ -162,6 +162,7 @@ async def test_offboarding_ends_every_kind_of_reservation_in_batches(
         shared_blocks=4 + 3 + 2,
         pinned_by_others=0,
         awaiting_engine_aborts=0,
+        finished=True,
     )
     reasons = await end_reasons(engine, "big")
     assert set(reasons.values()) == {EndReason.TENANT_DELETED.value}

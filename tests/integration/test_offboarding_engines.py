@@ -6,9 +6,7 @@ its hard timeout passes. The real vLLM side is tests/engines/test_vllm_contract.
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -28,6 +26,7 @@ from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import Offboarding
 from quota_service.store.pins import Pins
+from tests.integration.engine_stubs import abort_endpoint, closed_port
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import (
     add_instance,
@@ -37,42 +36,8 @@ from tests.integration.ledger_fixtures import (
     offboarding_service,
     request,
 )
-from tests.integration.test_termination import closed_port
 
 RUNNING = ("r0", "r1", "r2")
-
-
-@asynccontextmanager
-async def abort_endpoint(
-    on_abort: Callable[[list[str]], Awaitable[None]],
-) -> AsyncIterator[str]:
-    """An HTTP endpoint that answers POST /abort_requests as vLLM does (200, whatever the ids)
-    after handing the ids to `on_abort`; yields its base URL."""
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while head := await reader.readuntil(b"\r\n\r\n"):
-            request_line, *header_lines = head.decode().split("\r\n")
-            headers = dict(line.lower().split(":", 1) for line in header_lines if line)
-            body = json.loads(await reader.readexactly(int(headers["content-length"])))
-            assert request_line.startswith("POST /abort_requests ")
-            await on_abort(body["request_ids"])
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-            await writer.drain()
-
-    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await serve(reader, writer)
-        except asyncio.IncompleteReadError:
-            pass  # the client closed its connection
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(connection, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 async def tenant_on_engine(engine: AsyncEngine, settings: Settings, url: str) -> Ledger:
@@ -194,4 +159,45 @@ async def test_an_idle_session_of_a_tenant_being_deleted_cannot_resume(
 
     assert await offboarding_service(engine, ledger, pins).resume_all() == 1
     assert (await ledger.get("gone", "idle")).end_reason is EndReason.TENANT_DELETED
+    await assert_invariants(engine)
+
+
+async def test_blocks_cached_by_an_abort_confirmed_mid_pass_are_freed_before_it_finishes(
+    engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep may end a pending reservation while an offboarding pass is between freeing the
+    tenant's cache and finishing: its blocks are then cached under the tenant's salt, and the
+    tenant must not become DELETED with them."""
+    spec = catalog.instance_spec(
+        "gpu-0",
+        "m",
+        None,
+        16,
+        8192,
+        None,
+        64,
+        engine=EngineEndpoints(f"http://127.0.0.1:{closed_port()}"),
+    )
+    await Catalog(engine).register_instance(spec)
+    await add_tenant(engine, "gone")
+    ledger = Ledger(engine, settings.admission_limits)
+    prompt = tuple(range(1, 65))  # 4 full blocks, hashed under the tenant's salt
+    await ledger.admit(replace(request("r0", 64, 16, tenant="gone"), prompt_token_ids=prompt))
+    offboarding = offboarding_service(engine, ledger, Pins(engine, settings.admission_limits))
+    assert (await offboarding.delete_tenant("gone")).awaiting_engine_aborts == 1
+
+    free_own_cache = offboarding._free_own_cache
+
+    async def then_the_sweep_ends_it(tenant: str, scope: str) -> None:
+        await free_own_cache(tenant, scope)
+        await ledger.end("gone", "r0", EndReason.ENGINE_UNREACHABLE)
+
+    monkeypatch.setattr(offboarding, "_free_own_cache", then_the_sweep_ends_it)
+    report = await offboarding.delete_tenant("gone")
+    assert (report.awaiting_engine_aborts, report.finished) == (0, False)
+    assert (await counters(engine))["instance:gpu-0"]["cached_blocks"] == 4
+    monkeypatch.undo()
+    assert await offboarding.resume_all() == 1
+    assert (await Catalog(engine).get_tenant("gone")).state is TenantState.DELETED
+    assert (await counters(engine))["instance:gpu-0"]["cached_blocks"] == 0
     await assert_invariants(engine)

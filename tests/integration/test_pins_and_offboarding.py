@@ -171,7 +171,11 @@ async def test_offboarding_ten_thousand_blocks(
     # Freed: the pin, the private requests and the two tails. Kept: the 20 blocks "other" uses,
     # the namespace-hashed block (cached for the namespace), the 3 the namespace pins.
     assert report == OffboardingReport(
-        freed_blocks=5 + 10_000 + 2, shared_blocks=24, pinned_by_others=3, awaiting_engine_aborts=0
+        freed_blocks=5 + 10_000 + 2,
+        shared_blocks=24,
+        pinned_by_others=3,
+        awaiting_engine_aborts=0,
+        finished=True,
     )
     assert report.freed_blocks + report.shared_blocks == held
     books = await counters(engine)
@@ -214,7 +218,11 @@ async def test_offboarding_resumes_after_a_crash(
     assert finished == 1
     report = await offboarding_service(engine, ledger, pins).delete_tenant("gone")
     assert report == OffboardingReport(
-        freed_blocks=110, shared_blocks=0, pinned_by_others=0, awaiting_engine_aborts=0
+        freed_blocks=110,
+        shared_blocks=0,
+        pinned_by_others=0,
+        awaiting_engine_aborts=0,
+        finished=True,
     )
     await assert_invariants(engine)
 

@@ -23,9 +23,9 @@ from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger
 from quota_service.store.reclaim import ReclaimJobs, ended_before_preemption
+from tests.integration.engine_stubs import closed_port
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
-from tests.integration.test_termination import closed_port
 
 BS = 16
 

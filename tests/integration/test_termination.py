@@ -4,24 +4,19 @@ confirmed the abort, or until the hard timeout (ENGINE_UNREACHABLE)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
 from quota_service.core import catalog
 from quota_service.core.model import EndReason, EngineEndpoints, ReservationState
+from quota_service.engine.vllm.http import vllm_request_ids
 from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
+from tests.integration.engine_stubs import abort_endpoint, closed_port
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_tenant, counters, request
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # nothing listens there once it is closed
 
 
 async def test_an_unreachable_engine_keeps_the_blocks_until_the_hard_timeout(
@@ -105,4 +100,44 @@ async def test_a_silent_engine_is_retried_with_backoff_not_for_every_request(
         await termination.close()
         server.close()
         await server.wait_closed()
+    await assert_invariants(engine)
+
+
+async def test_the_sweep_asks_each_engine_once_for_all_it_must_stop(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """Lapsed leases and pending aborts on one engine are aborted in one call (sent twice, a
+    moment apart), not one call per request; an idle session's lapsed lease needs none."""
+    calls: list[list[str]] = []
+
+    async def on_abort(ids: list[str]) -> None:
+        calls.append(sorted(ids))
+
+    async with abort_endpoint(on_abort) as url:
+        spec = catalog.instance_spec(
+            "gpu-0", "m", None, 16, 8192, None, 64, engine=EngineEndpoints(url)
+        )
+        await Catalog(engine).register_instance(spec)
+        await add_tenant(engine, "acme")
+        ledger = Ledger(engine, settings.admission_limits)
+        termination = Termination(ledger, abort_timeout_seconds=30.0, hard_timeout_seconds=60.0)
+        try:
+            for name in ("a", "b", "c", "idle"):
+                await ledger.admit(request(name, 100, 50, lease_ttl=1.0))
+            await ledger.suspend("acme", "idle", ())
+            await ledger.admit(request("pending", 100, 50))
+            await ledger.request_aborts("acme", ["pending"], EndReason.CANCELLED)
+            await asyncio.sleep(1.1)
+            assert await termination.sweep(10) == 5
+        finally:
+            await termination.close()
+    lapsed = sorted(i for r in "abc" for i in vllm_request_ids(r))
+    pending = sorted(vllm_request_ids("pending"))
+    assert calls == [lapsed, lapsed, pending, pending]
+    ends = {n: (await ledger.get("acme", n)).end_reason for n in ("a", "idle", "pending")}
+    assert ends == {
+        "a": EndReason.LEASE_EXPIRED,
+        "idle": EndReason.LEASE_EXPIRED,
+        "pending": EndReason.CANCELLED,
+    }
     await assert_invariants(engine)
