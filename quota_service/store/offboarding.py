@@ -10,6 +10,7 @@ and the tenant stays DELETING until the last one ended."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,12 +79,19 @@ _ENGINE_URL = text("SELECT engine_url FROM instances WHERE instance = :instance"
 # while admissions go on, and the ending statement skips any that ended meanwhile.
 _NEXT_BATCH = text(
     """
-    SELECT request_id, suspended_at IS NULL AS running FROM reservations
+    SELECT request_id, suspended_at IS NULL AS running,
+           extract(epoch FROM now() - admitted_at)::float8 AS admitted_seconds_ago
+    FROM reservations
     WHERE tenant = :tenant AND instance = :instance AND state = 'ADMITTED'
       AND abort_requested_at IS NULL
     ORDER BY lease_expires_at LIMIT :batch
     """
 )
+
+# How long a gateway may take, once admitted, to hand the request to the engine. An abort that
+# reaches vLLM before the request does is ignored, and the gateway would then run it on blocks
+# the ledger had freed: a batch holding requests admitted more recently waits that long first.
+FORWARDING_SECONDS = 1.0
 
 # Ends a batch of the tenant's admitted reservations on one instance at once, as Ledger.end ends
 # one (TENANT_DELETED, no output tokens): their tables are dropped together, tail first, and the
@@ -251,6 +259,9 @@ class Offboarding:
                 batch = (await conn.execute(_NEXT_BATCH, keys)).all()
             ending = [r.request_id for r in batch]
             running = [r.request_id for r in batch if r.running]
+            if url is not None and running:
+                youngest = min(r.admitted_seconds_ago for r in batch if r.running)
+                await asyncio.sleep(max(0.0, FORWARDING_SECONDS - youngest))
             if url is not None and running and not await self._aborts.abort(url, running):
                 reason = EndReason.TENANT_DELETED
                 await self._ledger.request_aborts(tenant, running, reason)

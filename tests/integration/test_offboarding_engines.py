@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -24,7 +25,7 @@ from quota_service.engine.vllm.http import vllm_request_ids
 from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
-from quota_service.store.offboarding import Offboarding
+from quota_service.store.offboarding import FORWARDING_SECONDS, Offboarding
 from quota_service.store.pins import Pins
 from tests.integration.engine_stubs import abort_endpoint, closed_port
 from tests.integration.invariants import assert_invariants
@@ -64,11 +65,13 @@ async def test_the_engine_aborts_the_tenants_running_requests_before_their_block
 ) -> None:
     aborted: list[list[str]] = []
     states_at_abort: list[set[ReservationState]] = []
+    aborted_at: list[datetime] = []
     ledger: Ledger | None = None
 
     async def on_abort(ids: list[str]) -> None:
         assert ledger is not None
         aborted.append(ids)
+        aborted_at.append(datetime.now(UTC))
         states = {(await ledger.get("gone", r)).state for r in RUNNING}
         states_at_abort.append(states)
 
@@ -85,6 +88,11 @@ async def test_the_engine_aborts_the_tenants_running_requests_before_their_block
     expected = sorted(i for r in RUNNING for i in vllm_request_ids(r))
     assert [sorted(ids) for ids in aborted] == [expected, expected]
     assert states_at_abort == [{ReservationState.ADMITTED}] * 2
+    # Admitted a moment ago, the requests may not have reached the engine yet: the abort waits
+    # the gateway's forwarding time after the youngest admission.
+    admitted = [(await ledger.get("gone", r)).admitted_at for r in RUNNING]
+    youngest = max(a for a in admitted if a is not None)
+    assert aborted_at[0] >= youngest + timedelta(seconds=FORWARDING_SECONDS)
     assert (report.awaiting_engine_aborts, report.finished) == (0, True)
     for request_id in (*RUNNING, "idle", "elsewhere"):
         ended = await ledger.get("gone", request_id)
