@@ -76,6 +76,8 @@ class Shortfall:
     tokens_needed: int
     blocks_available: int
     tokens_available: int
+    # Requests queued ahead on the instance: nobody jumps the queue, even one that would fit.
+    queued_ahead: int = 0
 
 
 def validate(request: AdmitRequest, limits: AdmissionLimits) -> None:
@@ -308,15 +310,21 @@ def shortfall_error(
             quota_violations=tuple(violations),
             retry_delay_seconds=delay_seconds,
         )
+    message = (
+        f"instance {instance} has {shortfall.blocks_available} free blocks, "
+        f"the request needs {shortfall.blocks_needed}"
+    )
+    if shortfall.queued_ahead:
+        message += f", and {shortfall.queued_ahead} queued requests go first"
     return KvQuotaError(
         Code.UNAVAILABLE,
         "INSTANCE_OVERLOADED",
-        f"instance {instance} has {shortfall.blocks_available} free blocks, "
-        f"the request needs {shortfall.blocks_needed}",
+        message,
         metadata={
             "instance": instance,
             "freeBlocks": str(shortfall.blocks_available),
             "requestedBlocks": str(shortfall.blocks_needed),
+            "queuedAhead": str(shortfall.queued_ahead),
         },
         retry_delay_seconds=delay_seconds,
     )

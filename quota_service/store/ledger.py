@@ -13,6 +13,7 @@ by the next statement, which sees the world as it is once the locks are held.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime
 from typing import NamedTuple
 
@@ -714,8 +715,10 @@ class Ledger:
         shortfall = (
             decision
             if isinstance(decision, Shortfall)
-            else Shortfall("instance", table.total, 0, 0, 0)
+            else Shortfall("instance", table.total, 0, pool.allocatable_blocks, 0)
         )
+        if shortfall.scope == "instance":
+            shortfall = replace(shortfall, queued_ahead=ahead)
         if request.wait_timeout_seconds <= 0:
             raise await refusal(conn, shortfall, pool, account, row["now"], self._limits, ahead)
         delay = await self._queue_delay(conn, pool, ahead)

@@ -63,10 +63,16 @@ async def test_queue_then_dispatch_in_order(engine: AsyncEngine, settings: Setti
         with pytest.raises(KvQuotaError) as reused:
             await ledger.admit(other)
         assert reused.value.reason == "REQUEST_ID_REUSED"
-    # Without a wait budget nobody jumps the queue, even a request that would fit.
+    # Without a wait budget nobody jumps the queue, even a request that would fit; the refusal
+    # says so (the instance has room, three requests go first) rather than "no free blocks".
     with pytest.raises(KvQuotaError) as no_jump:
         await ledger.admit(request("small", 10, 5))
     assert no_jump.value.reason == "INSTANCE_OVERLOADED"
+    assert (no_jump.value.metadata["freeBlocks"], no_jump.value.metadata["queuedAhead"]) == (
+        "2",
+        "3",
+    )
+    assert "3 queued requests go first" in no_jump.value.message
 
     await ledger.end("acme", "a", EndReason.RELEASED, 1)
     assert await ledger.dispatch("gpu-0") == 2  # q0 and q1 fit in the 10 blocks, q2 waits

@@ -34,6 +34,7 @@ from kvquota.v1 import (
 )
 from kvquota.v1 import resources_pb2 as pb
 from quota_service import demo
+from quota_service.core import access
 from quota_service.engine.simulated import SimulatedHost
 from quota_service.store.access import create_bootstrap_key
 
@@ -241,7 +242,10 @@ async def test_no_salt_or_key_in_logs_errors_metrics_or_audit(
     assert any("request_id" in r for r in records)
     assert "kvquota_instance_blocks" in scraped
     haystacks = {"logs": logged + stdout, "metrics": scraped, "answers": "\n".join(said)}
-    needles = seen_salts | secrets | {t.rsplit("_", 1)[1] for t in secrets}
+    # Each key whole, and its secret part alone (which may itself contain "_").
+    parsed = [access.parse_token(t) for t in secrets]
+    needles = seen_salts | secrets | {p[1] for p in parsed if p is not None}
+    assert len(needles) == len(seen_salts) + 2 * len(secrets)
     assert len(seen_salts) >= 3  # acme's old and new salts, globex's
     for where, haystack in haystacks.items():
         for needle in needles:
