@@ -241,7 +241,6 @@ class _Planner:
                 self.over_cpu_quota.add(key)
                 left.append(r)
                 continue
-            self.over_cpu_quota.discard(key)
             self.cpu_room[r.tenant] -= size
             self.add(PlannedStep(Tier.OFFLOAD, None, key, self.drop(r), size, False))
         return left

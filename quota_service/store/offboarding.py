@@ -66,13 +66,16 @@ _QUEUED = text(
     "SELECT request_id FROM reservations WHERE tenant = :tenant AND state = 'QUEUED' LIMIT :batch"
 )
 
-# Admitted reservations with an abort pending are the maintenance loop's to end.
+# The instances (and their engines) with the tenant's admitted reservations to end; those with
+# an abort pending are the maintenance loop's to end.
 _INSTANCES_WITH_ADMITTED = text(
-    "SELECT DISTINCT instance FROM reservations "
-    "WHERE tenant = :tenant AND state = 'ADMITTED' AND abort_requested_at IS NULL"
+    """
+    SELECT i.instance, i.engine_url FROM instances i
+    WHERE EXISTS (SELECT 1 FROM reservations r
+                  WHERE r.tenant = :tenant AND r.instance = i.instance AND r.state = 'ADMITTED'
+                    AND r.abort_requested_at IS NULL)
+    """
 )
-
-_ENGINE_URL = text("SELECT engine_url FROM instances WHERE instance = :instance")
 
 # The next batch to end on one instance, and whether each may be running (a suspended session
 # is idle between turns). Read before the locks are taken: the engine is asked to abort them
@@ -240,32 +243,30 @@ class Offboarding:
         while True:
             async with self._engine.connect() as conn:
                 queued = [r[0] for r in await conn.execute(_QUEUED, keys)]
-                instances = [r[0] for r in await conn.execute(_INSTANCES_WITH_ADMITTED, keys)]
+                instances = (await conn.execute(_INSTANCES_WITH_ADMITTED, keys)).all()
             if not queued and not instances:
                 return
             for request_id in queued:
                 await self._ledger.end(tenant, request_id, EndReason.TENANT_DELETED)
-            for instance in instances:
-                await self._end_on_instance(instance, tenant)
+            for instance, url in instances:
+                await self._end_on_instance(instance, url, tenant)
 
-    async def _end_on_instance(self, instance: str, tenant: str) -> None:
+    async def _end_on_instance(self, instance: str, url: str | None, tenant: str) -> None:
         """End the tenant's admitted reservations on the instance, a batch at a time; with an
-        engine, each batch after that engine confirmed the abort of those it may be running."""
+        engine (at `url`), each batch after it confirmed the abort of those it may be running."""
         keys = {"instance": instance, "tenant": tenant, "batch": self._reservation_batch}
-        async with self._engine.connect() as conn:
-            url = (await conn.execute(_ENGINE_URL, keys)).scalar_one()
         while True:
             async with self._engine.connect() as conn:
                 batch = (await conn.execute(_NEXT_BATCH, keys)).all()
             ending = [r.request_id for r in batch]
-            running = [r.request_id for r in batch if r.running]
+            running = [r for r in batch if r.running]
             if url is not None and running:
-                youngest = min(r.admitted_seconds_ago for r in batch if r.running)
+                youngest = min(r.admitted_seconds_ago for r in running)
                 await asyncio.sleep(max(0.0, FORWARDING_SECONDS - youngest))
-            if url is not None and running and not await self._aborts.abort(url, running):
-                reason = EndReason.TENANT_DELETED
-                await self._ledger.request_aborts(tenant, running, reason)
-                ending = [r.request_id for r in batch if not r.running]
+                aborting = [r.request_id for r in running]
+                if not await self._aborts.abort(url, aborting):
+                    await self._ledger.request_aborts(tenant, aborting, EndReason.TENANT_DELETED)
+                    ending = [r.request_id for r in batch if not r.running]
             if ending:
                 await self._end_batch(instance, tenant, ending)
             if len(batch) < self._reservation_batch:

@@ -32,18 +32,26 @@ async def states(engine: AsyncEngine) -> dict[int, tuple[str, bool]]:
         return {r[0]: (r[1], r[2]) for r in rows}
 
 
-async def test_events_confirm_evict_and_count_drift(
+async def prompt_admitted(
     engine: AsyncEngine, settings: Settings
-) -> None:
+) -> tuple[Ledger, Reconciler, tuple[int, ...]]:
+    """Instance gpu-0 (16 blocks) and tenant acme, whose reservation "a" holds PROMPT's four
+    hashed blocks; returns the ledger, a reconciler, and those blocks' event hashes."""
     await add_instance(engine, blocks=16)
     await add_tenant(engine, "acme")
     ledger = Ledger(engine, settings.admission_limits)
-    reconciler = Reconciler(engine, ledger)
     _, salt = await ledger.admit(
         replace(request("a", len(PROMPT), 1), prompt_token_ids=tuple(PROMPT))
     )
-    hashes = [event_hash(h) for h in block_hashes(PROMPT, BS, salt)]
-    stored = BlockStored(tuple(hashes), None, tuple(PROMPT), BS, "GPU")
+    hashes = tuple(event_hash(h) for h in block_hashes(PROMPT, BS, salt))
+    return ledger, Reconciler(engine, ledger), hashes
+
+
+async def test_events_confirm_evict_and_count_drift(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    ledger, reconciler, hashes = await prompt_admitted(engine, settings)
+    stored = BlockStored(hashes, None, tuple(PROMPT), BS, "GPU")
     await reconciler.apply("gpu-0", 0, batch(stored))
     assert [states_ for _, states_ in sorted((await states(engine)).items())][:4] == [
         ("IN_USE", True)
@@ -94,15 +102,8 @@ async def test_a_block_the_engine_stored_twice_stays_until_both_copies_went(
 ) -> None:
     """vLLM does not de-duplicate identical blocks (ENGINES.md): two requests computing the same
     prefix at once store it twice, and evicting one copy leaves the other cached."""
-    await add_instance(engine, blocks=16)
-    await add_tenant(engine, "acme")
-    ledger = Ledger(engine, settings.admission_limits)
-    reconciler = Reconciler(engine, ledger)
-    _, salt = await ledger.admit(
-        replace(request("a", len(PROMPT), 1), prompt_token_ids=tuple(PROMPT))
-    )
+    ledger, reconciler, hashes = await prompt_admitted(engine, settings)
     await ledger.end("acme", "a", EndReason.RELEASED, 1)
-    hashes = tuple(event_hash(h) for h in block_hashes(PROMPT, BS, salt))
     stored = BlockStored(hashes, None, tuple(PROMPT), BS, "GPU")
     await reconciler.apply("gpu-0", 0, batch(stored, stored))
     removed = BlockRemoved(hashes[:1], "GPU")
