@@ -183,6 +183,33 @@ def tenant_not_active(tenant: str, state: TenantState) -> KvQuotaError:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixHits:
+    """What a cached prefix changes for an admission: the blocks it covers, how many of them are
+    evictable now (cached and unreferenced), and how many the tenant does not reference yet."""
+
+    blocks: int = 0
+    evictable: int = 0
+    new_to_tenant: int = 0
+
+    @classmethod
+    def of(cls, hits: Sequence[CachedBlock]) -> PrefixHits:
+        return cls(
+            len(hits),
+            sum(1 for h in hits if h.evictable),
+            sum(1 for h in hits if not h.held_by_tenant),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """An admission that fits: the blocks and tokens it takes, and its lease."""
+
+    blocks: int
+    tokens: int
+    lease_ttl_seconds: float
+
+
 def decide(
     request: AdmitRequest,
     pool: InstancePool,
@@ -191,8 +218,30 @@ def decide(
     table: TableLayout,
     hits: Sequence[CachedBlock] = (),
 ) -> AdmissionPlan | Shortfall:
+    """`judge`, with the plan to write: the cached prefix `hits` of `table` on this instance and
+    what each new block will hold."""
+    verdict = judge(request, pool, account, limits, table.total, PrefixHits.of(hits))
+    if isinstance(verdict, Shortfall):
+        return verdict
+    return AdmissionPlan(
+        verdict.blocks,
+        verdict.tokens,
+        verdict.lease_ttl_seconds,
+        tuple(hits),
+        tuple(block_table.new_block_hashes(table, len(hits))),
+    )
+
+
+def judge(
+    request: AdmitRequest,
+    pool: InstancePool,
+    account: TenantAccount,
+    limits: AdmissionLimits,
+    blocks: int,
+    hits: PrefixHits,
+) -> Grant | Shortfall:
     """Check-and-reserve: raise for refusals that waiting cannot fix, return a Shortfall for those
-    it can, or the plan to write. `hits` is the cached prefix of `table` on this instance."""
+    it can, or the grant. `blocks` is the whole table; `hits` what its cached prefix covers."""
     p = request.params
     if account.state is not TenantState.ACTIVE:
         raise tenant_not_active(p.tenant, account.state)
@@ -211,11 +260,10 @@ def decide(
             f"prompt + max_output = {asked} tokens exceeds the context cap of {pool.max_model_len}",
             metadata={"maxModelLen": str(pool.max_model_len), "requestedTokens": str(asked)},
         )
-    blocks = table.total
     tokens = geometry.tokens_in_flight(p.prompt_tokens, p.max_output_tokens, p.n)
-    new_blocks = blocks - len(hits)
+    new_blocks = blocks - hits.blocks
     # Blocks the tenant does not reference yet: sharing within a tenant is free.
-    new_to_tenant = new_blocks + sum(1 for h in hits if not h.held_by_tenant)
+    new_to_tenant = new_blocks + hits.new_to_tenant
     quota = account.quota
     hard_limits = (
         ("instanceCapacityBlocks", blocks, pool.capacity_blocks),
@@ -240,13 +288,10 @@ def decide(
     if new_to_tenant > free_blocks_tenant or tokens > free_tokens_tenant:
         return Shortfall("tenant", new_to_tenant, tokens, free_blocks_tenant, free_tokens_tenant)
     # A hit on a cached block takes it out of what can be evicted to make room.
-    allocatable = pool.allocatable_blocks - sum(1 for h in hits if h.evictable)
+    allocatable = pool.allocatable_blocks - hits.evictable
     if new_blocks > allocatable:
         return Shortfall("instance", new_blocks, tokens, allocatable, 0)
-    ttl = request.lease_ttl_seconds or limits.default_lease_ttl_seconds
-    return AdmissionPlan(
-        blocks, tokens, ttl, tuple(hits), tuple(block_table.new_block_hashes(table, len(hits)))
-    )
+    return Grant(blocks, tokens, request.lease_ttl_seconds or limits.default_lease_ttl_seconds)
 
 
 def expected_end(

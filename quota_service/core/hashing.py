@@ -63,4 +63,4 @@ def block_hashes(
 
 def event_hash(digest: bytes) -> int:
     """The int a KV event carries for this digest: its low 64 bits, big-endian."""
-    return int.from_bytes(digest, "big") & (2**64 - 1)
+    return int.from_bytes(digest[-8:], "big")

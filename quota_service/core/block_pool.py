@@ -1,0 +1,314 @@
+"""One instance's block slots in memory, shaped like vLLM's `BlockPool`, with flat storage.
+
+A slot is FREE (no contents), CACHED (contents kept for prefix hits, unreferenced), IN_USE
+(referenced by block tables, maybe pins too) or PINNED (referenced by pins alone). Counters are
+kept symmetric with the transitions, so `counts()` is O(1) and always adds up to the capacity.
+
+Everything per slot lives in flat arrays (generation, references, pins, engine copies, hash
+scope, LRU links, digests): a 1,000,000-slot pool costs about 40 MB and no Python object per
+slot. Only slots that hold a hash cost a dictionary entry, in the index from hash to slot.
+
+Order, as the ledger has always had it (and the reference model states it):
+- never-hashed free slots are used first, lowest id first, before any cached block is evicted;
+- cached blocks are evicted least recently released first (the LRU list's head); a released
+  table appends its blocks tail first, so a table's tail goes before its head;
+- when a slot's contents are dropped its generation moves on, so old handles are stale.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+
+from quota_service.core.hashing import DIGEST_BYTES, event_hash
+
+# Free slots sit in a two-level bitmap of Python ints: a chunk's bits, and which chunks have any.
+_CHUNK_BITS = 1024
+_CHUNK_SHIFT = 10
+_CHUNK_MASK = _CHUNK_BITS - 1
+NO_SCOPE = -1
+
+
+class BlockPool:
+    """The slots of one instance. Preconditions are the caller's (the instance state machine's):
+    it references only slots it was given, and frees only what it referenced."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("a pool has at least one slot")
+        self.capacity = capacity
+        self._generation = array("q", bytes(8 * capacity))
+        self._refs = array("i", bytes(4 * capacity))
+        self._pins = array("i", bytes(4 * capacity))
+        # Copies the engine reports holding of a slot's contents (KV events).
+        self._copies = array("i", bytes(4 * capacity))
+        # The scope (a tenant's or a namespace's salt) a slot's hash was made under; NO_SCOPE
+        # means the slot holds no hash.
+        self._scope = array("i", [NO_SCOPE]) * capacity
+        self._digests = bytearray(DIGEST_BYTES * capacity)
+        # Slots by digest key (the low 64 bits KV events name them by); a second slot with the
+        # same key (the same prefix block allocated again after its parent was evicted) goes to
+        # `_more_by_key`.
+        self._by_key: dict[int, int] = {}
+        self._more_by_key: dict[int, list[int]] = {}
+        # The LRU list of cached slots, doubly linked through the arrays; index `capacity` is
+        # the sentinel: its next is the head (evicted first), its prev the tail.
+        sentinel = capacity
+        self._next = array("i", [sentinel]) * (capacity + 1)
+        self._prev = array("i", [sentinel]) * (capacity + 1)
+        self._free_chunks = [
+            (1 << min(_CHUNK_BITS, capacity - start)) - 1
+            for start in range(0, capacity, _CHUNK_BITS)
+        ]
+        self._free_nonempty = (1 << len(self._free_chunks)) - 1
+        self.free_count = capacity
+        self.cached_count = 0
+        self.pinned_only_count = 0
+
+    # Reading a slot.
+
+    def generation(self, block: int) -> int:
+        return self._generation[block]
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
+
+    def pin_count(self, block: int) -> int:
+        return self._pins[block]
+
+    def engine_copies(self, block: int) -> int:
+        return self._copies[block]
+
+    def scope_id(self, block: int) -> int:
+        return self._scope[block]
+
+    def content_hash(self, block: int) -> bytes | None:
+        if self._scope[block] == NO_SCOPE:
+            return None
+        return bytes(self._digests[block * DIGEST_BYTES : (block + 1) * DIGEST_BYTES])
+
+    def state(self, block: int) -> str:
+        refs = self._refs[block]
+        if refs == 0:
+            return "FREE" if self._scope[block] == NO_SCOPE else "CACHED"
+        return "PINNED" if refs == self._pins[block] else "IN_USE"
+
+    @property
+    def in_use_count(self) -> int:
+        return self.capacity - self.free_count - self.cached_count - self.pinned_only_count
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "FREE": self.free_count,
+            "CACHED": self.cached_count,
+            "IN_USE": self.in_use_count,
+            "PINNED": self.pinned_only_count,
+        }
+
+    def holding(self, digest: bytes) -> list[int]:
+        """The slots whose contents are `digest` (usually none or one)."""
+        key = event_hash(digest)
+        first = self._by_key.get(key)
+        if first is None:
+            return []
+        candidates = [first, *self._more_by_key.get(key, ())]
+        return [b for b in candidates if self._digest_is(b, digest)]
+
+    def holding_key(self, key: int) -> list[int]:
+        """The slots whose digest's low 64 bits are `key` (what a KV event names)."""
+        first = self._by_key.get(key)
+        if first is None:
+            return []
+        return [first, *self._more_by_key.get(key, ())]
+
+    def lru_order(self) -> list[int]:
+        """Cached slots, the next to be evicted first."""
+        order = []
+        block = self._next[self.capacity]
+        while block != self.capacity:
+            order.append(block)
+            block = self._next[block]
+        return order
+
+    def hashed_slots(self) -> Iterable[int]:
+        """Every slot that holds a hash (cached or referenced)."""
+        yield from self._by_key.values()
+        for more in self._more_by_key.values():
+            yield from more
+
+    # Transitions.
+
+    def reference(self, block: int, pinned: bool) -> None:
+        """One more table entry (or pin) names the slot; a cached slot leaves the LRU list."""
+        refs = self._refs[block]
+        pins = self._pins[block]
+        if refs == 0:
+            # Only cached slots are referenced from zero (free ones go through allocate).
+            self._unlink(block)
+            self.cached_count -= 1
+        elif refs == pins:
+            self.pinned_only_count -= 1
+        refs += 1
+        pins += pinned
+        self._refs[block] = refs
+        self._pins[block] = pins
+        if refs == pins:
+            self.pinned_only_count += 1
+
+    def unreference(self, block: int, pinned: bool) -> None:
+        """One entry (or pin) naming the slot went. At zero references a hashed slot is cached
+        at the LRU tail and an unhashed one is freed (its generation moves on)."""
+        refs = self._refs[block]
+        pins = self._pins[block]
+        if refs == pins:
+            self.pinned_only_count -= 1
+        refs -= 1
+        pins -= pinned
+        self._refs[block] = refs
+        self._pins[block] = pins
+        if refs == 0:
+            if self._scope[block] == NO_SCOPE:
+                self._generation[block] += 1
+                self._mark_free(block)
+            else:
+                self._append_lru(block)
+                self.cached_count += 1
+        elif refs == pins:
+            self.pinned_only_count += 1
+
+    def allocate(self, digests: Sequence[bytes | None], scope: int, pinned: bool) -> list[int]:
+        """Slots for new contents, referenced once each: free slots lowest id first, then cached
+        ones evicted from the LRU head. The caller checked that enough are allocatable."""
+        chosen = []
+        refs, pins, scopes = self._refs, self._pins, self._scope
+        for digest in digests:
+            if self.free_count:
+                block = self._pop_free()
+            else:
+                block = self._next[self.capacity]
+                assert block != self.capacity, "allocate beyond what the pool holds"
+                self.drop_contents(block)
+                self._pop_free_slot(block)
+            refs[block] = 1
+            pins[block] = int(pinned)
+            if pinned:
+                self.pinned_only_count += 1
+            if digest is not None:
+                scopes[block] = scope
+                self._index(block, digest)
+            chosen.append(block)
+        return chosen
+
+    def drop_contents(self, block: int) -> None:
+        """Forget a cached (unreferenced) slot's contents: it becomes free, its generation
+        moves on (evicted, freed by reclaim, or gone from the engine)."""
+        assert self._refs[block] == 0 and self._scope[block] != NO_SCOPE
+        self._unlink(block)
+        self.cached_count -= 1
+        self._unindex(block)
+        self._scope[block] = NO_SCOPE
+        self._copies[block] = 0
+        self._generation[block] += 1
+        self._mark_free(block)
+
+    def add_copies(self, block: int, copies: int) -> None:
+        self._copies[block] += copies
+
+    def remove_copies(self, block: int, copies: int) -> int:
+        """Copies left after the engine evicted `copies` of them (never below zero)."""
+        left = max(self._copies[block] - copies, 0)
+        self._copies[block] = left
+        return left
+
+    def restore(
+        self, block: int, generation: int, digest: bytes | None, scope: int, copies: int
+    ) -> None:
+        """Recovery: a free slot takes the generation and contents the record gives it. The
+        caller then references it as its tables and pins do, or caches it with `cache`."""
+        self._pop_free_slot(block)
+        self._generation[block] = generation
+        self._copies[block] = copies
+        if digest is not None:
+            self._scope[block] = scope
+            self._index(block, digest)
+
+    def cache(self, block: int) -> None:
+        """Recovery: a restored, unreferenced hashed slot joins the LRU tail."""
+        self._append_lru(block)
+        self.cached_count += 1
+
+    def set_generation(self, block: int, generation: int) -> None:
+        """Recovery: a free slot's generation as the record last saw it."""
+        self._generation[block] = generation
+
+    # Mechanics.
+
+    def _digest_is(self, block: int, digest: bytes) -> bool:
+        start = block * DIGEST_BYTES
+        return self._digests[start : start + DIGEST_BYTES] == digest
+
+    def _index(self, block: int, digest: bytes) -> None:
+        start = block * DIGEST_BYTES
+        self._digests[start : start + DIGEST_BYTES] = digest
+        key = event_hash(digest)
+        if self._by_key.setdefault(key, block) != block:
+            self._more_by_key.setdefault(key, []).append(block)
+
+    def _unindex(self, block: int) -> None:
+        start = block * DIGEST_BYTES
+        key = event_hash(bytes(self._digests[start : start + DIGEST_BYTES]))
+        more = self._more_by_key.get(key)
+        if self._by_key[key] == block:
+            if more:
+                self._by_key[key] = more.pop(0)
+            else:
+                del self._by_key[key]
+        else:
+            assert more is not None
+            more.remove(block)
+        if more is not None and not more:
+            del self._more_by_key[key]
+
+    def _append_lru(self, block: int) -> None:
+        sentinel = self.capacity
+        tail = self._prev[sentinel]
+        self._next[tail] = block
+        self._prev[block] = tail
+        self._next[block] = sentinel
+        self._prev[sentinel] = block
+
+    def _unlink(self, block: int) -> None:
+        prev, nxt = self._prev[block], self._next[block]
+        self._next[prev] = nxt
+        self._prev[nxt] = prev
+
+    def _mark_free(self, block: int) -> None:
+        chunk = block >> _CHUNK_SHIFT
+        self._free_chunks[chunk] |= 1 << (block & _CHUNK_MASK)
+        self._free_nonempty |= 1 << chunk
+        self.free_count += 1
+
+    def _pop_free(self) -> int:
+        """The lowest free slot, taken out of the free set."""
+        nonempty = self._free_nonempty
+        chunk = (nonempty & -nonempty).bit_length() - 1
+        bits = self._free_chunks[chunk]
+        lowest = bits & -bits
+        bits ^= lowest
+        self._free_chunks[chunk] = bits
+        if not bits:
+            self._free_nonempty = nonempty ^ (1 << chunk)
+        self.free_count -= 1
+        return (chunk << _CHUNK_SHIFT) + lowest.bit_length() - 1
+
+    def _pop_free_slot(self, block: int) -> None:
+        """Take one given free slot out of the free set."""
+        chunk = block >> _CHUNK_SHIFT
+        bit = 1 << (block & _CHUNK_MASK)
+        bits = self._free_chunks[chunk]
+        assert bits & bit, f"slot {block} is not free"
+        bits ^= bit
+        self._free_chunks[chunk] = bits
+        if not bits:
+            self._free_nonempty ^= 1 << chunk
+        self.free_count -= 1

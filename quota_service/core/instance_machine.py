@@ -1,0 +1,1081 @@
+"""One instance's live state as a deterministic state machine: its pool of slots, the block
+tables of its reservations, its pins, its wait queue with the fair clocks, and what each tenant
+holds on it. Pure and synchronous: no I/O, no clock (every transition is given `now`, in seconds
+since the epoch), no `await`. The owner applies operations one at a time, in arrival order,
+journals what changed (`drain_changes`) and answers callers once that is durable.
+
+Invariants kept by construction (DESIGN.md numbers them):
+- every slot is in exactly one state and the pool's counters add up to its capacity (1);
+- a slot's reference count is the live table entries naming it plus its pins (2): tables and
+  pins reference slots only through `BlockPool.reference` and give them back only through
+  `BlockPool.unreference`, each entry once;
+- a tenant's blocks here are the distinct slots its live tables and pins name (3): `held`
+  counts entries per slot, and a slot leaves it with its last entry;
+- a live table never names a stale handle (4): a referenced slot's contents are never dropped.
+Cost: O(1) per block of a request, independent of the pool's size; a refusal adds a sort of the
+live reservations (for its retry delay).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+
+from quota_service.core import admission, block_table, geometry, pins, queueing
+from quota_service.core.admission import (
+    AdmissionLimits,
+    AdmitRequest,
+    Grant,
+    PrefixHits,
+    Shortfall,
+)
+from quota_service.core.block_pool import BlockPool
+from quota_service.core.block_table import BlockHandle, CachedBlock, EntryLookup
+from quota_service.core.errors import Code, KvQuotaError, invalid_request, not_found, preempted
+from quota_service.core.hashing import block_hashes
+from quota_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from quota_service.core.model import (
+    AdmitParams,
+    EndReason,
+    Holding,
+    InstancePool,
+    InstanceSpec,
+    InstanceState,
+    Reservation,
+    ReservationState,
+    TenantAccount,
+    TenantQuota,
+    TenantState,
+)
+from quota_service.core.names import reservation_name
+from quota_service.core.queueing import FairTags, QueuePolicy
+
+# Weight of the newest observation in the mean holding time.
+HOLD_EWMA_ALPHA = 0.2
+# Ended reservations kept to answer repeated Admits, Releases and Gets without the record.
+ENDED_RETAINED = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSettings:
+    """What the catalog says of a tenant, as the owner last heard it."""
+
+    tenant: str
+    state: TenantState
+    quota: TenantQuota
+    weight: int
+    # The salt its prefixes are hashed under, and that salt's scope (`tenants/{t}` or a
+    # shared `namespaces/{n}`).
+    salt: str
+    scope: str
+
+
+@dataclass(frozen=True, slots=True)
+class Elsewhere:
+    """What a tenant holds on other instances, for its fleet-wide quota."""
+
+    blocks: int = 0
+    tokens: int = 0
+    pinned: int = 0
+
+
+NOWHERE_ELSE = Elsewhere()
+
+
+class HeldTable:
+    """The slots a reservation or a pin references, in table order, with their generations.
+    A released entry stays in place (positions never move) and references nothing."""
+
+    __slots__ = ("blocks", "generations", "live_entries", "pinned", "released")
+
+    def __init__(self, blocks: Sequence[int], generations: Sequence[int], pinned: bool) -> None:
+        self.blocks = array("i", blocks)
+        self.generations = array("q", generations)
+        self.released = bytearray(len(self.blocks))
+        self.pinned = pinned
+        self.live_entries = len(self.blocks)
+
+    def handles(self) -> tuple[BlockHandle, ...]:
+        return tuple(
+            BlockHandle(b, g)
+            for b, g, gone in zip(self.blocks, self.generations, self.released, strict=True)
+            if not gone
+        )
+
+
+class ReservationRecord:
+    """One reservation as its owner holds it. Mutable: only the machine changes it."""
+
+    __slots__ = (
+        "admitted_at",
+        "arrival",
+        "end_reason",
+        "ended_at",
+        "lease_expires_at",
+        "lease_ttl_seconds",
+        "offloaded_bytes",
+        "output_tokens",
+        "params",
+        "prefix_hit_blocks",
+        "prompt_digest",
+        "prompt_token_ids",
+        "queued_at",
+        "reserved_blocks",
+        "state",
+        "suspended_at",
+        "table",
+        "tags",
+        "tokens",
+        "wait_deadline",
+    )
+
+    def __init__(self, request: AdmitRequest, blocks: int, tokens: int, ttl: float) -> None:
+        self.params = request.params
+        self.prompt_token_ids = request.prompt_token_ids
+        self.prompt_digest = admission.prompt_digest(request.prompt_token_ids)
+        self.state = ReservationState.QUEUED
+        self.end_reason: EndReason | None = None
+        self.table: HeldTable | None = None
+        self.reserved_blocks = blocks
+        self.tokens = tokens
+        self.prefix_hit_blocks = 0
+        self.lease_ttl_seconds = ttl
+        self.lease_expires_at: float | None = None
+        self.admitted_at: float | None = None
+        self.ended_at: float | None = None
+        self.output_tokens: int | None = None
+        self.queued_at: float | None = None
+        self.wait_deadline: float | None = None
+        self.tags = FairTags(0.0, 0.0)
+        self.arrival = 0
+        self.suspended_at: float | None = None
+        self.offloaded_bytes: int | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.params.tenant, self.params.request_id
+
+    @property
+    def name(self) -> str:
+        return reservation_name(self.params.tenant, self.params.request_id)
+
+    @property
+    def on_gpu(self) -> bool:
+        """Admitted and holding its blocks (not offloaded to the CPU tier)."""
+        return self.state is ReservationState.ADMITTED and self.table is not None
+
+    def snapshot(self, queue_position: int | None = None) -> Reservation:
+        p = self.params
+        return Reservation(
+            tenant=p.tenant,
+            request_id=p.request_id,
+            instance=p.instance,
+            prompt_tokens=p.prompt_tokens,
+            max_output_tokens=p.max_output_tokens,
+            n=p.n,
+            priority=p.priority,
+            state=self.state,
+            reserved_blocks=self.reserved_blocks,
+            reserved_tokens=self.tokens,
+            prefix_hit_blocks=self.prefix_hit_blocks,
+            lease_ttl_seconds=self.lease_ttl_seconds,
+            lease_expires_at=_time(self.lease_expires_at),
+            admitted_at=_time(self.admitted_at),
+            ended_at=_time(self.ended_at),
+            end_reason=self.end_reason,
+            output_tokens=self.output_tokens,
+            block_table=self.table.handles() if self.table is not None else (),
+            queued_at=_time(self.queued_at),
+            wait_deadline=_time(self.wait_deadline),
+            queue_position=queue_position,
+            suspended_at=_time(self.suspended_at),
+            offloaded_bytes=self.offloaded_bytes,
+            prompt_digest=self.prompt_digest,
+        )
+
+
+class PinRecord:
+    __slots__ = ("created_at", "owner", "pin_id", "prefix", "prompt_tokens", "table", "tenant")
+
+    def __init__(
+        self,
+        owner: str,
+        pin_id: str,
+        tenant: str | None,
+        prefix: bytes,
+        prompt_tokens: int,
+        table: HeldTable,
+        created_at: float,
+    ) -> None:
+        self.owner = owner
+        self.pin_id = pin_id
+        self.tenant = tenant
+        self.prefix = prefix
+        self.prompt_tokens = prompt_tokens
+        self.table = table
+        self.created_at = created_at
+
+
+@dataclass(slots=True)
+class TenantHere:
+    """A tenant's holdings on this instance."""
+
+    settings: TenantSettings
+    # Live table entries (reservations' and pins') per slot, and pin entries per slot.
+    held: dict[int, int] = field(default_factory=dict)
+    pinned: dict[int, int] = field(default_factory=dict)
+    tokens: int = 0
+    queued: int = 0
+    mean_hold_seconds: float | None = None
+    # Start-time fair queueing: the finish tag of its last request, per priority class.
+    last_finish: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReport:
+    """What applying a batch of KV events did: slots whose last copy the engine evicted and
+    that were freed, and references to evicted contents (drift)."""
+
+    freed: int = 0
+    drift: int = 0
+
+
+@dataclass(slots=True)
+class Changes:
+    """What operations changed since the journal last took them: whole records to write."""
+
+    reservations: dict[tuple[str, str], ReservationRecord] = field(default_factory=dict)
+    pins: dict[tuple[str, str], PinRecord | None] = field(default_factory=dict)
+    # Slots whose contents outlived their references or were dropped (the cache record).
+    cache_slots: set[int] = field(default_factory=set)
+
+
+class InstanceMachine:
+    """The state machine of one instance. Refusals raise KvQuotaError and change nothing."""
+
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        limits: AdmissionLimits,
+        queue_policy: QueuePolicy | None = None,
+        state: InstanceState = InstanceState.ACTIVE,
+    ) -> None:
+        self.spec = spec
+        self.state = state
+        self.limits = limits
+        self.queue_policy = queue_policy or QueuePolicy()
+        self.pool = BlockPool(spec.capacity_blocks)
+        self.mean_hold_seconds: float | None = None
+        self.tenants: dict[str, TenantHere] = {}
+        self.reservations: dict[tuple[str, str], ReservationRecord] = {}
+        self.ended: dict[tuple[str, str], ReservationRecord] = {}
+        self.pins: dict[tuple[str, str], PinRecord] = {}
+        # The wait queue in dispatch order: (-priority, start tag, arrival) keys, kept sorted.
+        self._queue: list[tuple[int, float, int, tuple[str, str]]] = []
+        self._arrivals = 0
+        self.virtual_time: dict[int, float] = {}
+        self.queued_prompt_tokens = 0
+        self._scope_ids: dict[str, int] = {}
+        self.scopes: list[str] = []
+        self.changes = Changes()
+        self.drift_blocks = 0
+
+    # Catalog input.
+
+    def set_tenant(self, settings: TenantSettings) -> None:
+        here = self.tenants.get(settings.tenant)
+        if here is None:
+            self.tenants[settings.tenant] = TenantHere(settings)
+        else:
+            here.settings = settings
+
+    def drain_changes(self) -> Changes:
+        taken, self.changes = self.changes, Changes()
+        return taken
+
+    # Reads.
+
+    def view(self) -> InstancePool:
+        """The pool as admission decisions see it."""
+        return InstancePool(
+            self.spec.instance,
+            self.state,
+            self.spec.block_size,
+            self.spec.capacity_blocks,
+            self.spec.max_model_len,
+            self.pool.free_count,
+            self.pool.cached_count,
+            self.spec.hash_algo,
+            self.mean_hold_seconds,
+        )
+
+    def account(self, tenant: str, elsewhere: Elsewhere = NOWHERE_ELSE) -> TenantAccount:
+        here = self._tenant(tenant)
+        return TenantAccount(
+            tenant,
+            here.settings.state,
+            here.settings.quota,
+            elsewhere.blocks + len(here.held),
+            elsewhere.tokens + here.tokens,
+            here.mean_hold_seconds,
+            elsewhere.pinned + len(here.pinned),
+        )
+
+    def get(self, tenant: str, request_id: str) -> ReservationRecord:
+        key = (tenant, request_id)
+        record = self.reservations.get(key) or self.ended.get(key)
+        if record is None:
+            raise not_found("reservation", reservation_name(tenant, request_id))
+        return record
+
+    def queue_position(self, record: ReservationRecord) -> int | None:
+        """1 for the next to be considered; None unless it is queued."""
+        if record.state is not ReservationState.QUEUED:
+            return None
+        for position, entry in enumerate(self._queue, start=1):
+            if entry[3] == record.key:
+                return position
+        return None
+
+    def queued(self) -> Iterator[ReservationRecord]:
+        """Queued reservations in dispatch order."""
+        for entry in self._queue:
+            yield self.reservations[entry[3]]
+
+    # Admission.
+
+    def admit(
+        self, request: AdmitRequest, now: float, elsewhere: Elsewhere = NOWHERE_ELSE
+    ) -> ReservationRecord:
+        """Reserve a block table now, queue the request when it has a wait budget, or refuse it.
+        A repeated Admit (same tenant and request_id) answers the reservation as it is."""
+        admission.validate(request, self.limits)
+        p = request.params
+        existing = self.reservations.get((p.tenant, p.request_id)) or self.ended.get(
+            (p.tenant, p.request_id)
+        )
+        if existing is not None:
+            return self._replay(request, existing, now)
+        here = self._tenant(p.tenant)
+        table = self._layout(p, request.prompt_token_ids, here.settings)
+        hit_blocks = self.pool_prefix(table.hashes, here)
+        verdict = admission.judge(
+            request,
+            self.view(),
+            self.account(p.tenant, elsewhere),
+            self.limits,
+            table.total,
+            self._hit_counts(hit_blocks, here),
+        )
+        ahead = self._queued_ahead(p.priority)
+        # Requests already waiting go first: nobody jumps the queue, however small.
+        if isinstance(verdict, Grant) and ahead == 0:
+            record = ReservationRecord(request, verdict.blocks, verdict.tokens, 0.0)
+            self._charge_fair_share(record, here, now)
+            self._grant(record, verdict, hit_blocks, table, here, now)
+            return record
+        shortfall = (
+            verdict
+            if isinstance(verdict, Shortfall)
+            else Shortfall("instance", table.total, 0, self.view().allocatable_blocks, 0)
+        )
+        if shortfall.scope == "instance":
+            shortfall = replace(shortfall, queued_ahead=ahead)
+        if request.wait_timeout_seconds <= 0:
+            raise self.refusal(shortfall, p.tenant, now, ahead)
+        delay = self.queue_delay(ahead)
+        load = queueing.QueueLoad(
+            queued_requests=len(self._queue),
+            queued_prompt_tokens=self.queued_prompt_tokens,
+            max_queued_requests=self.spec.queue.max_queued_requests,
+            max_queued_prompt_tokens=queueing.max_queued_prompt_tokens(
+                self.spec.queue.target_ttft_seconds, self.spec.queue.prefill_tokens_per_second
+            ),
+            tenant_queued_requests=here.queued,
+            tenant_max_queued_requests=here.settings.quota.max_queued_requests,
+        )
+        queueing.check_bounds(load, p.prompt_tokens, p.instance, p.tenant, delay)
+        tokens = geometry.tokens_in_flight(p.prompt_tokens, p.max_output_tokens, p.n)
+        ttl = request.lease_ttl_seconds or self.limits.default_lease_ttl_seconds
+        record = ReservationRecord(request, table.total, tokens, ttl)
+        self._enqueue(record, here, now, request.wait_timeout_seconds)
+        self.dispatch(now)
+        return record
+
+    def _replay(
+        self, request: AdmitRequest, existing: ReservationRecord, now: float
+    ) -> ReservationRecord:
+        if existing.params != request.params or existing.prompt_digest != (
+            admission.prompt_digest(request.prompt_token_ids)
+        ):
+            admission.check_replay(request, existing.snapshot())
+        if existing.state is ReservationState.QUEUED and request.wait_timeout_seconds > 0:
+            # A retry keeps its place, and waits at least as long as this call will.
+            assert existing.wait_deadline is not None
+            existing.wait_deadline = max(existing.wait_deadline, now + request.wait_timeout_seconds)
+            self._touch(existing)
+        return existing
+
+    def _layout(
+        self, p: AdmitParams, token_ids: Sequence[int], settings: TenantSettings
+    ) -> block_table.TableLayout:
+        return block_table.layout(
+            p.prompt_tokens,
+            p.max_output_tokens,
+            p.n,
+            self.spec.block_size,
+            token_ids,
+            settings.salt,
+            self.spec.hash_algo,
+        )
+
+    def pool_prefix(self, hashes: Sequence[bytes], tenant: TenantHere | None) -> list[int]:
+        """The slots of the longest cached prefix of `hashes`. Where a hash is on several slots:
+        the tenant's own copy, then one in use, then the lowest id."""
+        found: list[int] = []
+        pool = self.pool
+        held = tenant.held if tenant is not None else {}
+        for digest in hashes:
+            slots = pool.holding(digest)
+            if not slots:
+                break
+            if len(slots) > 1:
+                slots.sort(key=lambda b: (b not in held, pool.ref_count(b) == 0, b))
+            found.append(slots[0])
+        return found
+
+    def _hit_counts(self, hit_blocks: Sequence[int], here: TenantHere | None) -> PrefixHits:
+        refs = self.pool.ref_count
+        held = here.held if here is not None else {}
+        return PrefixHits(
+            len(hit_blocks),
+            sum(1 for b in hit_blocks if refs(b) == 0),
+            sum(1 for b in hit_blocks if b not in held),
+        )
+
+    def _grant(
+        self,
+        record: ReservationRecord,
+        grant: Grant,
+        hit_blocks: Sequence[int],
+        table: block_table.TableLayout,
+        here: TenantHere,
+        now: float,
+    ) -> None:
+        """Reference the cached prefix, allocate the rest, and make the reservation live."""
+        record.table = self._take(hit_blocks, table, here, here.settings.scope, pinned=False)
+        record.state = ReservationState.ADMITTED
+        record.reserved_blocks = grant.blocks
+        record.tokens = grant.tokens
+        record.prefix_hit_blocks = len(hit_blocks)
+        record.lease_ttl_seconds = grant.lease_ttl_seconds
+        record.admitted_at = now
+        record.lease_expires_at = now + grant.lease_ttl_seconds
+        here.tokens += grant.tokens
+        self.reservations[record.key] = record
+        self._touch(record)
+
+    def _take(
+        self,
+        hit_blocks: Sequence[int],
+        table: block_table.TableLayout,
+        here: TenantHere | None,
+        scope: str,
+        *,
+        pinned: bool,
+    ) -> HeldTable:
+        """Reference the cached prefix and allocate the rest of a table; new hashed blocks are
+        recorded under `scope`. `here` is the tenant charged (None: a namespace's pin)."""
+        pool = self.pool
+        for block in hit_blocks:
+            pool.reference(block, pinned)
+        new = pool.allocate(
+            block_table.new_block_hashes(table, len(hit_blocks)), self._scope_id(scope), pinned
+        )
+        blocks = [*hit_blocks, *new]
+        generation = pool.generation
+        held = HeldTable(blocks, [generation(b) for b in blocks], pinned)
+        if here is not None:
+            self._hold(here, blocks, pinned)
+        return held
+
+    @staticmethod
+    def _hold(here: TenantHere, blocks: Sequence[int], pinned: bool) -> None:
+        held = here.held
+        for block in blocks:
+            held[block] = held.get(block, 0) + 1
+        if pinned:
+            pinned_here = here.pinned
+            for block in blocks:
+                pinned_here[block] = pinned_here.get(block, 0) + 1
+
+    def _drop(self, table: HeldTable, positions: Sequence[int], here: TenantHere | None) -> None:
+        """Give back the table's entries at `positions` (ascending), tail first, so that a
+        table's tail is evicted before its head."""
+        pool = self.pool
+        blocks, released, pinned = table.blocks, table.released, table.pinned
+        held = here.held if here is not None else None
+        pinned_here = here.pinned if here is not None and pinned else None
+        for position in reversed(positions):
+            block = blocks[position]
+            released[position] = 1
+            pool.unreference(block, pinned)
+            if pool.ref_count(block) == 0 and pool.scope_id(block) != -1:
+                self.changes.cache_slots.add(block)
+            if held is not None:
+                left = held[block] - 1
+                if left:
+                    held[block] = left
+                else:
+                    del held[block]
+            if pinned_here is not None:
+                left = pinned_here[block] - 1
+                if left:
+                    pinned_here[block] = left
+                else:
+                    del pinned_here[block]
+        table.live_entries -= len(positions)
+
+    def _drop_all(self, table: HeldTable, here: TenantHere | None) -> None:
+        released = table.released
+        self._drop(table, [i for i in range(len(released)) if not released[i]], here)
+
+    # Retry delays.
+
+    def refusal(
+        self, shortfall: Shortfall, tenant: str | None, now: float, ahead: int = 0
+    ) -> KvQuotaError:
+        """The refusal for a shortfall, with a retry delay from the live holdings: the time until
+        enough of them are expected to end; with requests queued ahead, at least what Little's
+        law gives for those to be served."""
+        here = self.tenants.get(tenant) if tenant is not None else None
+        if shortfall.scope == "tenant":
+            assert here is not None
+            mean_hold = here.mean_hold_seconds
+            live = [r for r in self.reservations.values() if r.on_gpu and r.key[0] == tenant]
+        else:
+            mean_hold = self.mean_hold_seconds
+            live = [r for r in self.reservations.values() if r.on_gpu]
+        moment = _time(now)
+        assert moment is not None
+        holdings = [
+            Holding(
+                admission.expected_end(
+                    _required(_time(r.admitted_at)),
+                    _required(_time(r.lease_expires_at)),
+                    mean_hold,
+                ),
+                r.reserved_blocks,
+                r.tokens,
+            )
+            for r in live
+        ]
+        delay = admission.retry_delay(shortfall, holdings, moment, self.limits)
+        if ahead:
+            by_queue = queueing.queue_delay(ahead, mean_hold, len(live), self.limits)
+            delay = max(delay, by_queue) if by_queue is not None else delay
+        return admission.shortfall_error(shortfall, delay, tenant or "", self.spec.instance)
+
+    def queue_delay(self, ahead: int) -> float:
+        live = sum(1 for r in self.reservations.values() if r.on_gpu)
+        delay = queueing.queue_delay(ahead, self.mean_hold_seconds, live, self.limits)
+        return delay if delay is not None else self.limits.min_retry_delay_seconds
+
+    # The wait queue.
+
+    def _queued_ahead(self, priority: int) -> int:
+        """Requests queued at this priority or higher."""
+        return sum(1 for entry in self._queue if -entry[0] >= priority)
+
+    def _charge_fair_share(self, record: ReservationRecord, here: TenantHere, now: float) -> None:
+        """Every admission is charged to its tenant's fair clock, queued or not: a tenant whose
+        requests are admitted straight away must not find its next queued one at the front."""
+        priority = record.params.priority
+        record.tags = queueing.fair_tags(
+            self.virtual_time.get(priority, 0.0),
+            here.last_finish.get(priority, 0.0),
+            record.tokens,
+            here.settings.weight,
+        )
+        here.last_finish[priority] = record.tags.finish
+        self.virtual_time[priority] = max(self.virtual_time.get(priority, 0.0), record.tags.start)
+
+    def _enqueue(
+        self, record: ReservationRecord, here: TenantHere, now: float, wait: float
+    ) -> None:
+        priority = record.params.priority
+        record.tags = queueing.fair_tags(
+            self.virtual_time.get(priority, 0.0),
+            here.last_finish.get(priority, 0.0),
+            record.tokens,
+            here.settings.weight,
+        )
+        here.last_finish[priority] = record.tags.finish
+        record.state = ReservationState.QUEUED
+        record.queued_at = now
+        record.wait_deadline = now + wait
+        self._arrivals += 1
+        record.arrival = self._arrivals
+        self._queue_insert(record)
+        here.queued += 1
+        self.queued_prompt_tokens += record.params.prompt_tokens
+        self.reservations[record.key] = record
+        self._touch(record)
+
+    def _queue_insert(self, record: ReservationRecord) -> None:
+        entry = (-record.params.priority, record.tags.start, record.arrival, record.key)
+        low, high = 0, len(self._queue)
+        while low < high:
+            middle = (low + high) // 2
+            if self._queue[middle] < entry:
+                low = middle + 1
+            else:
+                high = middle
+        self._queue.insert(low, entry)
+
+    def _dequeue(self, record: ReservationRecord) -> None:
+        self._queue.remove((-record.params.priority, record.tags.start, record.arrival, record.key))
+        here = self.tenants[record.key[0]]
+        here.queued -= 1
+        self.queued_prompt_tokens -= record.params.prompt_tokens
+
+    def dispatch(self, now: float, elsewhere: dict[str, Elsewhere] | None = None) -> int:
+        """Admit what fits from the head of the queue, in order (core.queueing's rules); a
+        request whose wait budget ran out leaves it (QUEUE_TIMEOUT). Returns how many."""
+        admitted = 0
+        rules = queueing.DispatchPass(self.queue_policy.max_bypass_wait_seconds)
+        batch = self._queue[: self.queue_policy.dispatch_batch]
+        head = [self.reservations[entry[3]] for entry in batch]
+        for record in head:
+            assert record.wait_deadline is not None and record.queued_at is not None
+            if record.wait_deadline <= now:
+                self.end(*record.key, EndReason.QUEUE_TIMEOUT, now)
+                continue
+            here = self.tenants[record.key[0]]
+            p = record.params
+            token_ids = admission.prompt_of(record.prompt_token_ids, p.prompt_tokens)
+            request = AdmitRequest(p, token_ids, 0.0, record.lease_ttl_seconds)
+            table = self._layout(p, token_ids, here.settings)
+            hit_blocks = self.pool_prefix(table.hashes, here)
+            other = (elsewhere or {}).get(p.tenant, NOWHERE_ELSE)
+            try:
+                verdict = admission.judge(
+                    request,
+                    self.view(),
+                    self.account(p.tenant, other),
+                    self.limits,
+                    table.total,
+                    self._hit_counts(hit_blocks, here),
+                )
+            except KvQuotaError:
+                # Suspended, draining, or a quota cut below it: it waits (or times out) in place.
+                continue
+            waited = now - record.queued_at
+            decision: admission.AdmissionPlan | Shortfall = (
+                verdict
+                if isinstance(verdict, Shortfall)
+                else admission.AdmissionPlan(verdict.blocks, verdict.tokens, 0.0)
+            )
+            step = rules.step(p.priority, record.tags, decision, waited)
+            if step is queueing.Step.ADMIT:
+                assert isinstance(verdict, Grant)
+                self._dequeue(record)
+                self.virtual_time[p.priority] = max(
+                    self.virtual_time.get(p.priority, 0.0), record.tags.start
+                )
+                if record.offloaded_bytes is not None:
+                    record.offloaded_bytes = None
+                    record.suspended_at = None
+                self._grant(record, verdict, hit_blocks, table, here, now)
+                admitted += 1
+            elif step is queueing.Step.HOLD:
+                break
+        return admitted
+
+    # Ending and changing reservations.
+
+    def end(
+        self,
+        tenant: str,
+        request_id: str,
+        reason: EndReason,
+        now: float,
+        output_tokens: int | None = None,
+    ) -> ReservationRecord:
+        """End a live reservation: a queued one leaves the queue, an admitted one gives back its
+        table, tail first. Ending an ended reservation returns it unchanged."""
+        record = self.get(tenant, request_id)
+        if record.state is ReservationState.ENDED:
+            return record
+        here = self.tenants[tenant]
+        if record.state is ReservationState.QUEUED:
+            self._dequeue(record)
+        else:
+            if record.table is not None:
+                self._drop_all(record.table, here)
+                here.tokens -= record.tokens
+            if reason is EndReason.RELEASED:
+                assert record.admitted_at is not None
+                held_for = max(now - record.admitted_at, 0.0)
+                here.mean_hold_seconds = _ewma(here.mean_hold_seconds, held_for)
+                self.mean_hold_seconds = _ewma(self.mean_hold_seconds, held_for)
+        record.state = ReservationState.ENDED
+        record.end_reason = reason
+        record.ended_at = now
+        record.output_tokens = output_tokens
+        record.table = None
+        del self.reservations[record.key]
+        self._retain_ended(record)
+        self._touch(record)
+        if self._queue:
+            self.dispatch(now)
+        return record
+
+    def release_blocks(
+        self, tenant: str, request_id: str, handles: Sequence[BlockHandle], now: float
+    ) -> ReservationRecord:
+        """Give back chosen entries of a live table early; repeating one changes nothing."""
+        record = self.get(tenant, request_id)
+        if not record.on_gpu:
+            return record
+        table = record.table
+        assert table is not None
+        positions = {
+            (b, g): i for i, (b, g) in enumerate(zip(table.blocks, table.generations, strict=True))
+        }
+        lookups = []
+        for handle in handles:
+            position = positions.get((handle.block_id, handle.generation))
+            known = 0 <= handle.block_id < self.pool.capacity
+            lookups.append(
+                EntryLookup(
+                    handle,
+                    position,
+                    bool(table.released[position]) if position is not None else None,
+                    self.pool.generation(handle.block_id) if known else None,
+                )
+            )
+        chosen = block_table.positions_to_release(record.name, lookups)
+        if chosen:
+            self._drop(table, chosen, self.tenants[tenant])
+            self._touch(record)
+            if self._queue:
+                self.dispatch(now)
+        return record
+
+    def renew(
+        self, tenant: str, request_id: str, ttl_seconds: float | None, now: float
+    ) -> ReservationRecord:
+        record = self.get(tenant, request_id)
+        self._check_admitted(record, now)
+        violation = admission.check_lease_ttl(ttl_seconds, self.limits)
+        if violation:
+            raise invalid_request([violation])
+        if ttl_seconds is not None:
+            record.lease_ttl_seconds = ttl_seconds
+        record.lease_expires_at = now + record.lease_ttl_seconds
+        self._touch(record)
+        return record
+
+    def _check_admitted(self, record: ReservationRecord, now: float) -> None:
+        """A live admitted reservation whose lease has not run out, or why not."""
+        if record.state is ReservationState.ADMITTED and (
+            record.lease_expires_at is not None and record.lease_expires_at > now
+        ):
+            return
+        name = record.name
+        if record.end_reason is EndReason.PREEMPTED:
+            raise preempted(name)
+        if record.state is ReservationState.ADMITTED or (
+            record.end_reason is EndReason.LEASE_EXPIRED
+        ):
+            raise KvQuotaError(
+                Code.FAILED_PRECONDITION,
+                "LEASE_EXPIRED",
+                f"the lease of {name} expired; admit the request again",
+                metadata={"name": name},
+            )
+        if record.state is ReservationState.QUEUED:
+            raise KvQuotaError(
+                Code.FAILED_PRECONDITION,
+                "NOT_ADMITTED",
+                f"{name} is still queued",
+                metadata={"name": name},
+            )
+        ended = record.end_reason.value if record.end_reason else ""
+        raise KvQuotaError(
+            Code.FAILED_PRECONDITION,
+            "RESERVATION_ENDED",
+            f"{name} already ended ({ended})",
+            metadata={"name": name},
+        )
+
+    def reap(self, now: float) -> int:
+        """End reservations whose lease ran out and queued ones whose wait budget did."""
+        lapsed = [
+            r
+            for r in self.reservations.values()
+            if (r.state is ReservationState.ADMITTED and (r.lease_expires_at or now) <= now)
+            or (r.state is ReservationState.QUEUED and (r.wait_deadline or now) <= now)
+        ]
+        for record in lapsed:
+            reason = (
+                EndReason.LEASE_EXPIRED
+                if record.state is ReservationState.ADMITTED
+                else EndReason.QUEUE_TIMEOUT
+            )
+            self.end(*record.key, reason, now)
+        return len(lapsed)
+
+    # Sessions idle between turns, and the CPU tier.
+
+    def suspend(self, tenant: str, request_id: str, now: float) -> ReservationRecord:
+        """Mark an admitted reservation idle between turns (a reclaim may then offload it)."""
+        record = self.get(tenant, request_id)
+        self._check_admitted(record, now)
+        if record.suspended_at is None:
+            record.suspended_at = now
+            self._touch(record)
+        return record
+
+    def offload(self, tenant: str, request_id: str, offloaded_bytes: int) -> int | None:
+        """A suspended reservation's blocks leave the GPU (the CPU tier holds its contents) and
+        its tokens leave the tenant's tokens in flight; it stays live. Returns how many table
+        entries were given back, or None when it is not suspended on the GPU."""
+        record = self.reservations.get((tenant, request_id))
+        if record is None or not record.on_gpu or record.suspended_at is None:
+            return None
+        table = record.table
+        assert table is not None
+        here = self.tenants[tenant]
+        given_back = table.live_entries
+        self._drop_all(table, here)
+        here.tokens -= record.tokens
+        record.table = None
+        record.offloaded_bytes = offloaded_bytes
+        self._touch(record)
+        return given_back
+
+    def resume(
+        self,
+        tenant: str,
+        request_id: str,
+        wait_seconds: float,
+        now: float,
+        elsewhere: Elsewhere = NOWHERE_ELSE,
+    ) -> ReservationRecord:
+        """End a suspension. An offloaded reservation goes back through the queue: admitted at
+        once when it fits and nobody waits ahead; otherwise it waits (with a budget) or is
+        refused and stays offloaded (without one)."""
+        record = self.get(tenant, request_id)
+        resuming = record.offloaded_bytes is not None
+        if record.state is ReservationState.QUEUED and resuming:
+            return record  # a retried resume waits where the first one queued it
+        self._check_admitted(record, now)
+        here = self.tenants[tenant]
+        if here.settings.state in (TenantState.DELETING, TenantState.DELETED):
+            # Offboarding ends an idle session without asking its engine to abort it: it must
+            # not start running again.
+            raise admission.tenant_not_active(tenant, here.settings.state)
+        if not resuming:
+            record.suspended_at = None
+            self._touch(record)
+            return record
+        p = record.params
+        request = AdmitRequest(p, (), 0.0, record.lease_ttl_seconds)
+        table = self._layout(p, (), here.settings)
+        verdict = admission.judge(
+            request,
+            self.view(),
+            self.account(tenant, elsewhere),
+            self.limits,
+            table.total,
+            PrefixHits(),
+        )
+        ahead = self._queued_ahead(p.priority)
+        if isinstance(verdict, Grant) and ahead == 0:
+            record.offloaded_bytes = None
+            record.suspended_at = None
+            self._charge_fair_share(record, here, now)
+            self._grant(record, verdict, [], table, here, now)
+            return record
+        if wait_seconds <= 0:
+            shortfall = (
+                verdict
+                if isinstance(verdict, Shortfall)
+                else Shortfall("instance", table.total, 0, 0, 0, queued_ahead=ahead)
+            )
+            raise self.refusal(shortfall, tenant, now, ahead)
+        self._enqueue(record, here, now, wait_seconds)
+        return record
+
+    # Pins.
+
+    def pin(
+        self,
+        owner: str,
+        pin_id: str,
+        token_ids: Sequence[int],
+        salt: str,
+        scope: str,
+        tenant: str | None,
+        now: float,
+        elsewhere: Elsewhere = NOWHERE_ELSE,
+    ) -> PinRecord:
+        """Hold a prefix's blocks resident. The same pin again is answered as it is; another
+        prefix under the same id is refused (PIN_ID_REUSED)."""
+        pins.check_prefix(token_ids, self.spec.block_size)
+        hashes = block_hashes(token_ids, self.spec.block_size, salt, self.spec.hash_algo)
+        existing = self.pins.get((owner, pin_id))
+        if existing is not None:
+            if existing.prefix != hashes[-1]:
+                raise KvQuotaError(
+                    Code.ALREADY_EXISTS,
+                    "PIN_ID_REUSED",
+                    f"pin {owner}/pins/{pin_id} already holds another prefix",
+                    metadata={"name": f"{owner}/pins/{pin_id}"},
+                )
+            return existing
+        here = self.tenants[tenant] if tenant is not None else None
+        hit_blocks = self.pool_prefix(hashes, here)
+        hits = [self._cached_block(hashes[i], b, here) for i, b in enumerate(hit_blocks)]
+        account = self.account(tenant, elsewhere) if tenant is not None else None
+        plan = pins.decide(hashes, hits, self.view(), account)
+        if isinstance(plan, Shortfall):
+            raise self.refusal(plan, tenant, now)
+        layout = block_table.TableLayout(len(hashes), 0, 1, tuple(hashes))
+        table = self._take(hit_blocks, layout, here, scope, pinned=True)
+        record = PinRecord(owner, pin_id, tenant, hashes[-1], len(token_ids), table, now)
+        self.pins[(owner, pin_id)] = record
+        self.changes.pins[(owner, pin_id)] = record
+        return record
+
+    def _cached_block(self, digest: bytes, block: int, here: TenantHere | None) -> CachedBlock:
+        return CachedBlock(
+            digest,
+            BlockHandle(block, self.pool.generation(block)),
+            self.pool.ref_count(block) == 0,
+            here is not None and block in here.held,
+            here is not None and block in here.pinned,
+        )
+
+    def unpin(self, owner: str, pin_id: str, now: float) -> PinRecord | None:
+        """Let a prefix go; unpinning twice changes nothing."""
+        record = self.pins.pop((owner, pin_id), None)
+        if record is None:
+            return None
+        here = self.tenants.get(record.tenant) if record.tenant is not None else None
+        self._drop_all(record.table, here)
+        self.changes.pins[(owner, pin_id)] = None
+        if self._queue:
+            self.dispatch(now)
+        return record
+
+    # Reclaim and offboarding.
+
+    def free_cached(self, limit: int, scope: str | None = None) -> int:
+        """Drop up to `limit` cached, unreferenced blocks (all of a scope's when given), least
+        recently used first; returns how many."""
+        order = self.pool.lru_order()
+        if scope is not None:
+            scope_id = self._scope_ids.get(scope)
+            order = [b for b in order if self.pool.scope_id(b) == scope_id]
+        chosen = order[:limit]
+        for block in chosen:
+            self.pool.drop_contents(block)
+            self.changes.cache_slots.add(block)
+        return len(chosen)
+
+    def preempt(self, tenant: str, request_id: str, now: float) -> ReservationRecord:
+        """A reclaim's EVICT step: the engine aborted the request; its blocks come back."""
+        return self.end(tenant, request_id, EndReason.PREEMPTED, now)
+
+    def offboard(self, tenant: str, now: float) -> None:
+        """End everything a tenant has here: its reservations (TENANT_DELETED), its pins, and the
+        cached contents of its own scope."""
+        for key in [k for k in self.reservations if k[0] == tenant]:
+            self.end(*key, EndReason.TENANT_DELETED, now)
+        for key in [k for k, pin in self.pins.items() if pin.tenant == tenant]:
+            self.unpin(*key, now)
+        self.free_cached(self.pool.capacity, f"tenants/{tenant}")
+
+    # The engine.
+
+    def apply_engine_events(self, batch: EventBatch) -> EngineReport:
+        """Follow what the engine reports it holds (GPU events only): a stored block counts one
+        more copy; a slot whose last copy the engine evicted is freed if nothing references it,
+        else counted as drift; a cleared cache frees every cached slot."""
+        freed = drift = 0
+        pool = self.pool
+        for event in batch.events:
+            if getattr(event, "medium", "GPU") not in (None, "GPU"):
+                continue
+            if isinstance(event, BlockStored):
+                for key in event.block_hashes:
+                    for block in pool.holding_key(key):
+                        pool.add_copies(block, 1)
+            elif isinstance(event, BlockRemoved):
+                for key in event.block_hashes:
+                    for block in pool.holding_key(key):
+                        if pool.remove_copies(block, 1):
+                            continue
+                        if pool.ref_count(block) == 0:
+                            pool.drop_contents(block)
+                            self.changes.cache_slots.add(block)
+                            freed += 1
+                        else:
+                            drift += 1
+            elif isinstance(event, AllBlocksCleared):
+                freed += self.free_cached(pool.capacity)
+        self.drift_blocks += drift
+        return EngineReport(freed, drift)
+
+    def engine_restarted(self, now: float) -> int:
+        """The engine lost everything: live reservations end (ENGINE_RESTARTED) and the cache is
+        forgotten. Returns how many reservations ended."""
+        live = [k for k, r in self.reservations.items() if r.state is ReservationState.ADMITTED]
+        for key in live:
+            self.end(*key, EndReason.ENGINE_RESTARTED, now)
+        self.free_cached(self.pool.capacity)
+        return len(live)
+
+    # Mechanics.
+
+    def _tenant(self, tenant: str) -> TenantHere:
+        here = self.tenants.get(tenant)
+        if here is None:
+            raise not_found("tenant", f"tenants/{tenant}")
+        return here
+
+    def _scope_id(self, scope: str) -> int:
+        known = self._scope_ids.get(scope)
+        if known is None:
+            known = self._scope_ids[scope] = len(self.scopes)
+            self.scopes.append(scope)
+        return known
+
+    def _retain_ended(self, record: ReservationRecord) -> None:
+        self.ended[record.key] = record
+        if len(self.ended) > ENDED_RETAINED:
+            del self.ended[next(iter(self.ended))]
+
+    def _touch(self, record: ReservationRecord) -> None:
+        self.changes.reservations[record.key] = record
+
+
+def _ewma(mean: float | None, observed: float) -> float:
+    if mean is None or math.isnan(mean):
+        return observed
+    return (1 - HOLD_EWMA_ALPHA) * mean + HOLD_EWMA_ALPHA * observed
+
+
+def _time(seconds: float | None) -> datetime | None:
+    return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
+
+
+def _required(value: datetime | None) -> datetime:
+    assert value is not None
+    return value

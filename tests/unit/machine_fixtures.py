@@ -1,0 +1,79 @@
+"""Shared pieces of the instance state machine's tests: tenants, a small machine, and a recount
+of everything the machine keeps incrementally (DESIGN.md invariants 1-4)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from quota_service.config import Settings
+from quota_service.core.instance_machine import HeldTable, InstanceMachine, TenantSettings
+from quota_service.core.model import InstanceSpec, QueueBounds, TenantQuota, TenantState
+
+TENANT_QUOTAS = {
+    "t1": TenantQuota(20, 2000, 1, 6, 1),
+    "t2": TenantQuota(60, 10**6, 1, 10, 1),
+    "t3": TenantQuota(60, 10**6, 1, 10, 1),
+    "t4": TenantQuota(60, 10**6, 1, 10, 1),
+}
+ROOMY = TenantQuota(10**6, 10**9, 100, 10**6, 0)
+
+
+def machine(
+    blocks: int = 64,
+    block_size: int = 16,
+    tenants: dict[str, int] | None = None,
+    queue: QueueBounds | None = None,
+) -> InstanceMachine:
+    """A machine with tenants (name: weight) that have room enough for any test."""
+    spec = InstanceSpec("gpu-0", "m", None, block_size, blocks, 8192, queue=queue or QueueBounds())
+    built = InstanceMachine(spec, Settings().admission_limits)
+    for name, weight in (tenants or {"a": 1}).items():
+        built.set_tenant(
+            TenantSettings(
+                name, TenantState.ACTIVE, ROOMY, weight, f"salt-{name}", f"tenants/{name}"
+            )
+        )
+    return built
+
+
+def recount(machine: InstanceMachine) -> None:
+    """Recount every slot's references, the pool's counters and each tenant's holdings from the
+    machine's tables and pins, and check that live tables name only current handles."""
+    pool = machine.pool
+    refs: Counter[int] = Counter()
+    pinned: Counter[int] = Counter()
+    held: dict[str, Counter[int]] = {name: Counter() for name in machine.tenants}
+    pinned_by: dict[str, Counter[int]] = {name: Counter() for name in machine.tenants}
+    tokens: Counter[str] = Counter()
+    tables: list[tuple[str | None, HeldTable]] = [
+        (r.key[0], r.table) for r in machine.reservations.values() if r.table is not None
+    ]
+    tables += [(p.tenant, p.table) for p in machine.pins.values()]
+    for tenant, table in tables:
+        for block, generation, released in zip(
+            table.blocks, table.generations, table.released, strict=True
+        ):
+            if released:
+                continue
+            assert pool.generation(block) == generation, "a live table names a stale handle"
+            refs[block] += 1
+            pinned[block] += table.pinned
+            if tenant is not None:
+                held[tenant][block] += 1
+                pinned_by[tenant][block] += table.pinned
+    for record in machine.reservations.values():
+        if record.table is not None:
+            tokens[record.key[0]] += record.tokens
+    states: Counter[str] = Counter()
+    for block in range(pool.capacity):
+        assert pool.ref_count(block) == refs[block], f"slot {block}: references"
+        assert pool.pin_count(block) == pinned[block], f"slot {block}: pins"
+        states[pool.state(block)] += 1
+    assert {k: v for k, v in pool.counts().items() if v} == dict(states)
+    assert sum(pool.counts().values()) == pool.capacity
+    cached = {b for b in range(pool.capacity) if pool.state(b) == "CACHED"}
+    assert set(pool.lru_order()) == cached and len(pool.lru_order()) == len(cached)
+    for name, here in machine.tenants.items():
+        assert here.held == dict(held[name]), f"tenant {name}: held blocks"
+        assert here.pinned == {b: c for b, c in pinned_by[name].items() if c}, name
+        assert here.tokens == tokens[name], f"tenant {name}: tokens in flight"

@@ -1,0 +1,315 @@
+"""The instance state machine's transitions beyond what the reference model covers: the queue and
+its fairness, retry delays, leases, sessions and the CPU tier, reclaim, engine events, and flat
+memory. Deterministic and on the CPU; exact block ids where they matter."""
+
+from __future__ import annotations
+
+import heapq
+import tracemalloc
+from dataclasses import replace
+
+import pytest
+
+from quota_service.core.admission import AdmitRequest
+from quota_service.core.block_table import BlockHandle
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.hashing import block_hashes, event_hash
+from quota_service.core.instance_machine import Elsewhere, InstanceMachine
+from quota_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from quota_service.core.model import (
+    AdmitParams,
+    EndReason,
+    QueueBounds,
+    ReservationState,
+    TenantQuota,
+)
+from tests.unit.machine_fixtures import machine, recount
+
+NOW = 1_700_000_000.0
+
+
+def admit(
+    m: InstanceMachine,
+    request_id: str,
+    prompt: int = 32,
+    output: int = 16,
+    *,
+    tenant: str = "a",
+    ids: tuple[int, ...] = (),
+    wait: float = 0.0,
+    now: float = NOW,
+    priority: int = 0,
+    ttl: float | None = None,
+) -> ReservationState:
+    params = AdmitParams(tenant, request_id, "gpu-0", prompt, output, 1, priority)
+    return m.admit(AdmitRequest(params, ids, wait, ttl), now).state
+
+
+def test_free_slots_go_lowest_first_and_cached_ones_tail_first() -> None:
+    m = machine(blocks=8)
+    prompt = tuple(range(48))  # three full blocks, hashed
+    admit(m, "r1", 48, 16, ids=prompt)  # blocks 0-2 hashed, 3 the tail
+    assert m.get("a", "r1").snapshot().block_table == tuple(BlockHandle(b, 0) for b in range(4))
+    m.end("a", "r1", EndReason.RELEASED, NOW + 1)
+    # The tail (unhashed) is free again with a new generation; the prompt is cached tail first.
+    assert m.pool.lru_order() == [2, 1, 0]
+    assert m.pool.generation(3) == 1
+    admit(m, "r2", 64, 16)  # five private blocks: free ones (3..7) before any eviction
+    assert [h.block_id for h in m.get("a", "r2").snapshot().block_table] == [3, 4, 5, 6, 7]
+    admit(m, "r3", 16, 16)  # two blocks: evicts the LRU head (block 2, then 1)
+    assert [h for h in m.get("a", "r3").snapshot().block_table] == [
+        BlockHandle(2, 1),
+        BlockHandle(1, 1),
+    ]
+    recount(m)
+
+
+def test_a_cached_prefix_is_shared_and_costs_its_tenant_once() -> None:
+    m = machine(blocks=16)
+    prompt = tuple(range(40))
+    admit(m, "r1", 40, 8, ids=prompt)
+    admit(m, "r2", 40, 8, ids=prompt)
+    first, second = (m.get("a", r).snapshot() for r in ("r1", "r2"))
+    assert second.prefix_hit_blocks == 2
+    assert first.block_table[:2] == second.block_table[:2]
+    assert len(m.tenants["a"].held) == 4  # two shared + one tail each
+    recount(m)
+
+
+def test_the_tenants_own_copy_of_a_duplicated_hash_is_preferred() -> None:
+    """A prefix block allocated again after its parent was evicted sits on two slots: the
+    tenant's own copy wins, then one in use, then the lowest id."""
+    m = machine(blocks=6, tenants={"a": 1, "b": 1})
+    m.set_tenant(replace(m.tenants["b"].settings, salt="salt-a"))
+    prompt = tuple(range(32))
+    admit(m, "r1", 32, 16, ids=prompt, tenant="b")  # slots 0,1 (hashed), 2 tail
+    m.end("b", "r1", EndReason.RELEASED, NOW)  # 0,1 cached (LRU: 1, 0); 2 free
+    admit(m, "big", 48, 16, tenant="b")  # 2,3,4,5... needs 4: 2,3,4,5 free
+    m.end("b", "big", EndReason.RELEASED, NOW)
+    admit(m, "evict", 80, 16, tenant="a")  # 6 blocks: 4 free, then 1 and 0 evicted
+    m.end("a", "evict", EndReason.RELEASED, NOW)
+    hashes = block_hashes(prompt, 16, "salt-a")
+    admit(m, "r2", 32, 16, ids=prompt, tenant="a")
+    admit(m, "r3", 32, 16, ids=prompt, tenant="b")
+    assert [len(m.pool.holding(h)) for h in hashes] == [1, 1]
+    recount(m)
+
+
+def test_a_request_that_cannot_fit_now_is_refused_with_a_computed_delay() -> None:
+    m = machine(blocks=8)
+    admit(m, "r1", 64, 64, ttl=30.0)  # 8 blocks: the pool is full
+    with pytest.raises(KvQuotaError) as refused:
+        admit(m, "r2", 16, 16)
+    assert refused.value.reason == "INSTANCE_OVERLOADED"
+    assert refused.value.retry_delay_seconds == pytest.approx(30.0)
+    # Later, the lease is nearer its end: the delay shrinks with it.
+    with pytest.raises(KvQuotaError) as later:
+        admit(m, "r3", 16, 16, now=NOW + 20)
+    assert later.value.retry_delay_seconds == pytest.approx(10.0)
+    assert "r2" not in {k[1] for k in m.reservations}
+
+
+def test_the_tenants_quota_spans_instances() -> None:
+    m = machine(blocks=64)
+    m.set_tenant(replace(m.tenants["a"].settings, quota=TenantQuota(10, 10**6, 1, 1, 0)))
+    params = AdmitParams("a", "r1", "gpu-0", 64, 16, 1, 0)  # 5 blocks
+    m.admit(AdmitRequest(params, (), 0.0, None), NOW, Elsewhere(blocks=5))
+    with pytest.raises(KvQuotaError) as refused:
+        m.admit(
+            AdmitRequest(AdmitParams("a", "r2", "gpu-0", 16, 1, 1, 0), (), 0.0, None),
+            NOW,
+            Elsewhere(blocks=5),
+        )
+    assert refused.value.reason == "TENANT_QUOTA_EXCEEDED"
+
+
+def test_queued_requests_are_admitted_in_order_as_room_comes_back() -> None:
+    m = machine(blocks=4)
+    admit(m, "r1", 48, 16)  # 4 blocks
+    assert admit(m, "r2", 16, 16, wait=5.0) is ReservationState.QUEUED
+    assert admit(m, "r3", 16, 16, wait=5.0) is ReservationState.QUEUED
+    # Nobody jumps the queue, even one that would fit.
+    with pytest.raises(KvQuotaError) as refused:
+        admit(m, "r4", 16, 16)
+    assert refused.value.metadata["queuedAhead"] == "2"
+    assert m.queue_position(m.get("a", "r3")) == 2
+    m.end("a", "r1", EndReason.RELEASED, NOW + 1)
+    assert m.get("a", "r2").state is ReservationState.ADMITTED
+    assert m.get("a", "r3").state is ReservationState.ADMITTED
+    recount(m)
+
+
+def test_a_wait_budget_that_runs_out_ends_the_queued_request() -> None:
+    m = machine(blocks=4)
+    admit(m, "r1", 48, 16)
+    admit(m, "r2", 16, 16, wait=2.0)
+    assert m.reap(NOW + 3) == 1
+    assert m.get("a", "r2").end_reason is EndReason.QUEUE_TIMEOUT
+    assert not list(m.queued())
+
+
+def test_a_full_queue_refuses() -> None:
+    m = machine(blocks=4, queue=QueueBounds(max_queued_requests=1))
+    admit(m, "r1", 48, 16)
+    admit(m, "r2", 16, 16, wait=5.0)
+    with pytest.raises(KvQuotaError) as refused:
+        admit(m, "r3", 16, 16, wait=5.0)
+    assert refused.value.reason == "QUEUE_FULL"
+
+
+def test_backlogged_tenants_share_admissions_by_weight_under_short_holds() -> None:
+    """Two tenants, weights 1 and 3, twelve clients each looping Admit (with a wait budget),
+    hold 50 ms, Release, on an instance with room for ten such requests: the weight-3 tenant
+    gets 75% of the admissions (±7.5 points). The owner dispatches the queue in the same step as
+    the release that makes room, so short holds cannot let later arrivals slip past it."""
+    m = machine(blocks=40, tenants={"light": 1, "heavy": 3})  # ten 4-block requests
+    events: list[tuple[float, int, str, str]] = []  # (time, order, kind, client)
+    admitted = {"light": 0, "heavy": 0}
+    clients = [f"{t}-{i}" for t in ("light", "heavy") for i in range(12)]
+    counter = 0
+    requests = dict.fromkeys(clients, 0)
+    now = NOW
+
+    def start(client: str, at: float) -> None:
+        nonlocal counter
+        requests[client] += 1
+        tenant = client.split("-")[0]
+        state = admit(m, f"{client}-{requests[client]}", 48, 16, tenant=tenant, wait=60.0, now=at)
+        if state is ReservationState.ADMITTED:
+            counter += 1
+            heapq.heappush(events, (at + 0.05, counter, "release", client))
+
+    for client in clients:
+        start(client, now)
+        now += 0.001
+    while events and now < NOW + 30:
+        now, _, _, client = heapq.heappop(events)
+        tenant = client.split("-")[0]
+        admitted[tenant] += 1
+        m.end(tenant, f"{client}-{requests[client]}", EndReason.RELEASED, now)
+        # Whoever the release let in from the queue starts holding now.
+        for record in [r for r in m.reservations.values() if r.admitted_at == now]:
+            owner = f"{record.key[1].rsplit('-', 1)[0]}"
+            counter += 1
+            heapq.heappush(events, (now + 0.05, counter, "release", owner))
+        start(client, now + 0.0005)
+    share = admitted["heavy"] / (admitted["light"] + admitted["heavy"])
+    assert 0.675 <= share <= 0.825, share
+    recount(m)
+
+
+def test_a_lapsed_lease_ends_the_reservation_and_renewal_keeps_it() -> None:
+    m = machine()
+    admit(m, "r1", ttl=10.0)
+    m.renew("a", "r1", None, NOW + 8)
+    assert m.reap(NOW + 12) == 0
+    assert m.reap(NOW + 19) == 1
+    assert m.get("a", "r1").end_reason is EndReason.LEASE_EXPIRED
+    with pytest.raises(KvQuotaError) as refused:
+        m.renew("a", "r1", None, NOW + 20)
+    assert refused.value.reason == "LEASE_EXPIRED"
+
+
+def test_an_offloaded_session_leaves_the_gpu_and_comes_back_through_the_queue() -> None:
+    m = machine(blocks=8)
+    admit(m, "s1", 48, 16, ttl=100.0)
+    m.suspend("a", "s1", NOW)
+    assert m.offload("a", "s1", 4096) == 4
+    assert m.pool.free_count == 8 and m.tenants["a"].tokens == 0
+    admit(m, "other", 64, 64)  # the whole pool
+    with pytest.raises(KvQuotaError) as refused:
+        m.resume("a", "s1", 0.0, NOW + 1)
+    assert refused.value.reason == "INSTANCE_OVERLOADED"
+    assert m.get("a", "s1").offloaded_bytes == 4096  # refused: still offloaded
+    assert m.resume("a", "s1", 5.0, NOW + 1).state is ReservationState.QUEUED
+    m.end("a", "other", EndReason.RELEASED, NOW + 2)
+    resumed = m.get("a", "s1")
+    assert resumed.state is ReservationState.ADMITTED and resumed.offloaded_bytes is None
+    assert resumed.suspended_at is None
+    recount(m)
+
+
+def test_reclaim_frees_cached_blocks_lru_first_and_preempts_reservations() -> None:
+    m = machine(blocks=8)
+    admit(m, "r1", 48, 16, ids=tuple(range(48)))
+    m.end("a", "r1", EndReason.RELEASED, NOW)
+    assert m.free_cached(2) == 2
+    assert m.pool.lru_order() == [0]
+    admit(m, "r2", 16, 16)
+    m.preempt("a", "r2", NOW)
+    with pytest.raises(KvQuotaError) as refused:
+        m.renew("a", "r2", None, NOW)
+    assert refused.value.reason == "PREEMPTED"
+    recount(m)
+
+
+def test_engine_events_count_copies_and_free_what_the_engine_evicted() -> None:
+    m = machine(blocks=8)
+    prompt = tuple(range(32))
+    keys = [event_hash(h) for h in block_hashes(prompt, 16, "salt-a")]
+    admit(m, "r1", 32, 16, ids=prompt)
+    stored = BlockStored(tuple(keys), None, prompt, 16, "GPU")
+    m.apply_engine_events(EventBatch(NOW, (stored, stored), None))
+    assert m.pool.engine_copies(0) == 2
+    removed = BlockRemoved((keys[0],), "GPU")
+    # Referenced: evicting its last copy under a live table is drift, not a free.
+    report = m.apply_engine_events(EventBatch(NOW, (removed, removed), None))
+    assert (report.freed, report.drift) == (0, 1)
+    m.end("a", "r1", EndReason.RELEASED, NOW)
+    m.apply_engine_events(EventBatch(NOW, (stored,), None))
+    report = m.apply_engine_events(EventBatch(NOW, (BlockRemoved((keys[1],), "GPU"),), None))
+    assert m.pool.state(0) == "CACHED"  # one copy left
+    report = m.apply_engine_events(EventBatch(NOW, (BlockRemoved(tuple(keys), "CPU"),), None))
+    assert report.freed == 0
+    report = m.apply_engine_events(EventBatch(NOW, (AllBlocksCleared(),), None))
+    assert m.pool.cached_count == 0
+    recount(m)
+
+
+def test_an_engine_restart_ends_live_reservations_and_forgets_the_cache() -> None:
+    m = machine(blocks=8)
+    admit(m, "r1", 32, 16, ids=tuple(range(32)))
+    admit(m, "r2", 32, 16, ids=tuple(range(100, 132)))
+    m.end("a", "r2", EndReason.RELEASED, NOW)
+    assert m.engine_restarted(NOW) == 1
+    assert m.get("a", "r1").end_reason is EndReason.ENGINE_RESTARTED
+    assert m.pool.free_count == 8
+    recount(m)
+
+
+def test_offboarding_ends_everything_the_tenant_has_here() -> None:
+    m = machine(blocks=16, tenants={"a": 1, "b": 1})
+    admit(m, "r1", 32, 16, ids=tuple(range(32)))
+    admit(m, "r2", 32, 16, ids=tuple(range(32)), tenant="b")
+    m.end("a", "r1", EndReason.RELEASED, NOW)
+    m.pin("tenants/a", "p", tuple(range(200, 232)), "salt-a", "tenants/a", "a", NOW)
+    m.offboard("a", NOW)
+    assert not m.tenants["a"].held and not m.pins
+    # Only b's blocks remain: a's cached prefix went with it.
+    assert m.pool.cached_count == 0
+    assert len(m.tenants["b"].held) == 3
+    recount(m)
+
+
+def test_changes_name_every_record_an_operation_touched() -> None:
+    m = machine()
+    admit(m, "r1")
+    m.pin("tenants/a", "p", tuple(range(32)), "salt-a", "tenants/a", "a", NOW)
+    changes = m.drain_changes()
+    assert set(changes.reservations) == {("a", "r1")} and set(changes.pins) == {("tenants/a", "p")}
+    m.unpin("tenants/a", "p", NOW)
+    assert m.drain_changes().pins == {("tenants/a", "p"): None}
+
+
+def test_a_million_slots_cost_no_object_per_slot() -> None:
+    tracemalloc.start()
+    big = machine(blocks=1_000_000)
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    # Flat arrays: 64 bytes a slot (half of it the digest); a Python object per slot would
+    # add 100 or more.
+    assert size < 80 * 1_000_000
+    admit(big, "r1", 1024, 512, ids=tuple(range(1024)))
+    assert big.pool.free_count == 1_000_000 - 96
+    recount_sample = [big.pool.state(b) for b in range(96)]
+    assert recount_sample.count("IN_USE") == 96
