@@ -87,10 +87,11 @@ proto: $(STAMP) ## Regenerate kvquota/v1 from proto/kvquota/v1
 
 # The suite writes docs/benchmarks.md; e.g. `make bench BENCH_ARGS="--servers 2 --auth both"`.
 BENCH_ARGS ?=
-bench: $(STAMP) ## The hot path against pgbench -N and every scenario of issue 9 (docs/benchmarks.md); KV-event rate; usage export at 1M records
+bench: $(STAMP) ## The hot path against pgbench -N and every scenario of issue 9 (docs/benchmarks.md); KV-event rate; usage export at 1M records; the instance state machine beside vLLM's KVCacheManager
 	$(BIN)/python -m bench.suite $(BENCH_ARGS)
 	$(BIN)/python -m bench.kv_events
 	$(BIN)/python -m bench.usage_export
+	$(BIN)/python -m bench.state_machine
 
 clean: ## Remove the virtual environment and the embedded database
 	rm -rf $(VENV) $(ENGINES) $(LMCACHE) .kvquota

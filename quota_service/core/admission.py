@@ -103,7 +103,7 @@ def validate(request: AdmitRequest, limits: AdmissionLimits) -> None:
     if request.prompt_token_ids:
         if len(request.prompt_token_ids) != p.prompt_tokens:
             violations.append(FieldViolation("prompt_token_ids", "length must equal prompt_tokens"))
-        if any(t < 0 for t in request.prompt_token_ids):
+        if min(request.prompt_token_ids) < 0:
             violations.append(FieldViolation("prompt_token_ids", "token ids are never negative"))
     if request.wait_timeout_seconds < 0:
         violations.append(FieldViolation("wait_timeout", "must not be negative"))

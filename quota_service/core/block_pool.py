@@ -18,7 +18,8 @@ Order, as the ledger has always had it (and the reference model states it):
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from operator import itemgetter
 
 from quota_service.core.hashing import DIGEST_BYTES, event_hash
 
@@ -70,6 +71,11 @@ class BlockPool:
     def generation(self, block: int) -> int:
         return self._generation[block]
 
+    def generations(self, blocks: Sequence[int]) -> array[int]:
+        if len(blocks) < 2:
+            return array("q", [self._generation[b] for b in blocks])
+        return array("q", itemgetter(*blocks)(self._generation))
+
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 
@@ -114,6 +120,34 @@ class BlockPool:
         candidates = [first, *self._more_by_key.get(key, ())]
         return [b for b in candidates if self._digest_is(b, digest)]
 
+    def cached_prefix(
+        self, digests: Sequence[bytes], prefer: Callable[[list[int]], int]
+    ) -> list[int]:
+        """The slots holding the longest prefix of `digests`; `prefer` picks among several slots
+        holding the same digest. Chained hashes make a gap final: a block past a missing one
+        cannot be the same prefix."""
+        found: list[int] = []
+        by_key, more_by_key, data = self._by_key, self._more_by_key, self._digests
+        for digest in digests:
+            key = event_hash(digest)
+            block = by_key.get(key)
+            if block is None:
+                break
+            if key in more_by_key:
+                candidates = self.holding(digest)
+                if not candidates:
+                    break
+                block = prefer(candidates) if len(candidates) > 1 else candidates[0]
+            elif data[block * DIGEST_BYTES : (block + 1) * DIGEST_BYTES] != digest:
+                break
+            found.append(block)
+        return found
+
+    def unreferenced(self, blocks: Iterable[int]) -> int:
+        """How many of `blocks` nothing references (cached: evictable until referenced)."""
+        refs = self._refs
+        return sum(1 for block in blocks if refs[block] == 0)
+
     def holding_key(self, key: int) -> list[int]:
         """The slots whose digest's low 64 bits are `key` (what a KV event names)."""
         first = self._by_key.get(key)
@@ -137,6 +171,51 @@ class BlockPool:
             yield from more
 
     # Transitions.
+
+    def reference_all(self, blocks: Iterable[int], pinned: bool) -> None:
+        """`reference` each; the common cases (a cached or in-use block joining a table) are
+        done here without a call each."""
+        refs, pins, nxt, prev = self._refs, self._pins, self._next, self._prev
+        for block in blocks:
+            count = refs[block]
+            if pinned:
+                self.reference(block, pinned)
+            elif count == 0:
+                before, after = prev[block], nxt[block]
+                nxt[before] = after
+                prev[after] = before
+                self.cached_count -= 1
+                refs[block] = 1
+            elif count != pins[block]:
+                refs[block] = count + 1
+            else:
+                self.reference(block, pinned)
+
+    def unreference_all(self, blocks: Iterable[int], pinned: bool) -> None:
+        """`unreference` each, in order (callers give a table's entries tail first)."""
+        refs, pins, scopes = self._refs, self._pins, self._scope
+        nxt, prev, sentinel = self._next, self._prev, self.capacity
+        for block in blocks:
+            count = refs[block]
+            if count > 1 and count != pins[block] and count - 1 != pins[block] - pinned:
+                # Still in use after this entry: the common case of a shared prefix.
+                refs[block] = count - 1
+                pins[block] -= pinned
+            elif count == 1 and not pinned:
+                refs[block] = 0
+                if scopes[block] == NO_SCOPE:
+                    # A private tail block: freed at once.
+                    self._generation[block] += 1
+                    self._mark_free(block)
+                else:
+                    tail = prev[sentinel]
+                    nxt[tail] = block
+                    prev[block] = tail
+                    nxt[block] = sentinel
+                    prev[sentinel] = block
+                    self.cached_count += 1
+            else:
+                self.unreference(block, pinned)
 
     def reference(self, block: int, pinned: bool) -> None:
         """One more table entry (or pin) names the slot; a cached slot leaves the LRU list."""

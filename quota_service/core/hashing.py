@@ -13,7 +13,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import cache, partial
 
 import cbor2
 
@@ -29,14 +30,17 @@ class HashAlgo(enum.Enum):
     SHA256_CBOR = "sha256_cbor"
 
 
-def _digest(value: object, algo: HashAlgo) -> bytes:
+def _encoder(algo: HashAlgo) -> Callable[[object], bytes]:
     if algo is HashAlgo.SHA256:
-        encoded = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    else:
-        encoded = cbor2.dumps(value, canonical=True)
-    return hashlib.sha256(encoded).digest()
+        return partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)
+    return partial(cbor2.dumps, canonical=True)
 
 
+def _digest(value: object, algo: HashAlgo) -> bytes:
+    return hashlib.sha256(_encoder(algo)(value)).digest()
+
+
+@cache
 def none_hash(algo: HashAlgo, python_hash_seed: str | None = None) -> bytes:
     """The parent of a sequence's first block."""
     return _digest(python_hash_seed if python_hash_seed is not None else NONE_HASH_SEED, algo)
@@ -52,11 +56,14 @@ def block_hashes(
     """The chained digests of every full block of token_ids; a partial tail gets none."""
     if block_size < 1:
         raise ValueError("block_size must be at least 1")
+    # Slices of a tuple are tuples: the values hashed are exactly vLLM's.
+    tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+    encode, sha256 = _encoder(algo), hashlib.sha256
     parent = none_hash(algo, python_hash_seed)
     digests = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    for start in range(0, len(tokens) - block_size + 1, block_size):
         extra = (("cache_salt", cache_salt),) if cache_salt and start == 0 else None
-        parent = _digest((parent, tuple(token_ids[start : start + block_size]), extra), algo)
+        parent = sha256(encode((parent, tokens[start : start + block_size], extra))).digest()
         digests.append(parent)
     return digests
 

@@ -249,8 +249,6 @@ class Changes:
 
     reservations: dict[tuple[str, str], ReservationRecord] = field(default_factory=dict)
     pins: dict[tuple[str, str], PinRecord | None] = field(default_factory=dict)
-    # Slots whose contents outlived their references or were dropped (the cache record).
-    cache_slots: set[int] = field(default_factory=set)
 
 
 class InstanceMachine:
@@ -435,25 +433,20 @@ class InstanceMachine:
     def pool_prefix(self, hashes: Sequence[bytes], tenant: TenantHere | None) -> list[int]:
         """The slots of the longest cached prefix of `hashes`. Where a hash is on several slots:
         the tenant's own copy, then one in use, then the lowest id."""
-        found: list[int] = []
         pool = self.pool
         held = tenant.held if tenant is not None else {}
-        for digest in hashes:
-            slots = pool.holding(digest)
-            if not slots:
-                break
-            if len(slots) > 1:
-                slots.sort(key=lambda b: (b not in held, pool.ref_count(b) == 0, b))
-            found.append(slots[0])
-        return found
+
+        def prefer(slots: list[int]) -> int:
+            return min(slots, key=lambda b: (b not in held, pool.ref_count(b) == 0, b))
+
+        return pool.cached_prefix(hashes, prefer)
 
     def _hit_counts(self, hit_blocks: Sequence[int], here: TenantHere | None) -> PrefixHits:
-        refs = self.pool.ref_count
-        held = here.held if here is not None else {}
+        held = here.held.keys() if here is not None else set()
         return PrefixHits(
             len(hit_blocks),
-            sum(1 for b in hit_blocks if refs(b) == 0),
-            sum(1 for b in hit_blocks if b not in held),
+            self.pool.unreferenced(hit_blocks),
+            len(set(hit_blocks) - held),
         )
 
     def _grant(
@@ -490,14 +483,12 @@ class InstanceMachine:
         """Reference the cached prefix and allocate the rest of a table; new hashed blocks are
         recorded under `scope`. `here` is the tenant charged (None: a namespace's pin)."""
         pool = self.pool
-        for block in hit_blocks:
-            pool.reference(block, pinned)
+        pool.reference_all(hit_blocks, pinned)
         new = pool.allocate(
             block_table.new_block_hashes(table, len(hit_blocks)), self._scope_id(scope), pinned
         )
         blocks = [*hit_blocks, *new]
-        generation = pool.generation
-        held = HeldTable(blocks, [generation(b) for b in blocks], pinned)
+        held = HeldTable(blocks, pool.generations(blocks), pinned)
         if here is not None:
             self._hold(here, blocks, pinned)
         return held
@@ -515,33 +506,23 @@ class InstanceMachine:
     def _drop(self, table: HeldTable, positions: Sequence[int], here: TenantHere | None) -> None:
         """Give back the table's entries at `positions` (ascending), tail first, so that a
         table's tail is evicted before its head."""
-        pool = self.pool
-        blocks, released, pinned = table.blocks, table.released, table.pinned
-        held = here.held if here is not None else None
-        pinned_here = here.pinned if here is not None and pinned else None
-        for position in reversed(positions):
-            block = blocks[position]
+        blocks, released = table.blocks, table.released
+        tail_first = [blocks[position] for position in reversed(positions)]
+        for position in positions:
             released[position] = 1
-            pool.unreference(block, pinned)
-            if pool.ref_count(block) == 0 and pool.scope_id(block) != -1:
-                self.changes.cache_slots.add(block)
-            if held is not None:
-                left = held[block] - 1
-                if left:
-                    held[block] = left
-                else:
-                    del held[block]
-            if pinned_here is not None:
-                left = pinned_here[block] - 1
-                if left:
-                    pinned_here[block] = left
-                else:
-                    del pinned_here[block]
         table.live_entries -= len(positions)
+        self.pool.unreference_all(tail_first, table.pinned)
+        if here is not None:
+            _unhold(here.held, tail_first)
+            if table.pinned:
+                _unhold(here.pinned, tail_first)
 
     def _drop_all(self, table: HeldTable, here: TenantHere | None) -> None:
         released = table.released
-        self._drop(table, [i for i in range(len(released)) if not released[i]], here)
+        if table.live_entries == len(released):
+            self._drop(table, range(len(released)), here)
+        else:
+            self._drop(table, [i for i in range(len(released)) if not released[i]], here)
 
     # Retry delays.
 
@@ -986,7 +967,6 @@ class InstanceMachine:
         chosen = order[:limit]
         for block in chosen:
             self.pool.drop_contents(block)
-            self.changes.cache_slots.add(block)
         return len(chosen)
 
     def preempt(self, tenant: str, request_id: str, now: float) -> ReservationRecord:
@@ -1024,7 +1004,6 @@ class InstanceMachine:
                             continue
                         if pool.ref_count(block) == 0:
                             pool.drop_contents(block)
-                            self.changes.cache_slots.add(block)
                             freed += 1
                         else:
                             drift += 1
@@ -1064,6 +1043,16 @@ class InstanceMachine:
 
     def _touch(self, record: ReservationRecord) -> None:
         self.changes.reservations[record.key] = record
+
+
+def _unhold(held: dict[int, int], blocks: Sequence[int]) -> None:
+    """One entry fewer per block; a block leaves with its last entry."""
+    for block in blocks:
+        left = held[block] - 1
+        if left:
+            held[block] = left
+        else:
+            del held[block]
 
 
 def _ewma(mean: float | None, observed: float) -> float:
