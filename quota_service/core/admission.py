@@ -20,13 +20,16 @@ from quota_service.core.errors import (
     KvQuotaError,
     QuotaViolation,
     invalid_request,
+    preempted,
 )
 from quota_service.core.model import (
     AdmitParams,
+    EndReason,
     Holding,
     InstancePool,
     InstanceState,
     Reservation,
+    ReservationState,
     TenantAccount,
     TenantState,
 )
@@ -171,6 +174,33 @@ def check_replay(request: AdmitRequest, existing: Reservation) -> Reservation:
             metadata={"requestId": params.request_id},
         )
     return existing
+
+
+def not_live(name: str, state: ReservationState, end_reason: EndReason | None) -> KvQuotaError:
+    """Why a reservation that is not admitted any more (or not yet) cannot be renewed,
+    suspended or resumed."""
+    if end_reason is EndReason.PREEMPTED:
+        return preempted(name)
+    if state is ReservationState.ADMITTED or end_reason is EndReason.LEASE_EXPIRED:
+        return KvQuotaError(
+            Code.FAILED_PRECONDITION,
+            "LEASE_EXPIRED",
+            f"the lease of {name} expired; admit the request again",
+            metadata={"name": name},
+        )
+    if state is ReservationState.QUEUED:
+        return KvQuotaError(
+            Code.FAILED_PRECONDITION,
+            "NOT_ADMITTED",
+            f"{name} is still queued",
+            metadata={"name": name},
+        )
+    return KvQuotaError(
+        Code.FAILED_PRECONDITION,
+        "RESERVATION_ENDED",
+        f"{name} already ended ({end_reason.value if end_reason else ''})",
+        metadata={"name": name},
+    )
 
 
 def tenant_not_active(tenant: str, state: TenantState) -> KvQuotaError:

@@ -34,7 +34,7 @@ from quota_service.core.admission import (
 )
 from quota_service.core.block_pool import BlockPool
 from quota_service.core.block_table import BlockHandle, CachedBlock, EntryLookup
-from quota_service.core.errors import Code, KvQuotaError, invalid_request, not_found, preempted
+from quota_service.core.errors import Code, KvQuotaError, invalid_request, not_found
 from quota_service.core.hashing import block_hashes
 from quota_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from quota_service.core.model import (
@@ -53,7 +53,8 @@ from quota_service.core.model import (
 from quota_service.core.names import reservation_name
 from quota_service.core.queueing import FairTags, QueuePolicy
 
-# Weight of the newest observation in the mean holding time.
+# Weight of the newest observation in the mean holding time (an exponentially weighted mean, so
+# it follows a changing workload within tens of requests).
 HOLD_EWMA_ALPHA = 0.2
 # Ended reservations kept to answer repeated Admits, Releases and Gets without the record.
 ENDED_RETAINED = 10_000
@@ -574,6 +575,12 @@ class InstanceMachine:
     def _charge_fair_share(self, record: ReservationRecord, here: TenantHere, now: float) -> None:
         """Every admission is charged to its tenant's fair clock, queued or not: a tenant whose
         requests are admitted straight away must not find its next queued one at the front."""
+        self._tag(record, here)
+        priority = record.params.priority
+        self.virtual_time[priority] = max(self.virtual_time.get(priority, 0.0), record.tags.start)
+
+    def _tag(self, record: ReservationRecord, here: TenantHere) -> None:
+        """Its start and finish tags; its tenant's next request starts after this one."""
         priority = record.params.priority
         record.tags = queueing.fair_tags(
             self.virtual_time.get(priority, 0.0),
@@ -582,19 +589,11 @@ class InstanceMachine:
             here.settings.weight,
         )
         here.last_finish[priority] = record.tags.finish
-        self.virtual_time[priority] = max(self.virtual_time.get(priority, 0.0), record.tags.start)
 
     def _enqueue(
         self, record: ReservationRecord, here: TenantHere, now: float, wait: float
     ) -> None:
-        priority = record.params.priority
-        record.tags = queueing.fair_tags(
-            self.virtual_time.get(priority, 0.0),
-            here.last_finish.get(priority, 0.0),
-            record.tokens,
-            here.settings.weight,
-        )
-        here.last_finish[priority] = record.tags.finish
+        self._tag(record, here)
         record.state = ReservationState.QUEUED
         record.queued_at = now
         record.wait_deadline = now + wait
@@ -767,32 +766,7 @@ class InstanceMachine:
             record.lease_expires_at is not None and record.lease_expires_at > now
         ):
             return
-        name = record.name
-        if record.end_reason is EndReason.PREEMPTED:
-            raise preempted(name)
-        if record.state is ReservationState.ADMITTED or (
-            record.end_reason is EndReason.LEASE_EXPIRED
-        ):
-            raise KvQuotaError(
-                Code.FAILED_PRECONDITION,
-                "LEASE_EXPIRED",
-                f"the lease of {name} expired; admit the request again",
-                metadata={"name": name},
-            )
-        if record.state is ReservationState.QUEUED:
-            raise KvQuotaError(
-                Code.FAILED_PRECONDITION,
-                "NOT_ADMITTED",
-                f"{name} is still queued",
-                metadata={"name": name},
-            )
-        ended = record.end_reason.value if record.end_reason else ""
-        raise KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "RESERVATION_ENDED",
-            f"{name} already ended ({ended})",
-            metadata={"name": name},
-        )
+        raise admission.not_live(record.name, record.state, record.end_reason)
 
     def reap(self, now: float) -> int:
         """End reservations whose lease ran out and queued ones whose wait budget did."""

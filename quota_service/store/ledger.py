@@ -24,13 +24,12 @@ from quota_service.core import admission, block_table, geometry, queueing
 from quota_service.core.admission import AdmissionLimits, AdmissionPlan, AdmitRequest, Shortfall
 from quota_service.core.block_table import BlockHandle, CachedBlock
 from quota_service.core.errors import (
-    Code,
     KvQuotaError,
     invalid_request,
     not_found,
-    preempted,
 )
 from quota_service.core.hashing import HashAlgo
+from quota_service.core.instance_machine import HOLD_EWMA_ALPHA
 from quota_service.core.model import (
     AdmitParams,
     EndReason,
@@ -48,9 +47,6 @@ from quota_service.core.queueing import QueuePolicy
 from quota_service.store import blocks
 from quota_service.store.database import in_transaction
 
-# Weight of the newest observation in the mean holding time (an exponentially weighted mean, so
-# it follows a changing workload within tens of requests).
-HOLD_EWMA_ALPHA = 0.2
 # Retry-delay estimates look at the holdings that end soonest; more would not change the answer.
 HOLDINGS_LIMIT = 1000
 
@@ -1341,30 +1337,5 @@ async def offload(conn: AsyncConnection, instance: str, tenant: str, request_id:
 
 
 def _not_live(current: Reservation) -> KvQuotaError:
-    """Why a reservation that is not admitted any more cannot be renewed, suspended or
-    resumed."""
     name = reservation_name(current.tenant, current.request_id)
-    if current.end_reason is EndReason.PREEMPTED:
-        return preempted(name)
-    if current.state is ReservationState.ADMITTED or (
-        current.end_reason is EndReason.LEASE_EXPIRED
-    ):
-        return KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "LEASE_EXPIRED",
-            f"the lease of {name} expired; admit the request again",
-            metadata={"name": name},
-        )
-    if current.state is ReservationState.QUEUED:
-        return KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "NOT_ADMITTED",
-            f"{name} is still queued",
-            metadata={"name": name},
-        )
-    return KvQuotaError(
-        Code.FAILED_PRECONDITION,
-        "RESERVATION_ENDED",
-        f"{name} already ended ({current.end_reason.value if current.end_reason else ''})",
-        metadata={"name": name},
-    )
+    return admission.not_live(name, current.state, current.end_reason)
