@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from operator import itemgetter
 
 from quota_service.core.hashing import DIGEST_BYTES, event_hash
@@ -30,15 +31,26 @@ _CHUNK_MASK = _CHUNK_BITS - 1
 NO_SCOPE = -1
 
 
+@dataclass(frozen=True, slots=True)
+class SlotContents:
+    """A slot that holds anything, as the record keeps it."""
+
+    block: int
+    generation: int
+    digest: bytes | None
+    scope: int
+    engine_copies: int
+
+
 class BlockPool:
     """The slots of one instance. Preconditions are the caller's (the instance state machine's):
     it references only slots it was given, and frees only what it referenced."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, generation_floor: int = 0) -> None:
         if capacity < 1:
             raise ValueError("a pool has at least one slot")
         self.capacity = capacity
-        self._generation = array("q", bytes(8 * capacity))
+        self._generation = array("q", [generation_floor]) * capacity
         self._refs = array("i", bytes(4 * capacity))
         self._pins = array("i", bytes(4 * capacity))
         # Copies the engine reports holding of a slot's contents (KV events).
@@ -299,26 +311,52 @@ class BlockPool:
         self._copies[block] = left
         return left
 
-    def restore(
-        self, block: int, generation: int, digest: bytes | None, scope: int, copies: int
-    ) -> None:
-        """Recovery: a free slot takes the generation and contents the record gives it. The
-        caller then references it as its tables and pins do, or caches it with `cache`."""
-        self._pop_free_slot(block)
-        self._generation[block] = generation
-        self._copies[block] = copies
-        if digest is not None:
-            self._scope[block] = scope
-            self._index(block, digest)
+    @classmethod
+    def rebuild(
+        cls,
+        capacity: int,
+        generation_floor: int,
+        contents: Iterable[SlotContents],
+        references: Iterable[tuple[int, bool]],
+    ) -> BlockPool:
+        """Recovery: the pool a record describes. `contents` are the slots holding anything
+        (cached ones in LRU order, the next to be evicted first); `references` the live table
+        entries and pins naming them (slot, pinned). Every other slot is free, with a generation
+        of `generation_floor`: above any handle issued before, so all of those are stale."""
+        pool = cls(capacity, generation_floor)
+        restored = []
+        for slot in contents:
+            pool._pop_free_slot(slot.block)
+            pool._generation[slot.block] = slot.generation
+            pool._copies[slot.block] = slot.engine_copies
+            if slot.digest is not None:
+                pool._scope[slot.block] = slot.scope
+                pool._index(slot.block, slot.digest)
+            restored.append(slot.block)
+        for block, pinned in references:
+            pool._refs[block] += 1
+            pool._pins[block] += pinned
+        for block in restored:
+            refs = pool._refs[block]
+            if refs == 0:
+                assert pool._scope[block] != NO_SCOPE, f"slot {block}: neither held nor cached"
+                pool._append_lru(block)
+                pool.cached_count += 1
+            elif refs == pool._pins[block]:
+                pool.pinned_only_count += 1
+        return pool
 
-    def cache(self, block: int) -> None:
-        """Recovery: a restored, unreferenced hashed slot joins the LRU tail."""
-        self._append_lru(block)
-        self.cached_count += 1
+    def contents(self) -> list[SlotContents]:
+        """What `rebuild` needs of the slots: every slot holding anything, cached ones last and
+        in LRU order."""
+        held = [b for b in range(self.capacity) if self._refs[b]]
+        return [self._contents(b) for b in [*held, *self.lru_order()]]
 
-    def set_generation(self, block: int, generation: int) -> None:
-        """Recovery: a free slot's generation as the record last saw it."""
-        self._generation[block] = generation
+    def _contents(self, block: int) -> SlotContents:
+        scope = self._scope[block]
+        return SlotContents(
+            block, self._generation[block], self.content_hash(block), scope, self._copies[block]
+        )
 
     # Mechanics.
 

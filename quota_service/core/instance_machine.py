@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
@@ -32,7 +32,7 @@ from quota_service.core.admission import (
     PrefixHits,
     Shortfall,
 )
-from quota_service.core.block_pool import BlockPool
+from quota_service.core.block_pool import BlockPool, SlotContents
 from quota_service.core.block_table import BlockHandle, CachedBlock, EntryLookup
 from quota_service.core.errors import Code, KvQuotaError, invalid_request, not_found
 from quota_service.core.hashing import block_hashes
@@ -99,6 +99,15 @@ class HeldTable:
         self.pinned = pinned
         self.live_entries = len(self.blocks)
 
+    def copy(self) -> HeldTable:
+        copied = HeldTable(self.blocks, self.generations, self.pinned)
+        copied.released[:] = self.released
+        copied.live_entries = self.live_entries
+        return copied
+
+    def live_blocks(self) -> list[int]:
+        return [b for b, gone in zip(self.blocks, self.released, strict=True) if not gone]
+
     def handles(self) -> tuple[BlockHandle, ...]:
         return tuple(
             BlockHandle(b, g)
@@ -158,6 +167,13 @@ class ReservationRecord:
     @property
     def key(self) -> tuple[str, str]:
         return self.params.tenant, self.params.request_id
+
+    def copy(self) -> ReservationRecord:
+        copied = ReservationRecord.__new__(ReservationRecord)
+        for name in ReservationRecord.__slots__:
+            setattr(copied, name, getattr(self, name))
+        copied.table = self.table.copy() if self.table is not None else None
+        return copied
 
     @property
     def name(self) -> str:
@@ -219,6 +235,17 @@ class PinRecord:
         self.table = table
         self.created_at = created_at
 
+    def copy(self) -> PinRecord:
+        return PinRecord(
+            self.owner,
+            self.pin_id,
+            self.tenant,
+            self.prefix,
+            self.prompt_tokens,
+            self.table.copy(),
+            self.created_at,
+        )
+
 
 @dataclass(slots=True)
 class TenantHere:
@@ -233,6 +260,30 @@ class TenantHere:
     mean_hold_seconds: float | None = None
     # Start-time fair queueing: the finish tag of its last request, per priority class.
     last_finish: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantClocks:
+    """What a tenant's fairness and retry delays remember on an instance."""
+
+    last_finish: dict[int, float]
+    mean_hold_seconds: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceImage:
+    """An instance's live state as the record keeps it: everything a new owner needs to rebuild
+    the machine (history is not part of it, so recovery costs what is live)."""
+
+    slots: tuple[SlotContents, ...]
+    scopes: tuple[str, ...]
+    # Live reservations (admitted, offloaded and queued) and pins, copied.
+    reservations: tuple[ReservationRecord, ...]
+    pins: tuple[PinRecord, ...]
+    virtual_time: dict[int, float]
+    tenants: dict[str, TenantClocks]
+    mean_hold_seconds: float | None
+    drift_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +332,73 @@ class InstanceMachine:
         self.scopes: list[str] = []
         self.changes = Changes()
         self.drift_blocks = 0
+
+    # Recovery.
+
+    def image(self) -> InstanceImage:
+        return InstanceImage(
+            tuple(self.pool.contents()),
+            tuple(self.scopes),
+            tuple(r.copy() for r in self.reservations.values()),
+            tuple(p.copy() for p in self.pins.values()),
+            dict(self.virtual_time),
+            {
+                name: TenantClocks(dict(here.last_finish), here.mean_hold_seconds)
+                for name, here in self.tenants.items()
+            },
+            self.mean_hold_seconds,
+            self.drift_blocks,
+        )
+
+    @classmethod
+    def recover(
+        cls,
+        spec: InstanceSpec,
+        limits: AdmissionLimits,
+        tenants: Iterable[TenantSettings],
+        image: InstanceImage,
+        generation_floor: int,
+        queue_policy: QueuePolicy | None = None,
+        state: InstanceState = InstanceState.ACTIVE,
+    ) -> InstanceMachine:
+        """The machine an image describes. Free slots start at `generation_floor`, which the
+        caller takes above every generation issued before (the new owner's epoch does)."""
+        machine = cls(spec, limits, queue_policy, state)
+        for settings in tenants:
+            machine.set_tenant(settings)
+        for scope in image.scopes:
+            machine._scope_id(scope)
+        reservations = [r.copy() for r in image.reservations]
+        pins = [p.copy() for p in image.pins]
+        tables = [r.table for r in reservations if r.table is not None]
+        tables += [p.table for p in pins]
+        references = [(b, t.pinned) for t in tables for b in t.live_blocks()]
+        machine.pool = BlockPool.rebuild(
+            spec.capacity_blocks, generation_floor, image.slots, references
+        )
+        for record in reservations:
+            here = machine.tenants[record.key[0]]
+            machine.reservations[record.key] = record
+            if record.table is not None:
+                machine._hold(here, record.table.live_blocks(), False)
+                here.tokens += record.tokens
+            if record.state is ReservationState.QUEUED:
+                machine._queue_insert(record)
+                here.queued += 1
+                machine.queued_prompt_tokens += record.params.prompt_tokens
+            machine._arrivals = max(machine._arrivals, record.arrival)
+        for pin in pins:
+            machine.pins[(pin.owner, pin.pin_id)] = pin
+            if pin.tenant is not None:
+                machine._hold(machine.tenants[pin.tenant], pin.table.live_blocks(), True)
+        machine.virtual_time = dict(image.virtual_time)
+        for name, clocks in image.tenants.items():
+            here = machine.tenants[name]
+            here.last_finish = dict(clocks.last_finish)
+            here.mean_hold_seconds = clocks.mean_hold_seconds
+        machine.mean_hold_seconds = image.mean_hold_seconds
+        machine.drift_blocks = image.drift_blocks
+        return machine
 
     # Catalog input.
 

@@ -77,3 +77,44 @@ def recount(machine: InstanceMachine) -> None:
         assert here.held == dict(held[name]), f"tenant {name}: held blocks"
         assert here.pinned == {b: c for b, c in pinned_by[name].items() if c}, name
         assert here.tokens == tokens[name], f"tenant {name}: tokens in flight"
+
+
+def check_recovery(live: InstanceMachine) -> None:
+    """A new owner rebuilding the machine from its image must hold exactly what the live one
+    holds; free slots only need generations above any the live one issued."""
+    floor = max(live.pool.generation(b) for b in range(live.pool.capacity)) + 1
+    settings = [here.settings for here in live.tenants.values()]
+    fresh = InstanceMachine.recover(live.spec, live.limits, settings, live.image(), floor)
+    old, new = live.pool, fresh.pool
+    for block in range(old.capacity):
+        state = old.state(block)
+        assert new.state(block) == state, f"slot {block}"
+        assert (new.ref_count(block), new.pin_count(block)) == (
+            old.ref_count(block),
+            old.pin_count(block),
+        )
+        assert new.content_hash(block) == old.content_hash(block)
+        assert new.engine_copies(block) == old.engine_copies(block)
+        if state == "FREE":
+            assert new.generation(block) > old.generation(block)
+        else:
+            assert new.generation(block) == old.generation(block)
+            if new.content_hash(block) is not None:
+                assert fresh.scopes[new.scope_id(block)] == live.scopes[old.scope_id(block)]
+    assert new.lru_order() == old.lru_order()
+    assert new.counts() == old.counts()
+    for name, here in live.tenants.items():
+        other = fresh.tenants[name]
+        assert (other.held, other.pinned, other.tokens, other.queued, other.last_finish) == (
+            here.held,
+            here.pinned,
+            here.tokens,
+            here.queued,
+            here.last_finish,
+        ), name
+    assert {k: r.snapshot() for k, r in fresh.reservations.items()} == {
+        k: r.snapshot() for k, r in live.reservations.items()
+    }
+    assert [r.key for r in fresh.queued()] == [r.key for r in live.queued()]
+    assert fresh.virtual_time == live.virtual_time
+    recount(fresh)

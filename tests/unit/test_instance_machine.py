@@ -23,7 +23,7 @@ from quota_service.core.model import (
     ReservationState,
     TenantQuota,
 )
-from tests.unit.machine_fixtures import machine, recount
+from tests.unit.machine_fixtures import check_recovery, machine, recount
 
 NOW = 1_700_000_000.0
 
@@ -62,6 +62,7 @@ def test_free_slots_go_lowest_first_and_cached_ones_tail_first() -> None:
         BlockHandle(1, 1),
     ]
     recount(m)
+    check_recovery(m)
 
 
 def test_a_cached_prefix_is_shared_and_costs_its_tenant_once() -> None:
@@ -74,6 +75,7 @@ def test_a_cached_prefix_is_shared_and_costs_its_tenant_once() -> None:
     assert first.block_table[:2] == second.block_table[:2]
     assert len(m.tenants["a"].held) == 4  # two shared + one tail each
     recount(m)
+    check_recovery(m)
 
 
 def test_the_tenants_own_copy_of_a_duplicated_hash_is_preferred() -> None:
@@ -93,6 +95,7 @@ def test_the_tenants_own_copy_of_a_duplicated_hash_is_preferred() -> None:
     admit(m, "r3", 32, 16, ids=prompt, tenant="b")
     assert [len(m.pool.holding(h)) for h in hashes] == [1, 1]
     recount(m)
+    check_recovery(m)
 
 
 def test_a_request_that_cannot_fit_now_is_refused_with_a_computed_delay() -> None:
@@ -133,10 +136,12 @@ def test_queued_requests_are_admitted_in_order_as_room_comes_back() -> None:
         admit(m, "r4", 16, 16)
     assert refused.value.metadata["queuedAhead"] == "2"
     assert m.queue_position(m.get("a", "r3")) == 2
+    check_recovery(m)
     m.end("a", "r1", EndReason.RELEASED, NOW + 1)
     assert m.get("a", "r2").state is ReservationState.ADMITTED
     assert m.get("a", "r3").state is ReservationState.ADMITTED
     recount(m)
+    check_recovery(m)
 
 
 def test_a_wait_budget_that_runs_out_ends_the_queued_request() -> None:
@@ -196,6 +201,7 @@ def test_backlogged_tenants_share_admissions_by_weight_under_short_holds() -> No
     share = admitted["heavy"] / (admitted["light"] + admitted["heavy"])
     assert 0.675 <= share <= 0.825, share
     recount(m)
+    check_recovery(m)
 
 
 def test_a_lapsed_lease_ends_the_reservation_and_renewal_keeps_it() -> None:
@@ -222,11 +228,13 @@ def test_an_offloaded_session_leaves_the_gpu_and_comes_back_through_the_queue() 
     assert refused.value.reason == "INSTANCE_OVERLOADED"
     assert m.get("a", "s1").offloaded_bytes == 4096  # refused: still offloaded
     assert m.resume("a", "s1", 5.0, NOW + 1).state is ReservationState.QUEUED
+    check_recovery(m)
     m.end("a", "other", EndReason.RELEASED, NOW + 2)
     resumed = m.get("a", "s1")
     assert resumed.state is ReservationState.ADMITTED and resumed.offloaded_bytes is None
     assert resumed.suspended_at is None
     recount(m)
+    check_recovery(m)
 
 
 def test_reclaim_frees_cached_blocks_lru_first_and_preempts_reservations() -> None:
@@ -241,6 +249,7 @@ def test_reclaim_frees_cached_blocks_lru_first_and_preempts_reservations() -> No
         m.renew("a", "r2", None, NOW)
     assert refused.value.reason == "PREEMPTED"
     recount(m)
+    check_recovery(m)
 
 
 def test_engine_events_count_copies_and_free_what_the_engine_evicted() -> None:
@@ -264,6 +273,7 @@ def test_engine_events_count_copies_and_free_what_the_engine_evicted() -> None:
     report = m.apply_engine_events(EventBatch(NOW, (AllBlocksCleared(),), None))
     assert m.pool.cached_count == 0
     recount(m)
+    check_recovery(m)
 
 
 def test_an_engine_restart_ends_live_reservations_and_forgets_the_cache() -> None:
@@ -275,6 +285,7 @@ def test_an_engine_restart_ends_live_reservations_and_forgets_the_cache() -> Non
     assert m.get("a", "r1").end_reason is EndReason.ENGINE_RESTARTED
     assert m.pool.free_count == 8
     recount(m)
+    check_recovery(m)
 
 
 def test_offboarding_ends_everything_the_tenant_has_here() -> None:
@@ -289,6 +300,7 @@ def test_offboarding_ends_everything_the_tenant_has_here() -> None:
     assert m.pool.cached_count == 0
     assert len(m.tenants["b"].held) == 3
     recount(m)
+    check_recovery(m)
 
 
 def test_changes_name_every_record_an_operation_touched() -> None:

@@ -3,7 +3,8 @@ model (tests/model): random admit / release / cancel / release-blocks / pin / un
 sequences over four tenants (two isolated, two sharing a namespace) and two small instances, each
 instance its own machine. After every step every slot must match the model (state, references,
 pins, generation, contents), each tenant's holdings too, and each machine's counters must agree
-with a recount of its slots, tables and pins (invariants 1-3)."""
+with a recount of its slots, tables and pins (invariants 1-3); a machine recovered from each
+one's image must equal it (invariant 8's "the owner's memory equals what the record derives")."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from quota_service.core.errors import KvQuotaError
 from quota_service.core.instance_machine import Elsewhere, InstanceMachine, TenantSettings
 from quota_service.core.model import AdmitParams, EndReason, InstanceSpec, TenantState
 from tests.model.ledger_model import Model, Slot, Tenant
-from tests.unit.machine_fixtures import TENANT_QUOTAS, recount
+from tests.unit.machine_fixtures import TENANT_QUOTAS, check_recovery, recount
 
 BS = 16
 INSTANCES = {"gpu-0": 24, "gpu-1": 40}
@@ -247,6 +248,7 @@ class MachineVersusModel(RuleBasedStateMachine):
                 if state not in {s.state for s in self.model.slots[name]}
             }
             recount(machine)
+            check_recovery(machine)
         for tenant in TENANT_QUOTAS:
             holdings = [m.tenants[tenant] for m in self.machines.values()]
             found_tenant = (
