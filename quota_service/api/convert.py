@@ -118,10 +118,15 @@ def _resource_id(name: str, collection: str, field: str, violations: list[FieldV
     return value or ""
 
 
-def admit_request(request: admission_pb.AdmitRequest) -> AdmitRequest:
+def admit_request(
+    request: admission_pb.AdmitRequest, engine_instance: str | None = None
+) -> AdmitRequest:
+    """The Admit; `engine_instance` is the instance its engine_address named, if it gave one."""
     violations: list[FieldViolation] = []
     tenant = _resource_id(request.tenant, "tenants", "tenant", violations)
-    instance = _resource_id(request.instance, "instances", "instance", violations)
+    instance = engine_instance or _resource_id(
+        request.instance, "instances", "instance", violations
+    )
     if violations:
         raise invalid_request(violations)
     return AdmitRequest(

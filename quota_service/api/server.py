@@ -194,14 +194,15 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         ledger, settings.engine_abort_timeout_seconds, settings.engine_abort_hard_timeout_seconds
     )
     cpu_tier = CpuTierMirror(CpuTierBooks(engine))
+    catalog = Catalog(engine)
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(
-        AdmissionServicer(ledger, waiters, termination, cpu_tier, observed), server
+        AdmissionServicer(ledger, waiters, termination, cpu_tier, observed, catalog), server
     )
     pins = Pins(engine, settings.admission_limits)
     offboarding = Offboarding(engine, ledger, pins, termination)
     inspection = Inspection(engine)
     reclaim = ReclaimJobs(engine, settings.cpu_watermarks)
-    admin = AdminServicer(Catalog(engine), pins, offboarding, inspection, reclaim, api_keys, audit)
+    admin = AdminServicer(catalog, pins, offboarding, inspection, reclaim, api_keys, audit)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
     billing_pb2_grpc.add_BillingServiceServicer_to_server(
         BillingServicer(UsageBook(engine)), server
@@ -225,7 +226,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     stop = asyncio.Event()
     followers = Followers(database_url, Reconciler(engine, ledger), metrics=observed)
     await followers.scan()
-    metrics = LedgerMetrics(Catalog(engine), inspection, reclaim, settings.metrics_refresh_seconds)
+    metrics = LedgerMetrics(catalog, inspection, reclaim, settings.metrics_refresh_seconds)
     await metrics.refresh()
     observed.registry.register(metrics)
     metrics_server = None

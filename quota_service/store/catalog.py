@@ -10,7 +10,15 @@ from sqlalchemy import RowMapping, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from quota_service.core.errors import Code, KvQuotaError, already_exists, not_found
+from quota_service.core import engine_address
+from quota_service.core.errors import (
+    Code,
+    FieldViolation,
+    KvQuotaError,
+    already_exists,
+    invalid_request,
+    not_found,
+)
 from quota_service.core.geometry import KvGeometry, parse_dtype
 from quota_service.core.hashing import HashAlgo
 from quota_service.core.model import (
@@ -315,6 +323,31 @@ class Catalog:
 
         return await in_transaction(self._engine, work)
 
+    async def instance_at(self, address: str) -> str:
+        """The instance whose engine is at `address` (host:port, as core/engine_address.py
+        keys it): INSTANCE_NOT_FOUND when none is, INVALID_REQUEST when several share it
+        (data-parallel ranks behind one server), so the caller names the instance."""
+        query = select(InstanceRow.instance).where(InstanceRow.engine_address == address).limit(2)
+        async with self._engine.connect() as conn:
+            found = list((await conn.execute(query)).scalars())
+        if not found:
+            raise KvQuotaError(
+                Code.NOT_FOUND,
+                "INSTANCE_NOT_FOUND",
+                f"no instance is registered with the engine at {address}",
+                metadata={"engineAddress": address},
+            )
+        if len(found) > 1:
+            raise invalid_request(
+                [
+                    FieldViolation(
+                        "engine_address",
+                        f"several instances share the engine at {address}: name the instance",
+                    )
+                ]
+            )
+        return str(found[0])
+
     async def get_instance(self, instance: str) -> Instance:
         async with self._engine.connect() as conn:
             return await self._instance(conn, instance)
@@ -360,6 +393,7 @@ def _engine_columns(engine: EngineEndpoints | None) -> dict[str, object]:
     lmcache = engine.lmcache if engine is not None else None
     return {
         "engine_url": engine.url if engine else None,
+        "engine_address": engine_address.normalise(engine.url) if engine else None,
         "kv_events_endpoint": engine.kv_events if engine else None,
         "kv_replay_endpoint": engine.kv_replay if engine else None,
         "lmcache_coordinator_url": lmcache.coordinator_url if lmcache else None,

@@ -158,6 +158,9 @@ class InstanceRow(Base):
     queued_prompt_tokens: Mapped[Count]
     # The engine behind it, when kvquota follows one (vLLM's HTTP server and KV-event sockets).
     engine_url: Mapped[str | None] = mapped_column(String(200))
+    # engine_url reduced to host:port (core/engine_address.py): an Admit naming the engine by
+    # its address finds the instance through it.
+    engine_address: Mapped[str | None] = mapped_column(String(200))
     kv_events_endpoint: Mapped[str | None] = mapped_column(String(200))
     kv_replay_endpoint: Mapped[str | None] = mapped_column(String(200))
     # The LMCache coordinator of its CPU tier, and its L1 as last read there.
@@ -190,6 +193,7 @@ class InstanceRow(Base):
             "block_size >= 1 AND capacity_blocks >= 1 AND max_model_len >= 1", name="pool"
         ),
         CheckConstraint("hash_algo IN ('sha256', 'sha256_cbor')", name="hash_algo"),
+        Index("ix_instances_engine_address", "engine_address"),
         # Invariant 1 (counts): every slot in exactly one state.
         CheckConstraint(
             "free_blocks >= 0 AND cached_blocks >= 0 AND blocks_in_use >= 0 AND pinned_blocks >= 0 "
