@@ -62,6 +62,7 @@ SERVICE_NAMES = (
 )
 # Prompt token ids of a 128k-token context fit comfortably; anything larger is refused by gRPC.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
 LISTEN_TIMEOUT_SECONDS = 30
 MAX_READY_DELAY_SECONDS = 10.0
 # What the end of the shutdown grace leaves callers still waiting to get their answer in.
@@ -188,6 +189,10 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # Clients' keepalive pings (kvquota.client sends one every 30 s) are welcome, also
+            # on idle connections, instead of being answered with GOAWAY (too_many_pings).
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
         ],
     )
     termination = Termination(
