@@ -174,6 +174,7 @@ def reservation(value: Reservation) -> pb.Reservation:
         block_table=[block_handle(h) for h in value.block_table],
         lease_ttl=duration(value.lease_ttl_seconds),
         output_tokens=value.output_tokens or 0,
+        shadow_refusal=value.shadow_refusal or "",
     )
     for field, when in (
         ("lease_expire_time", value.lease_expires_at),
@@ -295,6 +296,7 @@ def tenant(value: Tenant) -> pb.Tenant:
             queued_requests=value.queued_requests,
         ),
         shared_namespace=names.namespace_name(value.namespace) if value.namespace else "",
+        shadow_mode=value.shadow_mode,
         weight=value.weight,
         create_time=timestamp(value.created_at),
         update_time=timestamp(value.updated_at),

@@ -65,6 +65,8 @@ class AdmissionPlan:
     lease_ttl_seconds: float
     hits: tuple[CachedBlock, ...] = ()
     new_hashes: tuple[bytes | None, ...] = ()
+    # Shadow mode: the reason the tenant's own limits would have refused it with.
+    shadow_refusal: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +194,13 @@ def decide(
     hits: Sequence[CachedBlock] = (),
 ) -> AdmissionPlan | Shortfall:
     """Check-and-reserve: raise for refusals that waiting cannot fix, return a Shortfall for those
-    it can, or the plan to write. `hits` is the cached prefix of `table` on this instance."""
+    it can, or the plan to write. `hits` is the cached prefix of `table` on this instance.
+
+    In the tenant's shadow mode, what only its own quota refuses (REQUEST_EXCEEDS_CAPACITY of
+    a tenant limit, TENANT_QUOTA_EXCEEDED) is admitted and the plan says why it would not have
+    been; the instance's limits still refuse, since blocks it does not have cannot be handed
+    out. A suspended tenant is refused all the same: that is an operator's decision, not a
+    limit being tried out."""
     p = request.params
     if account.state is not TenantState.ACTIVE:
         raise tenant_not_active(p.tenant, account.state)
@@ -217,6 +225,7 @@ def decide(
     # Blocks the tenant does not reference yet: sharing within a tenant is free.
     new_to_tenant = new_blocks + sum(1 for h in hits if not h.held_by_tenant)
     quota = account.quota
+    shadow_refusal = None
     hard_limits = (
         ("instanceCapacityBlocks", blocks, pool.capacity_blocks),
         ("tenantMaxBlocks", new_to_tenant, quota.max_blocks),
@@ -224,6 +233,9 @@ def decide(
     )
     for limit_name, asked_for, limit in hard_limits:
         if asked_for > limit:
+            if account.shadow_mode and limit_name.startswith("tenant"):
+                shadow_refusal = "REQUEST_EXCEEDS_CAPACITY"
+                continue
             raise KvQuotaError(
                 Code.FAILED_PRECONDITION,
                 "REQUEST_EXCEEDS_CAPACITY",
@@ -238,14 +250,23 @@ def decide(
     free_blocks_tenant = quota.max_blocks - account.blocks_in_use
     free_tokens_tenant = quota.max_tokens_in_flight - account.tokens_in_flight
     if new_to_tenant > free_blocks_tenant or tokens > free_tokens_tenant:
-        return Shortfall("tenant", new_to_tenant, tokens, free_blocks_tenant, free_tokens_tenant)
+        if not account.shadow_mode:
+            return Shortfall(
+                "tenant", new_to_tenant, tokens, free_blocks_tenant, free_tokens_tenant
+            )
+        shadow_refusal = shadow_refusal or "TENANT_QUOTA_EXCEEDED"
     # A hit on a cached block takes it out of what can be evicted to make room.
     allocatable = pool.allocatable_blocks - sum(1 for h in hits if h.evictable)
     if new_blocks > allocatable:
         return Shortfall("instance", new_blocks, tokens, allocatable, 0)
     ttl = request.lease_ttl_seconds or limits.default_lease_ttl_seconds
     return AdmissionPlan(
-        blocks, tokens, ttl, tuple(hits), tuple(block_table.new_block_hashes(table, len(hits)))
+        blocks,
+        tokens,
+        ttl,
+        tuple(hits),
+        tuple(block_table.new_block_hashes(table, len(hits))),
+        shadow_refusal,
     )
 
 

@@ -82,6 +82,7 @@ def tenant_from_row(row: RowMapping) -> Tenant:
         live_reservations=row["live_reservations"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        shadow_mode=row["shadow_mode"],
     )
 
 
@@ -137,7 +138,12 @@ class Catalog:
     # Tenants
 
     async def create_tenant(
-        self, tenant: str, display_name: str, weight: int, quota: TenantQuota
+        self,
+        tenant: str,
+        display_name: str,
+        weight: int,
+        quota: TenantQuota,
+        shadow_mode: bool = False,
     ) -> Tenant:
         async def work(conn: AsyncConnection) -> Tenant:
             statement = (
@@ -147,6 +153,7 @@ class Catalog:
                     display_name=display_name,
                     weight=weight,
                     cache_salt=new_salt(),
+                    shadow_mode=shadow_mode,
                     **_quota_columns(quota),
                 )
                 .on_conflict_do_nothing()
@@ -170,8 +177,9 @@ class Catalog:
             return [tenant_from_row(r) for r in (await conn.execute(query)).mappings()]
 
     async def update_tenant(self, tenant: str, changes: dict[str, object]) -> Tenant:
-        """Set the given columns (display_name, weight, max_* quota fields). A quota may go below
-        what the tenant holds now: live work runs on, new admissions wait until it fits."""
+        """Set the given columns (display_name, weight, max_* quota fields, shadow_mode). A
+        quota may go below what the tenant holds now: live work runs on, new admissions wait
+        until it fits."""
 
         async def work(conn: AsyncConnection) -> Tenant:
             await self._set(conn, tenant, dict(changes))
