@@ -82,6 +82,10 @@ def focus_rows(record: billing_pb2.UsageRecord) -> Iterator[tuple[str, ...]]:
     for reason, count in sorted(record.requests_refused.items()):
         description = f"Requests refused: {reason}"
         yield (*period, *owner, f"requests-refused-{reason}", description, str(count), "requests")
+    for reason, count in sorted(record.requests_shadow_refused.items()):
+        sku = f"requests-shadow-refused-{reason}"
+        description = f"Requests admitted in shadow mode that {reason} would have refused"
+        yield (*period, *owner, sku, description, str(count), "requests")
     for tier, blocks in sorted(record.blocks_reclaimed.items()):
         description = f"Blocks reclaimed by {tier}"
         yield (*period, *owner, f"blocks-reclaimed-{tier}", description, str(blocks), "blocks")

@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from kvquota.v1 import resources_pb2 as kvquota_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvquota/v1/admission.proto\x12\nkvquota.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1akvquota/v1/resources.proto\"\x8c\x02\n\x0c\x41\x64mitRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11max_output_tokens\x18\x05 \x01(\x05\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\x12/\n\x0cwait_timeout\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\tlease_ttl\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\"Q\n\rAdmitResponse\x12,\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.kvquota.v1.Reservation\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"O\n\x11RenewLeaseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"5\n\x0eReleaseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\routput_tokens\x18\x02 \x01(\x05\"\x1d\n\rCancelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"%\n\x15GetReservationRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\'\n\x17WatchReservationRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"N\n\x14ReleaseBlocksRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x07handles\x18\x02 \x03(\x0b\x32\x17.kvquota.v1.BlockHandle\"D\n\x19SuspendReservationRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11session_token_ids\x18\x02 \x03(\x05\"Y\n\x18ResumeReservationRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12/\n\x0cwait_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration2\xac\x05\n\x10\x41\x64missionService\x12<\n\x05\x41\x64mit\x12\x18.kvquota.v1.AdmitRequest\x1a\x19.kvquota.v1.AdmitResponse\x12\x44\n\nRenewLease\x12\x1d.kvquota.v1.RenewLeaseRequest\x1a\x17.kvquota.v1.Reservation\x12>\n\x07Release\x12\x1a.kvquota.v1.ReleaseRequest\x1a\x17.kvquota.v1.Reservation\x12<\n\x06\x43\x61ncel\x12\x19.kvquota.v1.CancelRequest\x1a\x17.kvquota.v1.Reservation\x12L\n\x0eGetReservation\x12!.kvquota.v1.GetReservationRequest\x1a\x17.kvquota.v1.Reservation\x12J\n\rReleaseBlocks\x12 .kvquota.v1.ReleaseBlocksRequest\x1a\x17.kvquota.v1.Reservation\x12R\n\x10WatchReservation\x12#.kvquota.v1.WatchReservationRequest\x1a\x17.kvquota.v1.Reservation0\x01\x12T\n\x12SuspendReservation\x12%.kvquota.v1.SuspendReservationRequest\x1a\x17.kvquota.v1.Reservation\x12R\n\x11ResumeReservation\x12$.kvquota.v1.ResumeReservationRequest\x1a\x17.kvquota.v1.Reservationb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvquota/v1/admission.proto\x12\nkvquota.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1akvquota/v1/resources.proto\"\xa4\x02\n\x0c\x41\x64mitRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11max_output_tokens\x18\x05 \x01(\x05\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\x12/\n\x0cwait_timeout\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\tlease_ttl\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0e\x65ngine_address\x18\x0b \x01(\t\"Q\n\rAdmitResponse\x12,\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.kvquota.v1.Reservation\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"O\n\x11RenewLeaseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"5\n\x0eReleaseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\routput_tokens\x18\x02 \x01(\x05\"\x1d\n\rCancelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"%\n\x15GetReservationRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\'\n\x17WatchReservationRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"N\n\x14ReleaseBlocksRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x07handles\x18\x02 \x03(\x0b\x32\x17.kvquota.v1.BlockHandle\"D\n\x19SuspendReservationRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11session_token_ids\x18\x02 \x03(\x05\"Y\n\x18ResumeReservationRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12/\n\x0cwait_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration2\xac\x05\n\x10\x41\x64missionService\x12<\n\x05\x41\x64mit\x12\x18.kvquota.v1.AdmitRequest\x1a\x19.kvquota.v1.AdmitResponse\x12\x44\n\nRenewLease\x12\x1d.kvquota.v1.RenewLeaseRequest\x1a\x17.kvquota.v1.Reservation\x12>\n\x07Release\x12\x1a.kvquota.v1.ReleaseRequest\x1a\x17.kvquota.v1.Reservation\x12<\n\x06\x43\x61ncel\x12\x19.kvquota.v1.CancelRequest\x1a\x17.kvquota.v1.Reservation\x12L\n\x0eGetReservation\x12!.kvquota.v1.GetReservationRequest\x1a\x17.kvquota.v1.Reservation\x12J\n\rReleaseBlocks\x12 .kvquota.v1.ReleaseBlocksRequest\x1a\x17.kvquota.v1.Reservation\x12R\n\x10WatchReservation\x12#.kvquota.v1.WatchReservationRequest\x1a\x17.kvquota.v1.Reservation0\x01\x12T\n\x12SuspendReservation\x12%.kvquota.v1.SuspendReservationRequest\x1a\x17.kvquota.v1.Reservation\x12R\n\x11ResumeReservation\x12$.kvquota.v1.ResumeReservationRequest\x1a\x17.kvquota.v1.Reservationb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvquota.v1.admission_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADMITREQUEST']._serialized_start=103
-  _globals['_ADMITREQUEST']._serialized_end=371
-  _globals['_ADMITRESPONSE']._serialized_start=373
-  _globals['_ADMITRESPONSE']._serialized_end=454
-  _globals['_RENEWLEASEREQUEST']._serialized_start=456
-  _globals['_RENEWLEASEREQUEST']._serialized_end=535
-  _globals['_RELEASEREQUEST']._serialized_start=537
-  _globals['_RELEASEREQUEST']._serialized_end=590
-  _globals['_CANCELREQUEST']._serialized_start=592
-  _globals['_CANCELREQUEST']._serialized_end=621
-  _globals['_GETRESERVATIONREQUEST']._serialized_start=623
-  _globals['_GETRESERVATIONREQUEST']._serialized_end=660
-  _globals['_WATCHRESERVATIONREQUEST']._serialized_start=662
-  _globals['_WATCHRESERVATIONREQUEST']._serialized_end=701
-  _globals['_RELEASEBLOCKSREQUEST']._serialized_start=703
-  _globals['_RELEASEBLOCKSREQUEST']._serialized_end=781
-  _globals['_SUSPENDRESERVATIONREQUEST']._serialized_start=783
-  _globals['_SUSPENDRESERVATIONREQUEST']._serialized_end=851
-  _globals['_RESUMERESERVATIONREQUEST']._serialized_start=853
-  _globals['_RESUMERESERVATIONREQUEST']._serialized_end=942
-  _globals['_ADMISSIONSERVICE']._serialized_start=945
-  _globals['_ADMISSIONSERVICE']._serialized_end=1629
+  _globals['_ADMITREQUEST']._serialized_end=395
+  _globals['_ADMITRESPONSE']._serialized_start=397
+  _globals['_ADMITRESPONSE']._serialized_end=478
+  _globals['_RENEWLEASEREQUEST']._serialized_start=480
+  _globals['_RENEWLEASEREQUEST']._serialized_end=559
+  _globals['_RELEASEREQUEST']._serialized_start=561
+  _globals['_RELEASEREQUEST']._serialized_end=614
+  _globals['_CANCELREQUEST']._serialized_start=616
+  _globals['_CANCELREQUEST']._serialized_end=645
+  _globals['_GETRESERVATIONREQUEST']._serialized_start=647
+  _globals['_GETRESERVATIONREQUEST']._serialized_end=684
+  _globals['_WATCHRESERVATIONREQUEST']._serialized_start=686
+  _globals['_WATCHRESERVATIONREQUEST']._serialized_end=725
+  _globals['_RELEASEBLOCKSREQUEST']._serialized_start=727
+  _globals['_RELEASEBLOCKSREQUEST']._serialized_end=805
+  _globals['_SUSPENDRESERVATIONREQUEST']._serialized_start=807
+  _globals['_SUSPENDRESERVATIONREQUEST']._serialized_end=875
+  _globals['_RESUMERESERVATIONREQUEST']._serialized_start=877
+  _globals['_RESUMERESERVATIONREQUEST']._serialized_end=966
+  _globals['_ADMISSIONSERVICE']._serialized_start=969
+  _globals['_ADMISSIONSERVICE']._serialized_end=1653
 # @@protoc_insertion_point(module_scope)

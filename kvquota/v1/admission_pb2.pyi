@@ -34,18 +34,24 @@ class AdmitRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     WAIT_TIMEOUT_FIELD_NUMBER: _builtins.int
     LEASE_TTL_FIELD_NUMBER: _builtins.int
+    ENGINE_ADDRESS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """tenants/{tenant}"""
     request_id: _builtins.str
     """Idempotency key, unique per tenant; also sent to vLLM as its request id."""
     instance: _builtins.str
-    """instances/{instance}"""
+    """instances/{instance}; or leave it empty and give engine_address."""
     prompt_tokens: _builtins.int
     max_output_tokens: _builtins.int
     n: _builtins.int
     """Parallel sequences sharing the prompt; unset means 1."""
     priority: _builtins.int
     """Higher is more important; 0 is the default class."""
+    engine_address: _builtins.str
+    """The engine by its address instead of its instance name, as an endpoint picker gives it:
+    vLLM's base URL (http://10.0.0.5:8000) or host:port. It names the instance registered with
+    that engine URL (INSTANCE_NOT_FOUND when none is); give it or instance, not both.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids of the prompt, for prefix sharing."""
@@ -74,10 +80,11 @@ class AdmitRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         wait_timeout: _duration_pb2.Duration | None = ...,
         lease_ttl: _duration_pb2.Duration | None = ...,
+        engine_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_ttl", b"lease_ttl", "wait_timeout", b"wait_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant", "wait_timeout", b"wait_timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_address", b"engine_address", "instance", b"instance", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant", "wait_timeout", b"wait_timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -127,6 +127,26 @@ class UsageRecord(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class RequestsShadowRefusedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     HOUR_START_FIELD_NUMBER: _builtins.int
     HOUR_END_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
@@ -144,6 +164,7 @@ class UsageRecord(_message.Message):
     REQUESTS_QUEUED_FIELD_NUMBER: _builtins.int
     REQUESTS_REFUSED_FIELD_NUMBER: _builtins.int
     BLOCKS_RECLAIMED_FIELD_NUMBER: _builtins.int
+    REQUESTS_SHADOW_REFUSED_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """tenants/{tenant}"""
     instance: _builtins.str
@@ -178,6 +199,12 @@ class UsageRecord(_message.Message):
     def blocks_reclaimed(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Blocks reclaims took back from the tenant, by tier (OFFLOAD, EVICT)."""
 
+    @_builtins.property
+    def requests_shadow_refused(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Requests shadow mode admitted that kvquota would have refused, by reason (they count in
+        requests_admitted too).
+        """
+
     def __init__(
         self,
         *,
@@ -198,10 +225,11 @@ class UsageRecord(_message.Message):
         requests_queued: _builtins.int = ...,
         requests_refused: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         blocks_reclaimed: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        requests_shadow_refused: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hour_end", b"hour_end", "hour_start", b"hour_start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_reclaimed", b"blocks_reclaimed", "compressed_gib_hours", b"compressed_gib_hours", "cpu_gib_hours", b"cpu_gib_hours", "fair_share_block_seconds", b"fair_share_block_seconds", "fair_share_gib_hours", b"fair_share_gib_hours", "gpu_block_seconds", b"gpu_block_seconds", "gpu_gib_hours", b"gpu_gib_hours", "hour_end", b"hour_end", "hour_start", b"hour_start", "instance", b"instance", "output_tokens", b"output_tokens", "pinned_block_seconds", b"pinned_block_seconds", "requests_admitted", b"requests_admitted", "requests_queued", b"requests_queued", "requests_refused", b"requests_refused", "tenant", b"tenant", "tokens_reserved", b"tokens_reserved"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_reclaimed", b"blocks_reclaimed", "compressed_gib_hours", b"compressed_gib_hours", "cpu_gib_hours", b"cpu_gib_hours", "fair_share_block_seconds", b"fair_share_block_seconds", "fair_share_gib_hours", b"fair_share_gib_hours", "gpu_block_seconds", b"gpu_block_seconds", "gpu_gib_hours", b"gpu_gib_hours", "hour_end", b"hour_end", "hour_start", b"hour_start", "instance", b"instance", "output_tokens", b"output_tokens", "pinned_block_seconds", b"pinned_block_seconds", "requests_admitted", b"requests_admitted", "requests_queued", b"requests_queued", "requests_refused", b"requests_refused", "requests_shadow_refused", b"requests_shadow_refused", "tenant", b"tenant", "tokens_reserved", b"tokens_reserved"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

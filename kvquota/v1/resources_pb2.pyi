@@ -491,6 +491,7 @@ class Tenant(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     SHARED_NAMESPACE_FIELD_NUMBER: _builtins.int
+    SHADOW_MODE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """tenants/{tenant}"""
     display_name: _builtins.str
@@ -499,6 +500,11 @@ class Tenant(_message.Message):
     """Relative share of contended capacity (fair share between tenants)."""
     shared_namespace: _builtins.str
     """namespaces/{namespace} the tenant shares prefixes in, or empty (isolated, the default)."""
+    shadow_mode: _builtins.bool
+    """Shadow mode, for putting kvquota in front of a tenant's live traffic: Admit records what
+    the tenant's own limits (its quota, its queued requests) would have refused, and admits it
+    anyway. What the instance cannot hold is still refused: those blocks do not exist.
+    """
     @_builtins.property
     def quota(self) -> Global___TenantQuota: ...
     @_builtins.property
@@ -521,10 +527,11 @@ class Tenant(_message.Message):
         create_time: _timestamp_pb2.Timestamp | None = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
         shared_namespace: _builtins.str = ...,
+        shadow_mode: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "quota", b"quota", "update_time", b"update_time", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "display_name", b"display_name", "name", b"name", "quota", b"quota", "shared_namespace", b"shared_namespace", "state", b"state", "update_time", b"update_time", "usage", b"usage", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "display_name", b"display_name", "name", b"name", "quota", b"quota", "shadow_mode", b"shadow_mode", "shared_namespace", b"shared_namespace", "state", b"state", "update_time", b"update_time", "usage", b"usage", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -912,6 +919,7 @@ class Reservation(_message.Message):
     SUSPEND_TIME_FIELD_NUMBER: _builtins.int
     OFFLOADED_BYTES_FIELD_NUMBER: _builtins.int
     OFFLOADED_FIELD_NUMBER: _builtins.int
+    SHADOW_REFUSAL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """tenants/{tenant}/reservations/{request_id}"""
     tenant: _builtins.str
@@ -938,6 +946,11 @@ class Reservation(_message.Message):
     """
     offloaded: _builtins.bool
     """In the CPU tier (offloaded), not on the GPU; stays set while a resume waits in the queue."""
+    shadow_refusal: _builtins.str
+    """Admitted in its tenant's shadow mode although kvquota would have refused it: the reason
+    it would have been refused with (TENANT_QUOTA_EXCEEDED, REQUEST_EXCEEDS_CAPACITY,
+    QUEUE_FULL); empty otherwise.
+    """
     @_builtins.property
     def lease_expire_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -990,10 +1003,11 @@ class Reservation(_message.Message):
         suspend_time: _timestamp_pb2.Timestamp | None = ...,
         offloaded_bytes: _builtins.int = ...,
         offloaded: _builtins.bool = ...,
+        shadow_refusal: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "end_time", b"end_time", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "queue_time", b"queue_time", "suspend_time", b"suspend_time", "wait_deadline", b"wait_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "block_table", b"block_table", "end_reason", b"end_reason", "end_time", b"end_time", "instance", b"instance", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "name", b"name", "offloaded", b"offloaded", "offloaded_bytes", b"offloaded_bytes", "output_tokens", b"output_tokens", "prefix_hit_blocks", b"prefix_hit_blocks", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "queue_position", b"queue_position", "queue_time", b"queue_time", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "reserved_tokens", b"reserved_tokens", "state", b"state", "suspend_time", b"suspend_time", "tenant", b"tenant", "wait_deadline", b"wait_deadline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "block_table", b"block_table", "end_reason", b"end_reason", "end_time", b"end_time", "instance", b"instance", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "name", b"name", "offloaded", b"offloaded", "offloaded_bytes", b"offloaded_bytes", "output_tokens", b"output_tokens", "prefix_hit_blocks", b"prefix_hit_blocks", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "queue_position", b"queue_position", "queue_time", b"queue_time", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "reserved_tokens", b"reserved_tokens", "shadow_refusal", b"shadow_refusal", "state", b"state", "suspend_time", b"suspend_time", "tenant", b"tenant", "wait_deadline", b"wait_deadline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -70,7 +70,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         quota = convert.quota(given.quota)
         catalog.check_new_tenant(request.tenant_id, given.display_name, weight, quota)
         created = await self._catalog.create_tenant(
-            request.tenant_id, given.display_name, weight, quota
+            request.tenant_id, given.display_name, weight, quota, given.shadow_mode
         )
         return convert.tenant(created)
 
@@ -100,6 +100,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             given.weight,
             convert.quota(given.quota),
             given.shared_namespace,
+            given.shadow_mode,
         )
         return convert.tenant(await self._catalog.update_tenant(name, changes))
 

@@ -13,7 +13,7 @@ from kvquota.v1 import admission_pb2 as pb
 from kvquota.v1 import admission_pb2_grpc, resources_pb2
 from quota_service.api import convert, observability
 from quota_service.api.waiting import Waiters
-from quota_service.core import queueing
+from quota_service.core import engine_address, queueing
 from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request, preempted
 from quota_service.core.model import EndReason, Reservation, ReservationState
@@ -21,6 +21,7 @@ from quota_service.core.names import reservation_key, reservation_name
 from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.metrics import ServiceMetrics
 from quota_service.jobs.termination import Termination
+from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -34,15 +35,17 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         termination: Termination,
         cpu_tier: CpuTierMirror,
         metrics: ServiceMetrics,
+        catalog: Catalog,
     ) -> None:
         self._ledger = ledger
+        self._catalog = catalog
         self._waiters = waiters
         self._termination = termination
         self._cpu_tier = cpu_tier
         self._metrics = metrics
 
     async def Admit(self, request: pb.AdmitRequest, context: Context) -> pb.AdmitResponse:
-        admit = convert.admit_request(request)
+        admit = convert.admit_request(request, await self._engine_instance(request))
         reservation, salt = await self._ledger.admit(admit)
         if reservation.state is ReservationState.QUEUED:
             try:
@@ -55,6 +58,19 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                     await asyncio.shield(self._abandon(reservation))
                 raise
         return pb.AdmitResponse(reservation=convert.reservation(reservation), cache_salt=salt)
+
+    async def _engine_instance(self, request: pb.AdmitRequest) -> str | None:
+        """The instance an Admit names by its engine's address; None when it names the
+        instance itself."""
+        if not request.engine_address:
+            return None
+        if request.instance:
+            raise invalid_request(
+                [FieldViolation("engine_address", "give instance or engine_address, not both")]
+            )
+        return await self._catalog.instance_at(
+            engine_address.parse(request.engine_address, "engine_address")
+        )
 
     async def _queue_wait(self, reservation: Reservation, budget_seconds: float) -> Reservation:
         """`_until_admitted`, measured: the one place a caller waits in a queue (a queued Admit,

@@ -62,6 +62,7 @@ def _record(
         requests_queued=counts.queued,
         requests_refused=counts.refused,
         blocks_reclaimed=counts.reclaimed,
+        requests_shadow_refused=counts.shadow_refused,
     )
 
 

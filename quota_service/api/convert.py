@@ -118,10 +118,15 @@ def _resource_id(name: str, collection: str, field: str, violations: list[FieldV
     return value or ""
 
 
-def admit_request(request: admission_pb.AdmitRequest) -> AdmitRequest:
+def admit_request(
+    request: admission_pb.AdmitRequest, engine_instance: str | None = None
+) -> AdmitRequest:
+    """The Admit; `engine_instance` is the instance its engine_address named, if it gave one."""
     violations: list[FieldViolation] = []
     tenant = _resource_id(request.tenant, "tenants", "tenant", violations)
-    instance = _resource_id(request.instance, "instances", "instance", violations)
+    instance = engine_instance or _resource_id(
+        request.instance, "instances", "instance", violations
+    )
     if violations:
         raise invalid_request(violations)
     return AdmitRequest(
@@ -169,6 +174,7 @@ def reservation(value: Reservation) -> pb.Reservation:
         block_table=[block_handle(h) for h in value.block_table],
         lease_ttl=duration(value.lease_ttl_seconds),
         output_tokens=value.output_tokens or 0,
+        shadow_refusal=value.shadow_refusal or "",
     )
     for field, when in (
         ("lease_expire_time", value.lease_expires_at),
@@ -290,6 +296,7 @@ def tenant(value: Tenant) -> pb.Tenant:
             queued_requests=value.queued_requests,
         ),
         shared_namespace=names.namespace_name(value.namespace) if value.namespace else "",
+        shadow_mode=value.shadow_mode,
         weight=value.weight,
         create_time=timestamp(value.created_at),
         update_time=timestamp(value.updated_at),

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 DOMAIN = "kvquota"
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+# gRPC's own retry policy waits this long before its next attempt (gRFC A6), so a stock client
+# follows the computed delay too.
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
 def _pack(message: Any) -> any_pb2.Any:
@@ -65,12 +68,35 @@ def rich_status(error: KvQuotaError) -> tuple[grpc.StatusCode, status_pb2.Status
                 )
             )
         )
-    if error.retry_delay_seconds is not None:
+    delay_ms = retry_delay_ms(error)
+    if delay_ms is not None:
         info = error_details_pb2.RetryInfo()
-        info.retry_delay.FromNanoseconds(round(error.retry_delay_seconds * 1e9))
+        info.retry_delay.FromMilliseconds(delay_ms)
         details.append(_pack(info))
     status = status_pb2.Status(code=code.value[0], message=error.message, details=details)
     return code, status
+
+
+def retry_delay_ms(error: KvQuotaError) -> int | None:
+    """The retry delay in whole milliseconds (the pushback header's unit), so that RetryInfo and
+    the header say exactly the same."""
+    if error.retry_delay_seconds is None:
+        return None
+    return round(error.retry_delay_seconds * 1000)
+
+
+def trailers(error: KvQuotaError, status: status_pb2.Status) -> tuple[tuple[str, str | bytes], ...]:
+    """What a refusal's trailing metadata carries: the rich status, and the pushback whenever
+    it has a retry delay."""
+    rich: tuple[tuple[str, str | bytes], ...] = ((STATUS_DETAILS_KEY, status.SerializeToString()),)
+    delay_ms = retry_delay_ms(error)
+    return rich if delay_ms is None else (*rich, (RETRY_PUSHBACK_KEY, str(delay_ms)))
+
+
+async def abort(context: grpc.aio.ServicerContext[Any, Any], error: KvQuotaError) -> None:
+    """End the call with `error` as a rich status (raises, as context.abort does)."""
+    code, status = rich_status(error)
+    await context.abort(code, status.message, trailing_metadata=trailers(error, status))
 
 
 def domain_error(exc: Exception, method: str) -> KvQuotaError:
@@ -112,12 +138,7 @@ def _guard(behavior: Behavior[Request, Response], method: str) -> Behavior[Reque
         try:
             return await behavior(request, context)
         except Exception as exc:
-            code, status = rich_status(domain_error(exc, method))
-            await context.abort(
-                code,
-                status.message,
-                trailing_metadata=((STATUS_DETAILS_KEY, status.SerializeToString()),),
-            )
+            await abort(context, domain_error(exc, method))
             raise AssertionError("abort raises") from exc
 
     return guarded
@@ -154,12 +175,7 @@ def _guard_stream(
             async for item in responses(behavior, request, context):
                 yield item
         except Exception as exc:
-            code, status = rich_status(domain_error(exc, method))
-            await context.abort(
-                code,
-                status.message,
-                trailing_metadata=((STATUS_DETAILS_KEY, status.SerializeToString()),),
-            )
+            await abort(context, domain_error(exc, method))
 
     return guarded
 

@@ -41,6 +41,9 @@ ADMITTED = "admitted"
 QUEUED = "queued"  # admitted after waiting in the instance's queue
 REFUSED = "refused"
 ABANDONED = "abandoned"  # the caller went away before its answer
+# Admitted in its tenant's shadow mode where kvquota would have refused it (the reason label
+# says why it would have).
+SHADOW_ADMITTED = "shadow_admitted"
 
 
 @dataclass
@@ -60,16 +63,19 @@ def note_queued() -> None:
         call.queued = True
 
 
-def admission_outcome(response: object, call: CallNotes) -> str:
-    """admitted, queued (admitted after a wait), or the state a repeated request found."""
+def admission_outcome(response: object, call: CallNotes) -> tuple[str, str]:
+    """admitted, queued (admitted after a wait), shadow_admitted with the reason it would have
+    been refused for, or the state a repeated request found; and the reason label."""
     reservation = (
         response.reservation if isinstance(response, admission_pb2.AdmitResponse) else response
     )
     if not isinstance(reservation, resources_pb2.Reservation):
-        return "unknown"
+        return "unknown", ""
     state = resources_pb2.ReservationState.Name(reservation.state)
     outcome = state.removeprefix("RESERVATION_STATE_").lower()
-    return QUEUED if outcome == ADMITTED and call.queued else outcome
+    if outcome == ADMITTED and reservation.shadow_refusal:
+        return SHADOW_ADMITTED, reservation.shadow_refusal
+    return (QUEUED if outcome == ADMITTED and call.queued else outcome), ""
 
 
 class MetricsInterceptor(WrappingInterceptor):
@@ -91,7 +97,7 @@ class MetricsInterceptor(WrappingInterceptor):
             code, reason, outcome = Code.INTERNAL.value, "", REFUSED
             try:
                 response = await behavior(request, context)
-                code, outcome = "OK", admission_outcome(response, call)
+                code, (outcome, reason) = "OK", admission_outcome(response, call)
                 return response
             except BaseException as exc:
                 code, reason = answered_with(exc, context)

@@ -62,6 +62,7 @@ SERVICE_NAMES = (
 )
 # Prompt token ids of a 128k-token context fit comfortably; anything larger is refused by gRPC.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
 LISTEN_TIMEOUT_SECONDS = 30
 MAX_READY_DELAY_SECONDS = 10.0
 # What the end of the shutdown grace leaves callers still waiting to get their answer in.
@@ -188,20 +189,25 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # Clients' keepalive pings (kvquota.client sends one every 30 s) are welcome, also
+            # on idle connections, instead of being answered with GOAWAY (too_many_pings).
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
         ],
     )
     termination = Termination(
         ledger, settings.engine_abort_timeout_seconds, settings.engine_abort_hard_timeout_seconds
     )
     cpu_tier = CpuTierMirror(CpuTierBooks(engine))
+    catalog = Catalog(engine)
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(
-        AdmissionServicer(ledger, waiters, termination, cpu_tier, observed), server
+        AdmissionServicer(ledger, waiters, termination, cpu_tier, observed, catalog), server
     )
     pins = Pins(engine, settings.admission_limits)
     offboarding = Offboarding(engine, ledger, pins, termination)
     inspection = Inspection(engine)
     reclaim = ReclaimJobs(engine, settings.cpu_watermarks)
-    admin = AdminServicer(Catalog(engine), pins, offboarding, inspection, reclaim, api_keys, audit)
+    admin = AdminServicer(catalog, pins, offboarding, inspection, reclaim, api_keys, audit)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
     billing_pb2_grpc.add_BillingServiceServicer_to_server(
         BillingServicer(UsageBook(engine)), server
@@ -225,7 +231,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     stop = asyncio.Event()
     followers = Followers(database_url, Reconciler(engine, ledger), metrics=observed)
     await followers.scan()
-    metrics = LedgerMetrics(Catalog(engine), inspection, reclaim, settings.metrics_refresh_seconds)
+    metrics = LedgerMetrics(catalog, inspection, reclaim, settings.metrics_refresh_seconds)
     await metrics.refresh()
     observed.registry.register(metrics)
     metrics_server = None

@@ -68,6 +68,8 @@ class AdmissionPlan:
     lease_ttl_seconds: float
     hits: tuple[CachedBlock, ...] = ()
     new_hashes: tuple[bytes | None, ...] = ()
+    # Shadow mode: the reason the tenant's own limits would have refused it with.
+    shadow_refusal: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +241,8 @@ class Grant:
     blocks: int
     tokens: int
     lease_ttl_seconds: float
+    # In the tenant's shadow mode, the refusal its own limits would have given.
+    shadow_refusal: str | None = None
 
 
 def decide(
@@ -260,6 +264,7 @@ def decide(
         verdict.lease_ttl_seconds,
         tuple(hits),
         tuple(block_table.new_block_hashes(table, len(hits))),
+        verdict.shadow_refusal,
     )
 
 
@@ -272,7 +277,13 @@ def judge(
     hits: PrefixHits,
 ) -> Grant | Shortfall:
     """Check-and-reserve: raise for refusals that waiting cannot fix, return a Shortfall for those
-    it can, or the grant. `blocks` is the whole table; `hits` what its cached prefix covers."""
+    it can, or the grant. `blocks` is the whole table; `hits` what its cached prefix covers.
+
+    In the tenant's shadow mode, what only its own quota refuses (REQUEST_EXCEEDS_CAPACITY of
+    a tenant limit, TENANT_QUOTA_EXCEEDED) is admitted and the grant says why it would not have
+    been; the instance's limits still refuse, since blocks it does not have cannot be handed
+    out. A suspended tenant is refused all the same: that is an operator's decision, not a
+    limit being tried out."""
     p = request.params
     if account.state is not TenantState.ACTIVE:
         raise tenant_not_active(p.tenant, account.state)
@@ -296,6 +307,7 @@ def judge(
     # Blocks the tenant does not reference yet: sharing within a tenant is free.
     new_to_tenant = new_blocks + hits.new_to_tenant
     quota = account.quota
+    shadow_refusal = None
     hard_limits = (
         ("instanceCapacityBlocks", blocks, pool.capacity_blocks),
         ("tenantMaxBlocks", new_to_tenant, quota.max_blocks),
@@ -303,6 +315,9 @@ def judge(
     )
     for limit_name, asked_for, limit in hard_limits:
         if asked_for > limit:
+            if account.shadow_mode and limit_name.startswith("tenant"):
+                shadow_refusal = "REQUEST_EXCEEDS_CAPACITY"
+                continue
             raise KvQuotaError(
                 Code.FAILED_PRECONDITION,
                 "REQUEST_EXCEEDS_CAPACITY",
@@ -317,12 +332,17 @@ def judge(
     free_blocks_tenant = quota.max_blocks - account.blocks_in_use
     free_tokens_tenant = quota.max_tokens_in_flight - account.tokens_in_flight
     if new_to_tenant > free_blocks_tenant or tokens > free_tokens_tenant:
-        return Shortfall("tenant", new_to_tenant, tokens, free_blocks_tenant, free_tokens_tenant)
+        if not account.shadow_mode:
+            return Shortfall(
+                "tenant", new_to_tenant, tokens, free_blocks_tenant, free_tokens_tenant
+            )
+        shadow_refusal = shadow_refusal or "TENANT_QUOTA_EXCEEDED"
     # A hit on a cached block takes it out of what can be evicted to make room.
     allocatable = pool.allocatable_blocks - hits.evictable
     if new_blocks > allocatable:
         return Shortfall("instance", new_blocks, tokens, allocatable, 0)
-    return Grant(blocks, tokens, request.lease_ttl_seconds or limits.default_lease_ttl_seconds)
+    ttl = request.lease_ttl_seconds or limits.default_lease_ttl_seconds
+    return Grant(blocks, tokens, ttl, shadow_refusal)
 
 
 def expected_end(

@@ -23,6 +23,7 @@ TENANT_UPDATE_PATHS = (
     "display_name",
     "weight",
     "shared_namespace",
+    "shadow_mode",
     "quota",
     *(f"quota.{f}" for f in QUOTA_FIELDS),
 )
@@ -61,6 +62,7 @@ def tenant_changes(
     weight: int,
     quota: TenantQuota,
     shared_namespace: str = "",
+    shadow_mode: bool = False,
 ) -> dict[str, object]:
     """The columns an update sets: the fields its mask names (AIP-134), checked like a create."""
     if not paths or any(p not in TENANT_UPDATE_PATHS for p in paths):
@@ -89,6 +91,8 @@ def tenant_changes(
         changes["display_name"] = new_name
     if new_weight is not None:
         changes["weight"] = new_weight
+    if "shadow_mode" in paths:
+        changes["shadow_mode"] = shadow_mode
     return changes
 
 

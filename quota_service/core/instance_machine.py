@@ -72,6 +72,8 @@ class TenantSettings:
     # shared `namespaces/{n}`).
     salt: str
     scope: str
+    # Admit what its own limits would refuse, recording why (admission.judge).
+    shadow_mode: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +136,7 @@ class ReservationRecord:
         "prompt_token_ids",
         "queued_at",
         "reserved_blocks",
+        "shadow_refusal",
         "state",
         "suspended_at",
         "table",
@@ -163,6 +166,7 @@ class ReservationRecord:
         self.arrival = 0
         self.suspended_at: float | None = None
         self.offloaded_bytes: int | None = None
+        self.shadow_refusal: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -211,6 +215,7 @@ class ReservationRecord:
             suspended_at=_time(self.suspended_at),
             offloaded_bytes=self.offloaded_bytes,
             prompt_digest=self.prompt_digest,
+            shadow_refusal=self.shadow_refusal,
         )
 
 
@@ -439,6 +444,7 @@ class InstanceMachine:
             elsewhere.tokens + here.tokens,
             here.mean_hold_seconds,
             elsewhere.pinned + len(here.pinned),
+            here.settings.shadow_mode,
         )
 
     def get(self, tenant: str, request_id: str) -> ReservationRecord:
@@ -514,10 +520,13 @@ class InstanceMachine:
             tenant_queued_requests=here.queued,
             tenant_max_queued_requests=here.settings.quota.max_queued_requests,
         )
-        queueing.check_bounds(load, p.prompt_tokens, p.instance, p.tenant, delay)
+        shadow_refusal = queueing.check_bounds(
+            load, p.prompt_tokens, p.instance, p.tenant, delay, here.settings.shadow_mode
+        )
         tokens = geometry.tokens_in_flight(p.prompt_tokens, p.max_output_tokens, p.n)
         ttl = request.lease_ttl_seconds or self.limits.default_lease_ttl_seconds
         record = ReservationRecord(request, table.total, tokens, ttl)
+        record.shadow_refusal = shadow_refusal
         self._enqueue(record, here, now, request.wait_timeout_seconds)
         self.dispatch(now)
         return record
@@ -584,6 +593,7 @@ class InstanceMachine:
         record.tokens = grant.tokens
         record.prefix_hit_blocks = len(hit_blocks)
         record.lease_ttl_seconds = grant.lease_ttl_seconds
+        record.shadow_refusal = record.shadow_refusal or grant.shadow_refusal
         record.admitted_at = now
         record.lease_expires_at = now + grant.lease_ttl_seconds
         here.tokens += grant.tokens

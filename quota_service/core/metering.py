@@ -36,6 +36,8 @@ class Counts:
     queued: int = 0
     refused: Mapping[str, int] = field(default_factory=dict)  # reason → requests
     reclaimed: Mapping[str, int] = field(default_factory=dict)  # tier → blocks
+    # Admitted in shadow mode: reason that would have refused them → requests.
+    shadow_refused: Mapping[str, int] = field(default_factory=dict)
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(
@@ -45,6 +47,7 @@ class Counts:
             self.queued + other.queued,
             dict(Counter(self.refused) + Counter(other.refused)),
             dict(Counter(self.reclaimed) + Counter(other.reclaimed)),
+            dict(Counter(self.shadow_refused) + Counter(other.shadow_refused)),
         )
 
 

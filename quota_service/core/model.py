@@ -65,6 +65,8 @@ class TenantAccount:
     tokens_in_flight: int
     mean_hold_seconds: float | None
     pinned_blocks: int = 0
+    # Admit what its own limits would refuse, recording why (see admission.decide).
+    shadow_mode: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,8 @@ class Reservation:
     offloaded_bytes: int | None = None
     # What identifies its prompt's token ids for a repeated Admit (None: none were given).
     prompt_digest: bytes | None = None
+    # Admitted in shadow mode although this refusal's reason would have refused it.
+    shadow_refusal: str | None = None
 
     @property
     def params(self) -> AdmitParams:
@@ -170,6 +174,7 @@ class Tenant:
     live_reservations: int
     created_at: datetime
     updated_at: datetime
+    shadow_mode: bool = False
 
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024

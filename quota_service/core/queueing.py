@@ -71,9 +71,15 @@ def max_queued_prompt_tokens(
 
 
 def check_bounds(
-    load: QueueLoad, prompt_tokens: int, instance: str, tenant: str, delay: float
-) -> None:
-    """QUEUE_FULL (503 + Retry-After) when joining would pass a bound."""
+    load: QueueLoad,
+    prompt_tokens: int,
+    instance: str,
+    tenant: str,
+    delay: float,
+    shadow_mode: bool = False,
+) -> str | None:
+    """QUEUE_FULL (503 + Retry-After) when joining would pass a bound. In the tenant's shadow
+    mode its own bound only says so (the reason is returned) and the request queues anyway."""
     full = None
     if load.queued_requests + 1 > load.max_queued_requests:
         full = f"instance {instance} has {load.queued_requests} requests queued, its limit"
@@ -86,6 +92,8 @@ def check_bounds(
             f"{prompt_tokens} more would pass its TTFT guard of {load.max_queued_prompt_tokens}"
         )
     elif load.tenant_queued_requests + 1 > load.tenant_max_queued_requests:
+        if shadow_mode:
+            return "QUEUE_FULL"
         full = f"tenant {tenant} has {load.tenant_queued_requests} requests queued, its limit"
     if full is not None:
         raise KvQuotaError(
@@ -99,6 +107,7 @@ def check_bounds(
             },
             retry_delay_seconds=delay,
         )
+    return None
 
 
 class Step(enum.Enum):

@@ -310,7 +310,8 @@ TENANT_ACCOUNT_COLUMNS = """
            t.state AS account_state, t.max_blocks, t.max_tokens_in_flight,
            t.max_queued_requests, t.max_pinned_blocks, t.max_cpu_tier_bytes,
            t.blocks_in_use AS account_blocks, t.tokens_in_flight,
-           t.mean_hold_seconds AS account_hold, t.pinned_blocks AS account_pinned"""
+           t.mean_hold_seconds AS account_hold, t.pinned_blocks AS account_pinned,
+           t.shadow_mode AS account_shadow_mode"""
 
 # Select-list items of tenant `t`: the salt its prefixes are hashed under, and whose it is (its
 # own, or its namespace's). Subqueries, not a join, so that in a statement locking `t` they are

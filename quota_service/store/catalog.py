@@ -10,7 +10,15 @@ from sqlalchemy import RowMapping, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from quota_service.core.errors import Code, KvQuotaError, already_exists, not_found
+from quota_service.core import engine_address
+from quota_service.core.errors import (
+    Code,
+    FieldViolation,
+    KvQuotaError,
+    already_exists,
+    invalid_request,
+    not_found,
+)
 from quota_service.core.geometry import KvGeometry, parse_dtype
 from quota_service.core.hashing import HashAlgo
 from quota_service.core.model import (
@@ -74,6 +82,7 @@ def tenant_from_row(row: RowMapping) -> Tenant:
         live_reservations=row["live_reservations"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        shadow_mode=row["shadow_mode"],
     )
 
 
@@ -129,7 +138,12 @@ class Catalog:
     # Tenants
 
     async def create_tenant(
-        self, tenant: str, display_name: str, weight: int, quota: TenantQuota
+        self,
+        tenant: str,
+        display_name: str,
+        weight: int,
+        quota: TenantQuota,
+        shadow_mode: bool = False,
     ) -> Tenant:
         async def work(conn: AsyncConnection) -> Tenant:
             statement = (
@@ -139,6 +153,7 @@ class Catalog:
                     display_name=display_name,
                     weight=weight,
                     cache_salt=new_salt(),
+                    shadow_mode=shadow_mode,
                     **_quota_columns(quota),
                 )
                 .on_conflict_do_nothing()
@@ -162,8 +177,9 @@ class Catalog:
             return [tenant_from_row(r) for r in (await conn.execute(query)).mappings()]
 
     async def update_tenant(self, tenant: str, changes: dict[str, object]) -> Tenant:
-        """Set the given columns (display_name, weight, max_* quota fields). A quota may go below
-        what the tenant holds now: live work runs on, new admissions wait until it fits."""
+        """Set the given columns (display_name, weight, max_* quota fields, shadow_mode). A
+        quota may go below what the tenant holds now: live work runs on, new admissions wait
+        until it fits."""
 
         async def work(conn: AsyncConnection) -> Tenant:
             await self._set(conn, tenant, dict(changes))
@@ -315,6 +331,31 @@ class Catalog:
 
         return await in_transaction(self._engine, work)
 
+    async def instance_at(self, address: str) -> str:
+        """The instance whose engine is at `address` (host:port, as core/engine_address.py
+        keys it): INSTANCE_NOT_FOUND when none is, INVALID_REQUEST when several share it
+        (data-parallel ranks behind one server), so the caller names the instance."""
+        query = select(InstanceRow.instance).where(InstanceRow.engine_address == address).limit(2)
+        async with self._engine.connect() as conn:
+            found = list((await conn.execute(query)).scalars())
+        if not found:
+            raise KvQuotaError(
+                Code.NOT_FOUND,
+                "INSTANCE_NOT_FOUND",
+                f"no instance is registered with the engine at {address}",
+                metadata={"engineAddress": address},
+            )
+        if len(found) > 1:
+            raise invalid_request(
+                [
+                    FieldViolation(
+                        "engine_address",
+                        f"several instances share the engine at {address}: name the instance",
+                    )
+                ]
+            )
+        return str(found[0])
+
     async def get_instance(self, instance: str) -> Instance:
         async with self._engine.connect() as conn:
             return await self._instance(conn, instance)
@@ -360,6 +401,7 @@ def _engine_columns(engine: EngineEndpoints | None) -> dict[str, object]:
     lmcache = engine.lmcache if engine is not None else None
     return {
         "engine_url": engine.url if engine else None,
+        "engine_address": engine_address.normalise(engine.url) if engine else None,
         "kv_events_endpoint": engine.kv_events if engine else None,
         "kv_replay_endpoint": engine.kv_replay if engine else None,
         "lmcache_coordinator_url": lmcache.coordinator_url if lmcache else None,

@@ -91,8 +91,12 @@ def _admitting(
     return f"""
     WITH reservation AS ({reservation}),
     counted AS (
-        INSERT INTO usage_events (tenant, instance, tokens_reserved, admitted, cpu_bytes)
-        SELECT tenant, instance, reserved_tokens, 1, -was_offloaded FROM reservation
+        INSERT INTO usage_events (
+            tenant, instance, tokens_reserved, admitted, cpu_bytes, shadow_refused)
+        SELECT tenant, instance, reserved_tokens, 1, -was_offloaded,
+               CASE WHEN shadow_refusal IS NULL THEN '{{}}'::jsonb
+                    ELSE jsonb_build_object(shadow_refusal, 1) END
+        FROM reservation
     ),
     {blocks.ALLOCATE}, {blocks.pool_counts(pool_extra)},
     {blocks.tenant_additions(", tokens_in_flight = tokens_in_flight + :tokens" + tenant_extra)}
@@ -112,11 +116,11 @@ _INSERT_RESERVATION = text(
         INSERT INTO reservations (
             tenant, request_id, holder_id, instance, prompt_tokens, max_output_tokens, n,
             priority, state, reserved_blocks, reserved_tokens, prefix_hit_blocks,
-            lease_ttl_seconds, lease_expires_at, admitted_at, prompt_digest)
+            lease_ttl_seconds, lease_expires_at, admitted_at, prompt_digest, shadow_refusal)
         VALUES (
             :tenant, :request_id, :holder, :instance, :prompt_tokens, :max_output_tokens, :n,
             :priority, 'ADMITTED', :blocks, :tokens, :hit_count,
-            :ttl, now() + make_interval(secs => :ttl), now(), :prompt_digest)
+            :ttl, now() + make_interval(secs => :ttl), now(), :prompt_digest, :shadow_refusal)
         ON CONFLICT DO NOTHING
         RETURNING *, 0::bigint AS was_offloaded
         """
@@ -131,7 +135,9 @@ _PROMOTE_RESERVATION = text(
         SET state = 'ADMITTED', reserved_blocks = :blocks, prefix_hit_blocks = :hit_count,
             lease_ttl_seconds = :ttl, lease_expires_at = now() + make_interval(secs => :ttl),
             admitted_at = now(), prompt_token_ids = NULL, suspended_at = NULL,
-            offloaded_bytes = NULL
+            offloaded_bytes = NULL,
+            -- What would have refused it first: joining the queue, or being admitted now.
+            shadow_refusal = coalesce(shadow_refusal, :shadow_refusal)
         WHERE tenant = :tenant AND request_id = :request_id AND state = 'QUEUED'
         -- A resumed session's bytes leave the CPU tier (the subquery sees the row as it was).
         RETURNING *, coalesce((SELECT o.offloaded_bytes FROM reservations o
@@ -168,12 +174,12 @@ _ENQUEUE = text(
             tenant, request_id, holder_id, instance, prompt_tokens, max_output_tokens, n,
             priority, state, reserved_blocks, reserved_tokens, lease_ttl_seconds,
             queued_at, wait_deadline, virtual_start, virtual_finish, prompt_token_ids,
-            prompt_digest)
+            prompt_digest, shadow_refusal)
         VALUES (
             :tenant, :request_id, :holder, :instance, :prompt_tokens, :max_output_tokens, :n,
             :priority, 'QUEUED', :blocks, :tokens, :ttl,
             now(), now() + make_interval(secs => :wait), :virtual_start, :virtual_finish,
-            CAST(:prompt_token_ids AS int[]), :prompt_digest)
+            CAST(:prompt_token_ids AS int[]), :prompt_digest, :shadow_refusal)
         -- An offloaded session that resumes queues again as it is (same holder, its session's
         -- tokens kept for its prefix, offloaded_bytes kept until admitted: a resume that runs
         -- out of wait goes back to the CPU tier); any other row is an Admit's duplicate.
@@ -600,6 +606,7 @@ def reservation_from_row(row: RowMapping) -> Reservation:
         suspended_at=row.get("suspended_at"),
         offloaded_bytes=row.get("offloaded_bytes"),
         prompt_digest=row.get("prompt_digest"),
+        shadow_refusal=row.get("shadow_refusal"),
     )
 
 
@@ -728,8 +735,12 @@ class Ledger:
             tenant_queued_requests=row["account_queued"],
             tenant_max_queued_requests=account.quota.max_queued_requests,
         )
-        queueing.check_bounds(load, p.prompt_tokens, p.instance, p.tenant, delay)
-        await self._enqueue(conn, request, table.total, row["holder_id"], row["weight"])
+        shadow_refusal = queueing.check_bounds(
+            load, p.prompt_tokens, p.instance, p.tenant, delay, account.shadow_mode
+        )
+        await self._enqueue(
+            conn, request, table.total, row["holder_id"], row["weight"], shadow_refusal
+        )
         await self._dispatch(conn, p.instance)
         return await self._get(conn, p.tenant, p.request_id)
 
@@ -755,6 +766,7 @@ class Ledger:
             "tokens": plan.tokens,
             "ttl": plan.lease_ttl_seconds,
             "prompt_digest": admission.prompt_digest(request.prompt_token_ids),
+            "shadow_refusal": plan.shadow_refusal,
             **allocation_params(plan.hits, plan.new_hashes, hash_scope, pinned=False),
         }
         row = (await conn.execute(_INSERT_RESERVATION, params)).mappings().first()
@@ -772,6 +784,7 @@ class Ledger:
         blocks_needed: int,
         holder: int,
         weight: int,
+        shadow_refusal: str | None = None,
     ) -> None:
         p = request.params
         place = {"instance": p.instance, "tenant": p.tenant, "priority": p.priority}
@@ -793,6 +806,7 @@ class Ledger:
             "virtual_finish": tags.finish,
             "prompt_token_ids": list(request.prompt_token_ids) or None,
             "prompt_digest": admission.prompt_digest(request.prompt_token_ids),
+            "shadow_refusal": shadow_refusal,
         }
         if (await conn.execute(_ENQUEUE, params)).first() is None:
             raise _DuplicateRace()
@@ -864,6 +878,7 @@ class Ledger:
                     "tokens": decision.tokens,
                     "ttl": decision.lease_ttl_seconds,
                     "virtual_start": queued["virtual_start"],
+                    "shadow_refusal": decision.shadow_refusal,
                     **allocation_params(
                         decision.hits, decision.new_hashes, salt["hash_scope"], pinned=False
                     ),
@@ -1244,6 +1259,7 @@ def account_from_row(tenant: str, row: RowMapping) -> TenantAccount:
         tokens_in_flight=row["tokens_in_flight"],
         mean_hold_seconds=row["account_hold"],
         pinned_blocks=row["account_pinned"],
+        shadow_mode=row["account_shadow_mode"],
     )
 
 

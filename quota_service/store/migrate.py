@@ -23,8 +23,12 @@ def _config(url: str) -> Config:
     return config
 
 
-def upgrade(url: str) -> None:
-    command.upgrade(_config(url), "head")
+def upgrade(url: str, revision: str = "head") -> None:
+    command.upgrade(_config(url), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    command.downgrade(_config(url), revision)
 
 
 def pending(url: str) -> bool:

@@ -303,7 +303,9 @@ _TENANTS_OVER_QUOTA = text(
     FROM tenants t
     JOIN (SELECT tenant, instance, count(*) AS held FROM tenant_blocks
           GROUP BY tenant, instance) tb USING (tenant)
+    -- A tenant in shadow mode is over its quota by design: its quota is only being tried out.
     WHERE t.state IN ('ACTIVE', 'SUSPENDED') AND t.blocks_in_use > t.max_blocks
+      AND NOT t.shadow_mode
     GROUP BY t.tenant, t.blocks_in_use, t.max_blocks ORDER BY t.tenant
     """
 )

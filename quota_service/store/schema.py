@@ -93,6 +93,8 @@ class TenantRow(Base):
     cache_salt: Mapped[str] = mapped_column(String(128))
     # A tenant in a shared namespace hashes (and so shares) its prefixes under the namespace's salt.
     namespace: Mapped[str | None] = mapped_column(ForeignKey("namespaces.namespace"))
+    # Admit what its own limits would refuse, recording why (core/admission.py).
+    shadow_mode: Mapped[bool] = mapped_column(server_default=text("false"))
     # Offboarding report, accumulated batch by batch so a resumed offboarding adds up.
     offboard_freed_blocks: Mapped[Count]
     offboard_shared_blocks: Mapped[Count]
@@ -158,6 +160,9 @@ class InstanceRow(Base):
     queued_prompt_tokens: Mapped[Count]
     # The engine behind it, when kvquota follows one (vLLM's HTTP server and KV-event sockets).
     engine_url: Mapped[str | None] = mapped_column(String(200))
+    # engine_url reduced to host:port (core/engine_address.py): an Admit naming the engine by
+    # its address finds the instance through it.
+    engine_address: Mapped[str | None] = mapped_column(String(200))
     kv_events_endpoint: Mapped[str | None] = mapped_column(String(200))
     kv_replay_endpoint: Mapped[str | None] = mapped_column(String(200))
     # The LMCache coordinator of its CPU tier, and its L1 as last read there.
@@ -190,6 +195,7 @@ class InstanceRow(Base):
             "block_size >= 1 AND capacity_blocks >= 1 AND max_model_len >= 1", name="pool"
         ),
         CheckConstraint("hash_algo IN ('sha256', 'sha256_cbor')", name="hash_algo"),
+        Index("ix_instances_engine_address", "engine_address"),
         # Invariant 1 (counts): every slot in exactly one state.
         CheckConstraint(
             "free_blocks >= 0 AND cached_blocks >= 0 AND blocks_in_use >= 0 AND pinned_blocks >= 0 "
@@ -234,6 +240,8 @@ class ReservationRow(Base):
     # SHA-256 of the prompt's token ids as the Admit gave them (NULL: none): a repeat with other
     # tokens under the same request_id is refused.
     prompt_digest: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # Admitted in its tenant's shadow mode although this reason would have refused it.
+    shadow_refusal: Mapped[str | None] = mapped_column(String(32))
     # Release follows the engine: when ending it needs an abort the engine has not confirmed
     # yet, when that was first asked and the reason it will end with.
     abort_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -578,6 +586,10 @@ class UsageEventRow(Base):
     queued: Mapped[int] = mapped_column(Integer, server_default="0")
     refused: Mapped[dict[str, int]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     reclaimed: Mapped[dict[str, int]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    # Admitted in shadow mode, by the reason that would have refused them.
+    shadow_refused: Mapped[dict[str, int]] = mapped_column(
+        JSONB, server_default=text("'{}'::jsonb")
+    )
     # The closed hour that accounted it (NULL: not rolled up yet).
     hour: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
@@ -602,6 +614,9 @@ class UsageHourRow(Base):
     queued: Mapped[int] = mapped_column(BigInteger)
     refused: Mapped[dict[str, int]] = mapped_column(JSONB)
     reclaimed: Mapped[dict[str, int]] = mapped_column(JSONB)
+    shadow_refused: Mapped[dict[str, int]] = mapped_column(
+        JSONB, server_default=text("'{}'::jsonb")
+    )
     bytes_per_block: Mapped[int | None] = mapped_column(BigInteger)
     end_blocks: Mapped[dict[str, int]] = mapped_column(JSONB)
     end_pinned: Mapped[int] = mapped_column(BigInteger)

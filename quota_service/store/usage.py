@@ -40,16 +40,16 @@ _INSERT_HOUR = text(
     """
     INSERT INTO usage_hours (
         hour, tenant, instance, block_us, pinned_block_us, cpu_byte_us, tokens_reserved,
-        output_tokens, admitted, queued, refused, reclaimed, bytes_per_block, end_blocks,
-        end_pinned, end_cpu_bytes)
+        output_tokens, admitted, queued, refused, reclaimed, shadow_refused, bytes_per_block,
+        end_blocks, end_pinned, end_cpu_bytes)
     SELECT :hour, u.tenant, u.instance, u.block_us, u.pinned_block_us, u.cpu_byte_us,
            u.tokens_reserved, u.output_tokens, u.admitted, u.queued, u.refused, u.reclaimed,
-           u.bytes_per_block, u.end_blocks, u.end_pinned, u.end_cpu_bytes
+           u.shadow_refused, u.bytes_per_block, u.end_blocks, u.end_pinned, u.end_cpu_bytes
     FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS u(
         tenant text, instance text, block_us jsonb, pinned_block_us bigint,
         cpu_byte_us numeric, tokens_reserved bigint, output_tokens bigint, admitted bigint,
-        queued bigint, refused jsonb, reclaimed jsonb, bytes_per_block bigint,
-        end_blocks jsonb, end_pinned bigint, end_cpu_bytes bigint)
+        queued bigint, refused jsonb, reclaimed jsonb, shadow_refused jsonb,
+        bytes_per_block bigint, end_blocks jsonb, end_pinned bigint, end_cpu_bytes bigint)
     """
 )
 _MARK_EVENTS = text("UPDATE usage_events SET hour = :hour WHERE id = ANY (CAST(:ids AS bigint[]))")
@@ -102,6 +102,7 @@ def _counted(row: RowMapping) -> Counts:
         row["queued"],
         dict(row["refused"]),
         dict(row["reclaimed"]),
+        dict(row["shadow_refused"]),
     )
 
 
@@ -130,6 +131,7 @@ def _row(usage: HourUsage, bytes_per_block: int | None) -> dict[str, object]:
         "queued": usage.counts.queued,
         "refused": usage.counts.refused,
         "reclaimed": usage.counts.reclaimed,
+        "shadow_refused": usage.counts.shadow_refused,
         "bytes_per_block": bytes_per_block,
         "end_blocks": {str(k): v for k, v in sorted(usage.end.blocks.items())},
         "end_pinned": usage.end.pinned,

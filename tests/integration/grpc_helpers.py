@@ -16,6 +16,7 @@ from kvquota.v1 import admission_pb2
 from kvquota.v1 import resources_pb2 as pb
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
 def free_port() -> int:
@@ -38,7 +39,8 @@ class RichError:
 
 
 def rich_error(error: grpc.aio.AioRpcError) -> RichError:
-    raw = dict(error.trailing_metadata() or ())[STATUS_DETAILS_KEY]
+    trailers = dict(error.trailing_metadata() or ())
+    raw = trailers[STATUS_DETAILS_KEY]
     status = status_pb2.Status.FromString(raw)
     assert status.code == error.code().value[0]
     details: dict[str, Message] = {}
@@ -56,6 +58,14 @@ def rich_error(error: grpc.aio.AioRpcError) -> RichError:
                 details[kind.DESCRIPTOR.name] = message
                 if isinstance(message, error_details_pb2.ErrorInfo):
                     info = message
+    # Every refusal with a retry delay carries it twice: RetryInfo, and the pushback that gRPC's
+    # own retry policy follows.
+    retry = details.get("RetryInfo")
+    pushback = trailers.get(RETRY_PUSHBACK_KEY)
+    if isinstance(retry, error_details_pb2.RetryInfo):
+        assert pushback == str(retry.retry_delay.ToMilliseconds())
+    else:
+        assert pushback is None
     return RichError(error.code(), info.reason, info.domain, dict(info.metadata), details)
 
 

@@ -18,6 +18,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvquota.client import NO_RETRIES, AsyncKvquotaClient, ServerUnavailable, Tls
+from kvquota.v1 import admin_pb2
 from quota_service.api import server
 from quota_service.cli import main as cli_main
 from quota_service.config import Settings, SettingsError
@@ -119,6 +121,12 @@ async def test_tls_and_mutual_tls(
         identified = ["--tls-ca", files["ca"], "--tls-cert", files["client"]]
         listing = ["tenants", "--server", address, *identified, "--tls-key", files["client-key"]]
         assert await asyncio.to_thread(cli_main, listing) == 0
+        own = Tls.from_files(files["ca"], files["client"], files["client-key"])
+        async with AsyncKvquotaClient(address, tls=own, retry=NO_RETRIES) as kvquota:
+            await kvquota.admin.ListTenants(admin_pb2.ListTenantsRequest())
+        async with AsyncKvquotaClient(address, tls=Tls(pki["ca"]), retry=NO_RETRIES) as kvquota:
+            with pytest.raises(ServerUnavailable):  # no client certificate: no handshake
+                await kvquota.admin.ListTenants(admin_pb2.ListTenantsRequest())
     finally:
         await running.stop(0)
 

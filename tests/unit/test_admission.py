@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from quota_service.core import admission, block_table
+from quota_service.core import admission, block_table, queueing
 from quota_service.core.admission import AdmissionLimits, AdmissionPlan, AdmitRequest, Shortfall
 from quota_service.core.block_table import BlockHandle, CachedBlock, TableLayout
 from quota_service.core.errors import Code, KvQuotaError
@@ -255,3 +255,45 @@ def test_prefix_hits_need_no_new_blocks_and_shared_ones_cost_the_tenant_nothing(
     assert isinstance(
         decide(request, pool=replace(tight_pool, cached_blocks=5), hits=hits), AdmissionPlan
     )
+
+
+SHADOW = replace(ACCOUNT, quota=replace(ACCOUNT.quota, max_blocks=8), shadow_mode=True)
+
+
+def test_shadow_mode_admits_what_the_tenants_quota_refuses_and_says_why() -> None:
+    # 7 blocks fit the quota: nothing to report.
+    assert isinstance(fits := decide(req(100, 12), account=SHADOW), AdmissionPlan)
+    assert fits.shadow_refusal is None
+    # Over what the tenant has left now, and over what its quota could ever give.
+    over_now = decide(req(100, 12), account=replace(SHADOW, blocks_in_use=4))
+    assert isinstance(over_now, AdmissionPlan)
+    assert over_now.shadow_refusal == "TENANT_QUOTA_EXCEEDED"
+    over_ever = decide(req(200, 12), account=SHADOW)
+    assert isinstance(over_ever, AdmissionPlan)
+    assert over_ever.shadow_refusal == "REQUEST_EXCEEDS_CAPACITY"
+    # Without shadow mode, the same requests are refused.
+    assert decide(req(100, 12), account=replace(SHADOW, blocks_in_use=4, shadow_mode=False)) == (
+        Shortfall("tenant", 7, 112, 4, 100_000)
+    )
+
+
+def test_shadow_mode_never_hands_out_blocks_the_instance_does_not_have() -> None:
+    full = replace(POOL, free_blocks=2)
+    assert decide(req(100, 12), pool=full, account=SHADOW) == Shortfall("instance", 7, 112, 2, 0)
+    too_big = refusal(req(8000, 100, n=16), account=SHADOW)
+    assert too_big.reason == "REQUEST_EXCEEDS_CAPACITY"
+    assert "instanceCapacityBlocks" in too_big.metadata
+    suspended = refusal(req(), account=replace(SHADOW, state=TenantState.SUSPENDED))
+    assert suspended.reason == "TENANT_SUSPENDED"
+
+
+def test_shadow_mode_queues_past_the_tenants_own_queue_bound_only() -> None:
+    load = queueing.QueueLoad(
+        0, 0, 10, None, tenant_queued_requests=1, tenant_max_queued_requests=1
+    )
+    assert queueing.check_bounds(load, 10, "gpu-0", "acme", 1.0, shadow_mode=True) == "QUEUE_FULL"
+    with pytest.raises(KvQuotaError, match="QUEUE_FULL"):
+        queueing.check_bounds(load, 10, "gpu-0", "acme", 1.0)
+    instance_full = replace(load, queued_requests=10, tenant_queued_requests=0)
+    with pytest.raises(KvQuotaError, match="QUEUE_FULL"):
+        queueing.check_bounds(instance_full, 10, "gpu-0", "acme", 1.0, shadow_mode=True)

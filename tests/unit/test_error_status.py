@@ -8,7 +8,7 @@ import pytest
 from google.rpc import error_details_pb2
 from sqlalchemy.exc import OperationalError
 
-from quota_service.api.errors import domain_error, rich_status
+from quota_service.api.errors import domain_error, rich_status, trailers
 from quota_service.core.errors import Code, FieldViolation, KvQuotaError, QuotaViolation
 
 
@@ -41,6 +41,24 @@ def test_rich_status_carries_every_detail() -> None:
     assert bad.field_violations[0].field == "n"
     assert quota.violations[0].subject == "tenants/acme"
     assert retry.retry_delay.ToNanoseconds() == 2_250_000_000
+    sent = dict(trailers(error, status))
+    assert sent["grpc-retry-pushback-ms"] == "2250"
+    assert sent["grpc-status-details-bin"] == status.SerializeToString()
+
+
+def test_retry_delay_is_whole_milliseconds_in_both_places() -> None:
+    error = KvQuotaError(Code.UNAVAILABLE, "QUEUE_FULL", "full", retry_delay_seconds=0.12345)
+    _, status = rich_status(error)
+    retry = error_details_pb2.RetryInfo()
+    assert status.details[-1].Unpack(retry)
+    assert retry.retry_delay.ToMilliseconds() == 123
+    assert dict(trailers(error, status))["grpc-retry-pushback-ms"] == "123"
+
+
+def test_no_pushback_without_a_retry_delay() -> None:
+    error = KvQuotaError(Code.ALREADY_EXISTS, "REQUEST_ID_REUSED", "reused")
+    _, status = rich_status(error)
+    assert "grpc-retry-pushback-ms" not in dict(trailers(error, status))
 
 
 def test_unexpected_errors_hide_their_text(caplog: pytest.LogCaptureFixture) -> None:

@@ -325,3 +325,15 @@ def test_a_million_slots_cost_no_object_per_slot() -> None:
     assert big.pool.free_count == 1_000_000 - 96
     recount_sample = [big.pool.state(b) for b in range(96)]
     assert recount_sample.count("IN_USE") == 96
+
+
+def test_a_shadow_tenant_over_its_quota_is_admitted_and_told_why_it_would_not_have_been() -> None:
+    m = machine(blocks=64)
+    quota = TenantQuota(4, 10**6, 1, 1, 0)
+    m.set_tenant(replace(m.tenants["a"].settings, quota=quota, shadow_mode=True))
+    admit(m, "r1", 32, 16)  # 3 blocks
+    assert admit(m, "r2", 32, 16) is ReservationState.ADMITTED
+    assert m.get("a", "r1").shadow_refusal is None
+    assert m.get("a", "r2").snapshot().shadow_refusal == "TENANT_QUOTA_EXCEEDED"
+    recount(m)
+    check_recovery(m)

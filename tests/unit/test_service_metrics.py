@@ -44,11 +44,18 @@ def test_an_admission_s_outcome_comes_from_its_reservation() -> None:
     admitted = pb.Reservation(state=pb.RESERVATION_STATE_ADMITTED)
     response = admission_pb2.AdmitResponse(reservation=admitted, cache_salt="secret")
     fresh, waited = observability.CallNotes(), observability.CallNotes(queued=True)
-    assert observability.admission_outcome(response, fresh) == "admitted"
-    assert observability.admission_outcome(response, waited) == "queued"
-    assert observability.admission_outcome(admitted, fresh) == "admitted"  # ResumeReservation
+    assert observability.admission_outcome(response, fresh) == ("admitted", "")
+    assert observability.admission_outcome(response, waited) == ("queued", "")
+    assert observability.admission_outcome(admitted, fresh) == ("admitted", "")  # Resume
     ended = pb.Reservation(state=pb.RESERVATION_STATE_ENDED)  # a repeat of a finished one
-    assert observability.admission_outcome(ended, fresh) == "ended"
+    assert observability.admission_outcome(ended, fresh) == ("ended", "")
+    shadowed = pb.Reservation(
+        state=pb.RESERVATION_STATE_ADMITTED, shadow_refusal="TENANT_QUOTA_EXCEEDED"
+    )
+    assert observability.admission_outcome(shadowed, waited) == (
+        "shadow_admitted",
+        "TENANT_QUOTA_EXCEEDED",
+    )
 
 
 def test_note_queued_marks_only_the_call_in_progress() -> None:
