@@ -171,6 +171,11 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
     def covers(self, method: str) -> bool:
         return True
 
+    def deserializer(self, parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+        """How the wrapped handler reads its request: as the handler it wraps does, unless an
+        interceptor says otherwise (those outside it copy what it chose)."""
+        return parse
+
     @abstractmethod
     def unary(
         self, behavior: Behavior[Request, Response], method: str
@@ -195,14 +200,14 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self.stream(handler.unary_stream, method),  # type: ignore[arg-type]
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=self.deserializer(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_unary is None:
             return handler
         return grpc.unary_unary_rpc_method_handler(
             self.unary(handler.unary_unary, method),  # type: ignore[arg-type]
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=self.deserializer(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 
