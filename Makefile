@@ -82,7 +82,7 @@ format: $(STAMP) ## Apply ruff's fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-proto: $(STAMP) ## Regenerate kvquota/v1 from proto/kvquota/v1
+proto: $(STAMP) ## Regenerate kvquota/v1, quota_service/core/reasons.py and the README's error table from proto/kvquota/v1
 	$(BIN)/python scripts/protogen.py
 
 # The suite writes docs/benchmarks.md; e.g. `make bench BENCH_ARGS="--servers 2 --auth both"`.

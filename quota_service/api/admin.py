@@ -12,9 +12,10 @@ from kvquota.v1 import admin_pb2_grpc, resources_pb2
 from quota_service.api import convert
 from quota_service.api.auth import current_principal
 from quota_service.core import catalog, names, pagination
-from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
+from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request
 from quota_service.core.model import DEFAULT_MAX_QUEUED_REQUESTS, QueueBounds, TenantState
 from quota_service.core.names import instance_id, tenant_id
+from quota_service.core.reasons import Reason
 from quota_service.core.reclaim import ReclaimTarget, Tier
 from quota_service.engine.vllm.http import EngineDescription, MetricsError, VllmHttp
 from quota_service.store.access import ApiKeys, AuditLog
@@ -33,8 +34,7 @@ async def describe_engine(url: str) -> EngineDescription:
         return await http.describe()
     except (httpx.HTTPError, MetricsError, KeyError, IndexError, ValueError) as exc:
         raise KvQuotaError(
-            Code.UNAVAILABLE,
-            "ENGINE_UNREACHABLE",
+            Reason.ENGINE_UNREACHABLE,
             f"cannot read the engine at {url}: {exc}",
             metadata={"engineUrl": url},
             retry_delay_seconds=1.0,

@@ -18,6 +18,7 @@ from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request, preempted
 from quota_service.core.model import EndReason, Reservation, ReservationState
 from quota_service.core.names import reservation_key, reservation_name
+from quota_service.core.reasons import Reason
 from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.metrics import ServiceMetrics
 from quota_service.jobs.termination import Termination
@@ -68,7 +69,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
             result = "timeout" if answer.offloaded_bytes is not None else "admitted"
             return answer
         except KvQuotaError as refused:
-            result = "timeout" if refused.reason == "QUEUE_TIMEOUT" else "refused"
+            result = "timeout" if refused.reason is Reason.QUEUE_TIMEOUT else "refused"
             raise
         except asyncio.CancelledError:
             result = "abandoned"

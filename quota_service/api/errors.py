@@ -16,6 +16,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from quota_service.core.errors import Code, KvQuotaError
+from quota_service.core.reasons import Reason
 from quota_service.store.database import unavailable_error
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def domain_error(exc: Exception, method: str) -> KvQuotaError:
     if unavailable is not None:
         return unavailable
     log.exception("unexpected error in %s", method)
-    return KvQuotaError(Code.INTERNAL, "INTERNAL", "internal error")
+    return KvQuotaError(Reason.INTERNAL, "internal error")
 
 
 def answered_with(
@@ -97,7 +98,7 @@ def answered_with(
     unavailable = unavailable_error(exc)
     if unavailable is not None:
         return unavailable.code.value, unavailable.reason
-    return Code.INTERNAL.value, Code.INTERNAL.value
+    return Code.INTERNAL.value, Reason.INTERNAL
 
 
 Request = TypeVar("Request")

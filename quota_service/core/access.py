@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
+from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request
+from quota_service.core.reasons import Reason
 
 KEY_PREFIX = "kvq_"
 _TOKEN = re.compile(r"kvq_([0-9a-f]{16})_([A-Za-z0-9_-]{43})")
@@ -119,13 +120,12 @@ def check_binding(role: Role, tenants: list[str]) -> None:
 
 
 def unauthenticated(message: str) -> KvQuotaError:
-    return KvQuotaError(Code.UNAUTHENTICATED, "UNAUTHENTICATED", message)
+    return KvQuotaError(Reason.UNAUTHENTICATED, message)
 
 
 def permission_denied(principal: Principal, method: str) -> KvQuotaError:
     # Says neither whether the resource exists nor which tenants the key reaches.
     return KvQuotaError(
-        Code.PERMISSION_DENIED,
-        "PERMISSION_DENIED",
+        Reason.PERMISSION_DENIED,
         f"{principal.name} ({principal.role.value}) may not call {method} on this resource",
     )

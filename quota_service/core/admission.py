@@ -15,7 +15,6 @@ from typing import Literal
 from quota_service.core import block_table, geometry
 from quota_service.core.block_table import CachedBlock, TableLayout
 from quota_service.core.errors import (
-    Code,
     FieldViolation,
     KvQuotaError,
     QuotaViolation,
@@ -31,6 +30,7 @@ from quota_service.core.model import (
     TenantState,
 )
 from quota_service.core.names import check_request_id, check_resource_id
+from quota_service.core.reasons import Reason
 
 MAX_PRIORITY = 9
 
@@ -165,8 +165,7 @@ def check_replay(request: AdmitRequest, existing: Reservation) -> Reservation:
         request.prompt_token_ids
     ):
         raise KvQuotaError(
-            Code.ALREADY_EXISTS,
-            "REQUEST_ID_REUSED",
+            Reason.REQUEST_ID_REUSED,
             f"request_id {params.request_id!r} was already used with different parameters",
             metadata={"requestId": params.request_id},
         )
@@ -176,8 +175,7 @@ def check_replay(request: AdmitRequest, existing: Reservation) -> Reservation:
 def tenant_not_active(tenant: str, state: TenantState) -> KvQuotaError:
     """A suspended or offboarded tenant asked for new work."""
     return KvQuotaError(
-        Code.FAILED_PRECONDITION,
-        "TENANT_SUSPENDED",
+        Reason.TENANT_SUSPENDED,
         f"tenant {tenant} is {state.value.lower()}",
         metadata={"tenant": tenant, "state": state.value},
     )
@@ -198,16 +196,14 @@ def decide(
         raise tenant_not_active(p.tenant, account.state)
     if pool.state is InstanceState.DRAINING:
         raise KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "INSTANCE_DRAINING",
+            Reason.INSTANCE_DRAINING,
             f"instance {p.instance} is draining and admits nothing new",
             metadata={"instance": p.instance},
         )
     asked = p.prompt_tokens + p.max_output_tokens
     if asked > pool.max_model_len:
         raise KvQuotaError(
-            Code.INVALID_ARGUMENT,
-            "CONTEXT_LENGTH_EXCEEDED",
+            Reason.CONTEXT_LENGTH_EXCEEDED,
             f"prompt + max_output = {asked} tokens exceeds the context cap of {pool.max_model_len}",
             metadata={"maxModelLen": str(pool.max_model_len), "requestedTokens": str(asked)},
         )
@@ -225,8 +221,7 @@ def decide(
     for limit_name, asked_for, limit in hard_limits:
         if asked_for > limit:
             raise KvQuotaError(
-                Code.FAILED_PRECONDITION,
-                "REQUEST_EXCEEDS_CAPACITY",
+                Reason.REQUEST_EXCEEDS_CAPACITY,
                 f"needs {blocks} blocks and {tokens} tokens in flight; {limit_name} is {limit}, "
                 "so it can never be admitted",
                 metadata={
@@ -303,8 +298,7 @@ def shortfall_error(
                 )
             )
         return KvQuotaError(
-            Code.RESOURCE_EXHAUSTED,
-            "TENANT_QUOTA_EXCEEDED",
+            Reason.TENANT_QUOTA_EXCEEDED,
             f"tenant {tenant} is over its quota now",
             metadata={"tenant": tenant, "requestedBlocks": str(shortfall.blocks_needed)},
             quota_violations=tuple(violations),
@@ -317,8 +311,7 @@ def shortfall_error(
     if shortfall.queued_ahead:
         message += f", and {shortfall.queued_ahead} queued requests go first"
     return KvQuotaError(
-        Code.UNAVAILABLE,
-        "INSTANCE_OVERLOADED",
+        Reason.INSTANCE_OVERLOADED,
         message,
         metadata={
             "instance": instance,

@@ -12,8 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from quota_service.core import geometry
-from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
+from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request
 from quota_service.core.hashing import HashAlgo, block_hashes
+from quota_service.core.reasons import Reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +126,7 @@ def positions_to_release(reservation: str, lookups: Sequence[EntryLookup]) -> li
     if stale:
         handles = ", ".join(f"{h.block_id}@{h.generation}" for h in stale)
         raise KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "STALE_BLOCK_HANDLE",
+            Reason.STALE_BLOCK_HANDLE,
             f"block handles {handles} are no longer current; their contents were dropped",
             metadata={"name": reservation, "staleHandles": handles},
         )

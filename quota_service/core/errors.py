@@ -1,4 +1,5 @@
-"""Domain errors: each knows its status code and reason, so servicers never translate by hand.
+"""Domain errors: each has a reason from kvquota.v1.ErrorReason, and the reason its status code,
+so servicers never translate by hand and a reason never travels with two codes.
 
 The status names are gRPC's (the api layer maps them by name); core stays free of gRPC imports.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from quota_service.core.reasons import STATUS_CODES, Reason
 
 
 class Code(enum.Enum):
@@ -43,8 +46,7 @@ class QuotaViolation:
 class KvQuotaError(Exception):
     """A refusal the caller can act on: code says what to do next, reason says why."""
 
-    code: Code
-    reason: str
+    reason: Reason
     message: str
     metadata: Mapping[str, str] = field(default_factory=dict)
     field_violations: tuple[FieldViolation, ...] = ()
@@ -54,6 +56,10 @@ class KvQuotaError(Exception):
     def __post_init__(self) -> None:
         super().__init__(self.message)
 
+    @property
+    def code(self) -> Code:
+        return Code(STATUS_CODES[self.reason])
+
     def __str__(self) -> str:
         return f"{self.reason}: {self.message}"
 
@@ -61,35 +67,25 @@ class KvQuotaError(Exception):
 def invalid_request(violations: list[FieldViolation]) -> KvQuotaError:
     summary = "; ".join(f"{v.field}: {v.description}" for v in violations)
     return KvQuotaError(
-        Code.INVALID_ARGUMENT,
-        "INVALID_REQUEST",
+        Reason.INVALID_REQUEST,
         f"invalid request: {summary}",
         field_violations=tuple(violations),
     )
 
 
-def not_found(kind: str, name: str) -> KvQuotaError:
-    return KvQuotaError(
-        Code.NOT_FOUND,
-        f"{kind.upper()}_NOT_FOUND",
-        f"{name} does not exist",
-        metadata={"name": name},
-    )
+def not_found(reason: Reason, name: str) -> KvQuotaError:
+    """`reason` is one of the *_NOT_FOUND reasons."""
+    return KvQuotaError(reason, f"{name} does not exist", metadata={"name": name})
 
 
-def already_exists(kind: str, name: str) -> KvQuotaError:
-    return KvQuotaError(
-        Code.ALREADY_EXISTS,
-        f"{kind.upper()}_ALREADY_EXISTS",
-        f"{name} already exists",
-        metadata={"name": name},
-    )
+def already_exists(reason: Reason, name: str) -> KvQuotaError:
+    """`reason` is one of the *_ALREADY_EXISTS reasons."""
+    return KvQuotaError(reason, f"{name} already exists", metadata={"name": name})
 
 
 def preempted(name: str) -> KvQuotaError:
     return KvQuotaError(
-        Code.ABORTED,
-        "PREEMPTED",
+        Reason.PREEMPTED,
         f"{name} was preempted to reclaim KV memory; admit the request again",
         metadata={"name": name},
     )

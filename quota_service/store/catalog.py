@@ -10,7 +10,7 @@ from sqlalchemy import RowMapping, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from quota_service.core.errors import Code, KvQuotaError, already_exists, not_found
+from quota_service.core.errors import KvQuotaError, already_exists, not_found
 from quota_service.core.geometry import KvGeometry, parse_dtype
 from quota_service.core.hashing import HashAlgo
 from quota_service.core.model import (
@@ -26,6 +26,7 @@ from quota_service.core.model import (
 )
 from quota_service.core.names import instance_name, tenant_name
 from quota_service.core.pagination import Page
+from quota_service.core.reasons import Reason
 from quota_service.store.database import in_transaction
 from quota_service.store.schema import InstanceRow, NamespaceRow, ReservationRow, TenantRow
 
@@ -145,7 +146,7 @@ class Catalog:
                 .returning(TenantRow.tenant)
             )
             if (await conn.execute(statement)).first() is None:
-                raise already_exists("tenant", tenant_name(tenant))
+                raise already_exists(Reason.TENANT_ALREADY_EXISTS, tenant_name(tenant))
             return await self._tenant(conn, tenant)
 
         return await in_transaction(self._engine, work)
@@ -179,7 +180,7 @@ class Catalog:
         if namespace is not None:
             exists = select(NamespaceRow.namespace).where(NamespaceRow.namespace == namespace)
             if (await conn.execute(exists)).first() is None:
-                raise not_found("namespace", f"namespaces/{namespace}")
+                raise not_found(Reason.NAMESPACE_NOT_FOUND, f"namespaces/{namespace}")
         statement = (
             update(TenantRow)
             .where(TenantRow.tenant == tenant, TenantRow.state.in_(("ACTIVE", "SUSPENDED")))
@@ -189,8 +190,7 @@ class Catalog:
         if (await conn.execute(statement)).first() is None:
             current = await self._tenant(conn, tenant)  # raises when there is no such tenant
             raise KvQuotaError(
-                Code.FAILED_PRECONDITION,
-                "TENANT_OFFBOARDED",
+                Reason.TENANT_OFFBOARDED,
                 f"{tenant_name(tenant)} is {current.state.value.lower()}; it cannot change",
                 metadata={"name": tenant_name(tenant)},
             )
@@ -199,7 +199,7 @@ class Catalog:
         query = _TENANT_VIEW.where(TenantRow.tenant == tenant)
         row = (await conn.execute(query)).mappings().first()
         if row is None:
-            raise not_found("tenant", tenant_name(tenant))
+            raise not_found(Reason.TENANT_NOT_FOUND, tenant_name(tenant))
         return tenant_from_row(row)
 
     # Cache salts and shared namespaces
@@ -214,7 +214,7 @@ class Catalog:
             )
             row = (await conn.execute(statement)).first()
             if row is None:
-                raise already_exists("namespace", f"namespaces/{namespace}")
+                raise already_exists(Reason.NAMESPACE_ALREADY_EXISTS, f"namespaces/{namespace}")
             return row[0], row[1]
 
         return await in_transaction(self._engine, work)
@@ -244,7 +244,12 @@ class Catalog:
                 update(table).where(key == owner_id).values(cache_salt=new_salt()).returning(key)
             )
             if (await conn.execute(statement)).first() is None:
-                raise not_found(collection.rstrip("s"), f"{collection}/{owner_id}")
+                missing = (
+                    Reason.TENANT_NOT_FOUND
+                    if collection == "tenants"
+                    else Reason.NAMESPACE_NOT_FOUND
+                )
+                raise not_found(missing, f"{collection}/{owner_id}")
 
         await in_transaction(self._engine, work)
 
@@ -279,7 +284,7 @@ class Catalog:
                 .returning(InstanceRow.instance)
             )
             if (await conn.execute(statement)).first() is None:
-                raise already_exists("instance", instance_name(spec.instance))
+                raise already_exists(Reason.INSTANCE_ALREADY_EXISTS, instance_name(spec.instance))
             await self._create_slots(conn, spec.instance, spec.capacity_blocks)
             return await self._instance(conn, spec.instance)
 
@@ -310,7 +315,7 @@ class Catalog:
                 .returning(InstanceRow.instance)
             )
             if (await conn.execute(statement)).first() is None:
-                raise not_found("instance", instance_name(instance))
+                raise not_found(Reason.INSTANCE_NOT_FOUND, instance_name(instance))
             return await self._instance(conn, instance)
 
         return await in_transaction(self._engine, work)
@@ -335,7 +340,7 @@ class Catalog:
                 .returning(InstanceRow.instance)
             )
             if (await conn.execute(statement)).first() is None:
-                raise not_found("instance", instance_name(instance))
+                raise not_found(Reason.INSTANCE_NOT_FOUND, instance_name(instance))
             return await self._instance(conn, instance)
 
         return await in_transaction(self._engine, work)
@@ -344,7 +349,7 @@ class Catalog:
         query = _INSTANCE_VIEW.where(InstanceRow.instance == instance)
         row = (await conn.execute(query)).mappings().first()
         if row is None:
-            raise not_found("instance", instance_name(instance))
+            raise not_found(Reason.INSTANCE_NOT_FOUND, instance_name(instance))
         return instance_from_row(row)
 
 

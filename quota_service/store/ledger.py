@@ -24,13 +24,13 @@ from quota_service.core import admission, block_table, geometry, queueing
 from quota_service.core.admission import AdmissionLimits, AdmissionPlan, AdmitRequest, Shortfall
 from quota_service.core.block_table import BlockHandle, CachedBlock
 from quota_service.core.errors import (
-    Code,
     KvQuotaError,
     invalid_request,
     not_found,
     preempted,
 )
 from quota_service.core.hashing import HashAlgo
+from quota_service.core.metering import METERED_REFUSALS
 from quota_service.core.model import (
     AdmitParams,
     EndReason,
@@ -45,6 +45,7 @@ from quota_service.core.model import (
 )
 from quota_service.core.names import instance_name, reservation_name, tenant_name
 from quota_service.core.queueing import QueuePolicy
+from quota_service.core.reasons import Reason
 from quota_service.store import blocks
 from quota_service.store.database import in_transaction
 
@@ -425,19 +426,6 @@ _UNSUSPEND = text(
     "WHERE tenant = :tenant AND request_id = :request_id AND state = 'ADMITTED'"
 )
 
-# Refusals of an admission, metered per reason (a malformed request or an unknown tenant or
-# instance is not one: nothing was asked of a real pool).
-METERED_REFUSALS = frozenset(
-    {
-        "TENANT_QUOTA_EXCEEDED",
-        "INSTANCE_OVERLOADED",
-        "QUEUE_FULL",
-        "REQUEST_EXCEEDS_CAPACITY",
-        "CONTEXT_LENGTH_EXCEEDED",
-        "TENANT_SUSPENDED",
-        "INSTANCE_DRAINING",
-    }
-)
 _METER_REFUSAL = text(
     "INSERT INTO usage_events (tenant, instance, refused) "
     "VALUES (:tenant, :instance, jsonb_build_object(CAST(:reason AS text), 1))"
@@ -945,12 +933,12 @@ class Ledger:
         return delay if delay is not None else self._limits.min_retry_delay_seconds
 
     async def _missing(self, conn: AsyncConnection, tenant: str, instance: str) -> KvQuotaError:
-        for kind, key, name in (
-            ("tenant", tenant, tenant_name(tenant)),
-            ("instance", instance, instance_name(instance)),
+        for kind, key, name, reason in (
+            ("tenant", tenant, tenant_name(tenant), Reason.TENANT_NOT_FOUND),
+            ("instance", instance, instance_name(instance), Reason.INSTANCE_NOT_FOUND),
         ):
             if (await conn.execute(_EXISTS[kind], {"key": key})).first() is None:
-                return not_found(kind, name)
+                return not_found(reason, name)
         raise AssertionError("the lock query found nothing although both rows exist")
 
     async def get(self, tenant: str, request_id: str) -> Reservation:
@@ -961,7 +949,7 @@ class Ledger:
         keys = {"tenant": tenant, "request_id": request_id}
         row = (await conn.execute(_GET_RESERVATION, keys)).mappings().first()
         if row is None:
-            raise not_found("reservation", reservation_name(tenant, request_id))
+            raise not_found(Reason.RESERVATION_NOT_FOUND, reservation_name(tenant, request_id))
         return reservation_from_row(row)
 
     async def _lock(self, conn: AsyncConnection, tenant: str, request_id: str) -> RowMapping:
@@ -975,7 +963,7 @@ class Ledger:
         keys = {"tenant": tenant, "request_id": request_id}
         instance = (await conn.execute(_LOCK_FOR_RESERVATION, keys)).scalar()
         if instance is None:
-            raise not_found("reservation", reservation_name(tenant, request_id))
+            raise not_found(Reason.RESERVATION_NOT_FOUND, reservation_name(tenant, request_id))
         return str(instance)
 
     async def end(
@@ -1350,21 +1338,18 @@ def _not_live(current: Reservation) -> KvQuotaError:
         current.end_reason is EndReason.LEASE_EXPIRED
     ):
         return KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "LEASE_EXPIRED",
+            Reason.LEASE_EXPIRED,
             f"the lease of {name} expired; admit the request again",
             metadata={"name": name},
         )
     if current.state is ReservationState.QUEUED:
         return KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "NOT_ADMITTED",
+            Reason.NOT_ADMITTED,
             f"{name} is still queued",
             metadata={"name": name},
         )
     return KvQuotaError(
-        Code.FAILED_PRECONDITION,
-        "RESERVATION_ENDED",
+        Reason.RESERVATION_ENDED,
         f"{name} already ended ({current.end_reason.value if current.end_reason else ''})",
         metadata={"name": name},
     )

@@ -10,12 +10,12 @@ from sqlalchemy.exc import OperationalError
 
 from quota_service.api.errors import domain_error, rich_status
 from quota_service.core.errors import Code, FieldViolation, KvQuotaError, QuotaViolation
+from quota_service.core.reasons import Reason
 
 
 def test_rich_status_carries_every_detail() -> None:
     error = KvQuotaError(
-        Code.RESOURCE_EXHAUSTED,
-        "TENANT_QUOTA_EXCEEDED",
+        Reason.TENANT_QUOTA_EXCEEDED,
         "over quota",
         metadata={"tenant": "acme"},
         field_violations=(FieldViolation("n", "too big"),),
