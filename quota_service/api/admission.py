@@ -13,7 +13,7 @@ from kvquota.v1 import admission_pb2 as pb
 from kvquota.v1 import admission_pb2_grpc, resources_pb2
 from quota_service.api import convert, observability
 from quota_service.api.waiting import Waiters
-from quota_service.core import queueing
+from quota_service.core import block_table, queueing
 from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request, preempted
 from quota_service.core.model import EndReason, Reservation, ReservationState
@@ -201,7 +201,6 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         self, request: pb.ReleaseBlocksRequest, context: Context
     ) -> resources_pb2.Reservation:
         tenant, request_id = reservation_key(request.name)
-        if not request.handles:
-            raise invalid_request([FieldViolation("handles", "name at least one block handle")])
         handles = [BlockHandle(h.block_id, h.generation) for h in request.handles]
+        block_table.check_release(handles)
         return convert.reservation(await self._ledger.release_blocks(tenant, request_id, handles))

@@ -14,6 +14,7 @@ from typing import Literal
 
 from quota_service.core import block_table, geometry
 from quota_service.core.block_table import CachedBlock, TableLayout
+from quota_service.core.catalog import MAX_CONTEXT_TOKENS
 from quota_service.core.errors import (
     FieldViolation,
     KvQuotaError,
@@ -101,7 +102,12 @@ def validate(request: AdmitRequest, limits: AdmissionLimits) -> None:
     if not 0 <= p.priority <= MAX_PRIORITY:
         violations.append(FieldViolation("priority", f"must be between 0 and {MAX_PRIORITY}"))
     if request.prompt_token_ids:
-        if len(request.prompt_token_ids) != p.prompt_tokens:
+        if len(request.prompt_token_ids) > MAX_CONTEXT_TOKENS:
+            # Longer than any instance's context: refused before any hashing.
+            violations.append(
+                FieldViolation("prompt_token_ids", f"at most {MAX_CONTEXT_TOKENS} token ids")
+            )
+        elif len(request.prompt_token_ids) != p.prompt_tokens:
             violations.append(FieldViolation("prompt_token_ids", "length must equal prompt_tokens"))
         if any(t < 0 for t in request.prompt_token_ids):
             violations.append(FieldViolation("prompt_token_ids", "token ids are never negative"))

@@ -92,6 +92,18 @@ def new_block_hashes(table: TableLayout, hits: int) -> list[bytes | None]:
     return [*hashed, *([None] * (table.total - hits - len(hashed)))]
 
 
+# More entries than a block table has (a 128k-token context in 16-token blocks, 16 sequences).
+MAX_RELEASED_HANDLES = 1 << 17
+
+
+def check_release(handles: Sequence[BlockHandle]) -> None:
+    """A ReleaseBlocks names at least one handle, and at most as many as a table has."""
+    if not 1 <= len(handles) <= MAX_RELEASED_HANDLES:
+        raise invalid_request(
+            [FieldViolation("handles", f"name 1 to {MAX_RELEASED_HANDLES} block handles")]
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class EntryLookup:
     """A handle a ReleaseBlocks names, and what the reservation's table and the pool say of it."""

@@ -30,6 +30,19 @@ class Code(enum.Enum):
     PERMISSION_DENIED = "PERMISSION_DENIED"
 
 
+# How much of a caller's value an error repeats: enough to recognise it, never enough to push a
+# status past what a client accepts in trailers (gRPC's default metadata limit is 8 KiB, and a
+# client over it sees RESOURCE_EXHAUSTED, which a gateway would answer as 429).
+MAX_QUOTED_CHARACTERS = 40
+
+
+def quoted(value: str) -> str:
+    """A caller's value as an error message quotes it: short ones whole, long ones cut."""
+    if len(value) <= MAX_QUOTED_CHARACTERS:
+        return repr(value)
+    return f"{value[:MAX_QUOTED_CHARACTERS]!r}... ({len(value)} characters)"
+
+
 @dataclass(frozen=True, slots=True)
 class FieldViolation:
     field: str
@@ -64,12 +77,20 @@ class KvQuotaError(Exception):
         return f"{self.reason}: {self.message}"
 
 
+# A request with more violations is told the first ones (each a few dozen characters at most):
+# its status stays well inside a client's metadata limit. The message sums up fewer still.
+MAX_FIELD_VIOLATIONS = 20
+SUMMARISED_VIOLATIONS = 3
+
+
 def invalid_request(violations: list[FieldViolation]) -> KvQuotaError:
-    summary = "; ".join(f"{v.field}: {v.description}" for v in violations)
+    summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:SUMMARISED_VIOLATIONS])
+    if len(violations) > SUMMARISED_VIOLATIONS:
+        summary += f"; and {len(violations) - SUMMARISED_VIOLATIONS} more"
     return KvQuotaError(
         Reason.INVALID_REQUEST,
         f"invalid request: {summary}",
-        field_violations=tuple(violations),
+        field_violations=tuple(violations[:MAX_FIELD_VIOLATIONS]),
     )
 
 
