@@ -20,17 +20,20 @@ from quota_service.core.errors import (
     KvQuotaError,
     QuotaViolation,
     invalid_request,
+    preempted,
 )
 from quota_service.core.model import (
     AdmitParams,
+    EndReason,
     Holding,
     InstancePool,
     InstanceState,
     Reservation,
+    ReservationState,
     TenantAccount,
     TenantState,
 )
-from quota_service.core.names import check_request_id, check_resource_id
+from quota_service.core.names import check_request_id, check_resource_id, reservation_name
 from quota_service.core.reasons import Reason
 
 MAX_PRIORITY = 9
@@ -164,8 +167,9 @@ def prompt_digest(token_ids: Sequence[int]) -> bytes | None:
 
 
 def check_replay(request: AdmitRequest, existing: Reservation) -> Reservation:
-    """A repeated Admit gets the same reservation; a different one under the same id (other
-    counts, or another prompt) is refused."""
+    """A repeated Admit gets the same reservation while it lives; a different one under the same
+    id (other counts, or another prompt) is refused, and so is a repeat after it ended: an OK
+    would read as admitted to a gateway that looks only at the status."""
     params = request.params
     if existing.params != params or existing.prompt_digest != prompt_digest(
         request.prompt_token_ids
@@ -175,7 +179,40 @@ def check_replay(request: AdmitRequest, existing: Reservation) -> Reservation:
             f"request_id {params.request_id!r} was already used with different parameters",
             metadata={"requestId": params.request_id},
         )
+    if existing.state is ReservationState.ENDED:
+        raise reservation_ended(existing)
     return existing
+
+
+def reservation_ended(current: Reservation) -> KvQuotaError:
+    """An ended reservation asked to change or to be admitted again; endReason says how it
+    ended."""
+    name = reservation_name(current.tenant, current.request_id)
+    how = current.end_reason.value if current.end_reason else ""
+    return KvQuotaError(
+        Reason.RESERVATION_ENDED,
+        f"{name} already ended ({how}): admit the request again under a new request_id",
+        metadata={"name": name, "endReason": how},
+    )
+
+
+def not_live(current: Reservation) -> KvQuotaError:
+    """Why a reservation that is not admitted (any more) cannot be renewed, suspended, resumed
+    or have blocks released: what the caller should do next differs (admit again, wait)."""
+    name = reservation_name(current.tenant, current.request_id)
+    if current.end_reason is EndReason.PREEMPTED:
+        return preempted(name)
+    if current.state is ReservationState.ADMITTED or (
+        current.end_reason is EndReason.LEASE_EXPIRED
+    ):
+        return KvQuotaError(
+            Reason.LEASE_EXPIRED,
+            f"the lease of {name} expired; admit the request again",
+            metadata={"name": name},
+        )
+    if current.state is ReservationState.QUEUED:
+        return KvQuotaError(Reason.NOT_ADMITTED, f"{name} is still queued", metadata={"name": name})
+    return reservation_ended(current)
 
 
 def tenant_not_active(tenant: str, state: TenantState) -> KvQuotaError:

@@ -27,7 +27,6 @@ from quota_service.core.errors import (
     KvQuotaError,
     invalid_request,
     not_found,
-    preempted,
 )
 from quota_service.core.hashing import HashAlgo
 from quota_service.core.metering import METERED_REFUSALS
@@ -446,7 +445,11 @@ _RELEASE_BLOCKS = text(
             "AND NOT r.released "
             "RETURNING r.block_id, r.position, r.pinned, r.tenant"
         )
-    }, {blocks.pool_counts()}, {blocks.TENANT_REMOVALS}
+    }, {blocks.pool_counts()}, {blocks.TENANT_REMOVALS}, shrunk AS (
+        -- reserved_blocks is what the reservation holds now.
+        UPDATE reservations SET reserved_blocks = reserved_blocks - (SELECT count(*) FROM dropped)
+        WHERE tenant = :tenant AND request_id = :request_id
+    )
     SELECT count(*) AS released, {blocks.NOTIFY_RELEASED} FROM dropped
     """
 )
@@ -1017,7 +1020,7 @@ class Ledger:
         async def work(conn: AsyncConnection) -> Reservation:
             locked = await self._lock(conn, tenant, request_id)
             if locked["state"] != ReservationState.ADMITTED.value:
-                return await self._get(conn, tenant, request_id)
+                raise admission.not_live(await self._get(conn, tenant, request_id))
             found = await conn.execute(
                 _TABLE_ENTRIES_FOR,
                 {
@@ -1046,6 +1049,7 @@ class Ledger:
                         "holder": locked["holder_id"],
                         "instance": locked["instance"],
                         "tenant": tenant,
+                        "request_id": request_id,
                         "positions": positions,
                     },
                 )
@@ -1065,7 +1069,7 @@ class Ledger:
             current = await self._get(conn, tenant, request_id)
             if current.state is ReservationState.QUEUED:
                 return current  # no lease yet: its wait budget is what bounds it
-            raise _not_live(current)
+            raise admission.not_live(current)
 
         return await in_transaction(self._engine, work)
 
@@ -1078,7 +1082,7 @@ class Ledger:
         async def work(conn: AsyncConnection) -> Reservation:
             current = await self._get(conn, tenant, request_id)
             if current.state is not ReservationState.ADMITTED:
-                raise _not_live(current)
+                raise admission.not_live(current)
             violation = admission.check_session_tokens(current, session_token_ids)
             if violation:
                 raise invalid_request([violation])
@@ -1106,7 +1110,7 @@ class Ledger:
             if current.state is not ReservationState.ADMITTED or (
                 current.lease_expires_at is not None and current.lease_expires_at <= locked["now"]
             ):
-                raise _not_live(current)
+                raise admission.not_live(current)
             tenant_state = TenantState(locked["tenant_state"])
             if tenant_state in (TenantState.DELETING, TenantState.DELETED):
                 # Offboarding ends an idle session without asking its engine to abort: it
@@ -1326,30 +1330,3 @@ async def offload(conn: AsyncConnection, instance: str, tenant: str, request_id:
     }
     offloaded = (await conn.execute(_OFFLOAD_RESERVATION, params)).mappings().first()
     return None if offloaded is None else int(offloaded["freed_now"])
-
-
-def _not_live(current: Reservation) -> KvQuotaError:
-    """Why a reservation that is not admitted any more cannot be renewed, suspended or
-    resumed."""
-    name = reservation_name(current.tenant, current.request_id)
-    if current.end_reason is EndReason.PREEMPTED:
-        return preempted(name)
-    if current.state is ReservationState.ADMITTED or (
-        current.end_reason is EndReason.LEASE_EXPIRED
-    ):
-        return KvQuotaError(
-            Reason.LEASE_EXPIRED,
-            f"the lease of {name} expired; admit the request again",
-            metadata={"name": name},
-        )
-    if current.state is ReservationState.QUEUED:
-        return KvQuotaError(
-            Reason.NOT_ADMITTED,
-            f"{name} is still queued",
-            metadata={"name": name},
-        )
-    return KvQuotaError(
-        Reason.RESERVATION_ENDED,
-        f"{name} already ended ({current.end_reason.value if current.end_reason else ''})",
-        metadata={"name": name},
-    )

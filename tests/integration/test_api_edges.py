@@ -197,3 +197,50 @@ async def test_a_negative_reclaim_target_gets_one_clear_violation(
         )
     )
     assert violations(error) == {"target_blocks": "must not be negative"}
+
+
+async def test_what_a_gateway_sees_of_ended_reservations_and_stale_handles(
+    admin: admin_pb2_grpc.AdminServiceAsyncStub,
+    gateway: admission_pb2_grpc.AdmissionServiceAsyncStub,
+    fleet: None,
+) -> None:
+    """The issue's cases: each answered with a code and reason a gateway acts on, never an OK
+    for something that did not happen."""
+    first = (await gateway.Admit(admit("a", 32, 32))).reservation  # 4 blocks, none hashed
+    name = first.name
+    shrunk = await gateway.ReleaseBlocks(
+        admission_pb2.ReleaseBlocksRequest(name=name, handles=[first.block_table[3]])
+    )
+    assert shrunk.reserved_blocks == 3 == len(shrunk.block_table)
+    # Its own handle to a block freed since (and reused by another request): stale.
+    await gateway.Admit(admit("b", 32, 32))
+    for handle in (first.block_table[3], pb.BlockHandle(block_id=0, generation=99)):
+        before = await admin.GetInstance(admin_pb2.GetInstanceRequest(name="instances/gpu-0"))
+        stale = await refused(
+            gateway.ReleaseBlocks(admission_pb2.ReleaseBlocksRequest(name=name, handles=[handle]))
+        )
+        assert (stale.code, stale.reason) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "STALE_BLOCK_HANDLE",
+        )
+        assert stale.metadata["staleHandleCount"] == "1"
+        after = await admin.GetInstance(admin_pb2.GetInstanceRequest(name="instances/gpu-0"))
+        assert after.blocks_in_use == before.blocks_in_use
+    await gateway.Release(admission_pb2.ReleaseRequest(name=name, output_tokens=5))
+    # Release and Cancel repeated: idempotent, OK.
+    await gateway.Release(admission_pb2.ReleaseRequest(name=name, output_tokens=5))
+    await gateway.Cancel(admission_pb2.CancelRequest(name=name))
+    # Changing it, or admitting it again, is refused with how it ended.
+    for call in (
+        gateway.ReleaseBlocks(
+            admission_pb2.ReleaseBlocksRequest(name=name, handles=[first.block_table[0]])
+        ),
+        gateway.SuspendReservation(admission_pb2.SuspendReservationRequest(name=name)),
+        gateway.Admit(admit("a", 32, 32)),
+    ):
+        ended = await refused(call)
+        assert (ended.code, ended.reason) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "RESERVATION_ENDED",
+        )
+        assert ended.metadata == {"name": name, "endReason": "RELEASED"}
