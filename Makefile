@@ -73,10 +73,11 @@ stress: $(STAMP) ## Random load on two servers, simulated engines and PostgreSQL
 stress-short: $(STAMP) ## The one-minute form of `make stress` that CI runs (a fault every ~12 s)
 	$(BIN)/python -m stress --duration 60 --fault-interval 12
 
-lint: $(STAMP) ## ruff (lint and format check) and mypy --strict
+lint: $(STAMP) ## ruff (lint and format check), mypy --strict, and buf lint on the protos
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/python scripts/protogen.py --lint
 
 format: $(STAMP) ## Apply ruff's fixes and formatting
 	$(BIN)/ruff check --fix .

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -172,10 +173,27 @@ def readme_with(table: str, readme: str) -> str:
     return pattern.sub(lambda _: table, readme)
 
 
+def lint() -> None:
+    """`buf lint` (buf.yaml's rules) on the kvquota protos, from an image protoc builds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        image = Path(tmp) / "image.binpb"
+        image.write_bytes(descriptor_set().SerializeToString())
+        buf = Path(sys.executable).parent / "buf"
+        config = ROOT / "buf.yaml"
+        args = [str(buf), "lint", str(image), "--config", str(config), "--path", "kvquota/v1"]
+        if subprocess.run(args, check=False).returncode != 0:
+            raise SystemExit("buf lint found faults in proto/kvquota/v1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=ROOT)
-    generate(parser.parse_args().out)
+    parser.add_argument("--lint", action="store_true", help="only lint the protos (buf lint)")
+    args = parser.parse_args()
+    if args.lint:
+        lint()
+        return
+    generate(args.out)
     reasons = error_reasons(descriptor_set())
     REASONS_MODULE.write_text(reasons_module(reasons))
     README.write_text(readme_with(error_table(reasons), README.read_text()))

@@ -37,7 +37,9 @@ class AdmitRequest(_message.Message):
     tenant: _builtins.str
     """tenants/{tenant}"""
     request_id: _builtins.str
-    """Idempotency key, unique per tenant; also sent to vLLM as its request id."""
+    """Idempotency key, unique per tenant; also sent to vLLM as its request id.
+    [A-Za-z0-9._~:-]{1,128}.
+    """
     instance: _builtins.str
     """instances/{instance}"""
     prompt_tokens: _builtins.int
@@ -48,7 +50,9 @@ class AdmitRequest(_message.Message):
     """Higher is more important; 0 is the default class."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Token ids of the prompt, for prefix sharing."""
+        """Token ids of the prompt, for prefix sharing.
+        Empty, or exactly prompt_tokens of them (at most 1048576), none negative.
+        """
 
     @_builtins.property
     def wait_timeout(self) -> _duration_pb2.Duration:
@@ -226,7 +230,9 @@ class ReleaseBlocksRequest(_message.Message):
     name: _builtins.str
     """tenants/{tenant}/reservations/{request_id}"""
     @_builtins.property
-    def handles(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.BlockHandle]: ...
+    def handles(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.BlockHandle]:
+        """At least 1, at most 131072, each naming an entry of its block table."""
+
     def __init__(
         self,
         *,
@@ -253,6 +259,7 @@ class SuspendReservationRequest(_message.Message):
     def session_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The session's tokens so far, as the engine saw them: what the CPU tier holds of it, to
         prefetch on resume and to delete if it is evicted. Optional.
+        At most prompt_tokens + max_output_tokens, none negative.
         """
 
     def __init__(
