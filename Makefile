@@ -67,11 +67,16 @@ test-engines: $(STAMP) $(ENGINES_STAMP) $(LMCACHE_STAMP) ## Contract tests again
 # The long form (docs/reliability.md): STRESS_SECONDS=600. Each run has its own PostgreSQL.
 STRESS_SECONDS ?= 600
 STRESS_FAULT_INTERVAL ?= 30
-stress: $(STAMP) ## Random load on two servers, simulated engines and PostgreSQL, with faults; invariants checked throughout
+# Then the API fuzz test (tests/integration/test_fuzz.py) with this many examples per method,
+# where the default suite runs 15.
+STRESS_FUZZ_EXAMPLES ?= 500
+stress: $(STAMP) ## Random load on two servers, simulated engines and PostgreSQL, with faults; invariants checked throughout; then a long API fuzz
 	$(BIN)/python -m stress --duration $(STRESS_SECONDS) --fault-interval $(STRESS_FAULT_INTERVAL)
+	KVQUOTA_FUZZ_EXAMPLES=$(STRESS_FUZZ_EXAMPLES) $(call PYTEST,tests/integration/test_fuzz.py)
 
 stress-short: $(STAMP) ## The one-minute form of `make stress` that CI runs (a fault every ~12 s)
 	$(BIN)/python -m stress --duration 60 --fault-interval 12
+	KVQUOTA_FUZZ_EXAMPLES=60 $(call PYTEST,tests/integration/test_fuzz.py)
 
 lint: $(STAMP) ## ruff (lint and format check), mypy --strict, and buf lint on the protos
 	$(BIN)/ruff check .
