@@ -1,4 +1,5 @@
-"""Payloads that do not parse as their method's request: refused as INVALID_REQUEST.
+"""Payloads that do not parse as their method's request, or whose text PostgreSQL could not
+store (a NUL character): refused as INVALID_REQUEST.
 
 A request deserializer that raises makes gRPC answer UNKNOWN, with the exception's class in the
 message, and log a traceback at ERROR, for what is only a caller's mistake. So the deserializer
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from quota_service.api.errors import (
     Behavior,
@@ -42,6 +43,34 @@ def _refusal(method: str) -> Exception:
     )
 
 
+def nul_violations(message: Message, prefix: str = "") -> list[FieldViolation]:
+    """The string fields, at any depth, that hold a NUL character: valid UTF-8 and valid
+    protobuf, but text PostgreSQL cannot hold, so a filter or name with one would fail deep in
+    the ledger as INTERNAL instead of being refused here."""
+    found = []
+    for field, value in message.ListFields():
+        if field.type != field.TYPE_STRING and field.message_type is None:
+            continue  # token ids and other numbers: nothing to look at, however many
+        path = f"{prefix}{field.name}"
+        values = value if field.is_repeated else [value]
+        for index, item in enumerate(values):
+            where = f"{path}[{index}]" if field.is_repeated else path
+            if isinstance(item, str) and "\0" in item:
+                found.append(FieldViolation(where, "must not contain a NUL character"))
+            elif isinstance(item, Message):
+                found += nul_violations(item, f"{where}.")
+    return found
+
+
+def _check(request: object, method: str) -> None:
+    if isinstance(request, UnparsedRequest):
+        raise _refusal(method)
+    if isinstance(request, Message):
+        violations = nul_violations(request)
+        if violations:
+            raise invalid_request(violations)
+
+
 class PayloadInterceptor(WrappingInterceptor):
     def deserializer(self, parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
         if parse is None:
@@ -62,8 +91,7 @@ class PayloadInterceptor(WrappingInterceptor):
         async def parsed(
             request: Request, context: grpc.aio.ServicerContext[Request, Response]
         ) -> Response:
-            if isinstance(request, UnparsedRequest):
-                raise _refusal(method)
+            _check(request, method)
             return await behavior(request, context)
 
         return parsed
@@ -74,8 +102,7 @@ class PayloadInterceptor(WrappingInterceptor):
         async def parsed(
             request: Request, context: grpc.aio.ServicerContext[Request, Response]
         ) -> AsyncIterator[Response]:
-            if isinstance(request, UnparsedRequest):
-                raise _refusal(method)
+            _check(request, method)
             async for item in responses(behavior, request, context):
                 yield item
 

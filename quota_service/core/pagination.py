@@ -35,7 +35,7 @@ def page(page_size: int, page_token: str) -> Page:
         raise invalid_request(
             [FieldViolation("page_token", "not a token this API issued")]
         ) from None
-    if not isinstance(after, str):
+    if not isinstance(after, str) or "\0" in after:
         raise invalid_request([FieldViolation("page_token", "not a token this API issued")])
     return Page(size, after)
 

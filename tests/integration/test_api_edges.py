@@ -244,3 +244,23 @@ async def test_what_a_gateway_sees_of_ended_reservations_and_stale_handles(
             "RESERVATION_ENDED",
         )
         assert ended.metadata == {"name": name, "endReason": "RELEASED"}
+
+
+async def test_text_with_a_nul_character_is_invalid(
+    admin: admin_pb2_grpc.AdminServiceAsyncStub, fleet: None
+) -> None:
+    """Valid protobuf, but text PostgreSQL cannot hold: refused, not INTERNAL (found by the
+    fuzz test, in ListAuditEvents' method filter)."""
+    for call, field in (
+        (admin.ListAuditEvents(admin_pb2.ListAuditEventsRequest(method="tenants/\0")), "method"),
+        (
+            admin.CreateTenant(
+                admin_pb2.CreateTenantRequest(
+                    tenant_id="globex", tenant=pb.Tenant(display_name="G\0", quota=quota())
+                )
+            ),
+            "tenant.display_name",
+        ),
+    ):
+        error = await refused(call)
+        assert violations(error) == {field: "must not contain a NUL character"}
