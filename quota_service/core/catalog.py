@@ -132,9 +132,7 @@ def instance_spec(
     capacity = 0
     # A geometry or budget that did not parse is refused as such: no capacity follows from it.
     unparsed = {v.field.split(".")[0] for v in found} & {"geometry", "memory_budget"}
-    if unparsed:
-        pass
-    elif budget is not None:
+    if budget is not None and not unparsed:
         if kv_geometry is None:
             violations.append(FieldViolation("geometry", "required with memory_budget"))
         elif block_size_known:
@@ -146,7 +144,7 @@ def instance_spec(
         if num_gpu_blocks < 1:
             violations.append(FieldViolation("num_gpu_blocks", "must be at least 1"))
         capacity = num_gpu_blocks
-    else:
+    elif not unparsed:
         violations.append(FieldViolation("capacity", "give memory_budget or num_gpu_blocks"))
     queue = queue or QueueBounds()
     if queue.max_queued_requests < 0:
