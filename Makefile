@@ -67,22 +67,28 @@ test-engines: $(STAMP) $(ENGINES_STAMP) $(LMCACHE_STAMP) ## Contract tests again
 # The long form (docs/reliability.md): STRESS_SECONDS=600. Each run has its own PostgreSQL.
 STRESS_SECONDS ?= 600
 STRESS_FAULT_INTERVAL ?= 30
-stress: $(STAMP) ## Random load on two servers, simulated engines and PostgreSQL, with faults; invariants checked throughout
+# Then the API fuzz test (tests/integration/test_fuzz.py) with this many examples per method,
+# where the default suite runs 15.
+STRESS_FUZZ_EXAMPLES ?= 500
+stress: $(STAMP) ## Random load on two servers, simulated engines and PostgreSQL, with faults; invariants checked throughout; then a long API fuzz
 	$(BIN)/python -m stress --duration $(STRESS_SECONDS) --fault-interval $(STRESS_FAULT_INTERVAL)
+	KVQUOTA_FUZZ_EXAMPLES=$(STRESS_FUZZ_EXAMPLES) $(call PYTEST,tests/integration/test_fuzz.py)
 
 stress-short: $(STAMP) ## The one-minute form of `make stress` that CI runs (a fault every ~12 s)
 	$(BIN)/python -m stress --duration 60 --fault-interval 12
+	KVQUOTA_FUZZ_EXAMPLES=60 $(call PYTEST,tests/integration/test_fuzz.py)
 
-lint: $(STAMP) ## ruff (lint and format check) and mypy --strict
+lint: $(STAMP) ## ruff (lint and format check), mypy --strict, and buf lint on the protos
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/python scripts/protogen.py --lint
 
 format: $(STAMP) ## Apply ruff's fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-proto: $(STAMP) ## Regenerate kvquota/v1 from proto/kvquota/v1
+proto: $(STAMP) ## Regenerate kvquota/v1, quota_service/core/reasons.py and the README's error table from proto/kvquota/v1
 	$(BIN)/python scripts/protogen.py
 
 # The suite writes docs/benchmarks.md; e.g. `make bench BENCH_ARGS="--servers 2 --auth both"`.

@@ -74,6 +74,7 @@ class ListTenantsRequest(_message.Message):
     page_size: _builtins.int
     """At most 1000; unset means 100."""
     page_token: _builtins.str
+    """A previous page's next_page_token (at most 1024 characters)."""
     def __init__(
         self,
         *,
@@ -201,8 +202,11 @@ class RegisterInstanceRequest(_message.Message):
     instance_id: _builtins.str
     """The final component of the name: [a-z][a-z0-9-]{0,62}."""
     model: _builtins.str
+    """At most 200 characters."""
     block_size: _builtins.int
+    """vLLM's --block-size: 1, 8, 16, 32, 64, 128 or 256."""
     max_model_len: _builtins.int
+    """At least block_size, at most 1048576 tokens."""
     num_gpu_blocks: _builtins.int
     """The engine's reported block count (vllm:cache_config_info num_gpu_blocks)."""
     hash_algo: _resources_pb2.PrefixHashAlgo.ValueType
@@ -281,6 +285,7 @@ class ListInstancesRequest(_message.Message):
     page_size: _builtins.int
     """At most 1000; unset means 100."""
     page_token: _builtins.str
+    """A previous page's next_page_token (at most 1024 characters)."""
     def __init__(
         self,
         *,
@@ -425,7 +430,7 @@ class RotateCacheSaltRequest(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """tenants/{tenant} or namespaces/{namespace}"""
+    """tenants/{tenant} or namespaces/{namespace}: a Tenant or a Namespace, so no single type."""
     def __init__(
         self,
         *,
@@ -570,6 +575,7 @@ class ListNamespacesRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     page_token: _builtins.str
+    """A previous page's next_page_token (at most 1024 characters)."""
     def __init__(
         self,
         *,
@@ -624,7 +630,9 @@ class PinPrefixRequest(_message.Message):
     instance: _builtins.str
     """instances/{instance}"""
     @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """At least one full block, at most 1048576 tokens."""
+
     def __init__(
         self,
         *,
@@ -672,6 +680,7 @@ class ListPinsRequest(_message.Message):
     """tenants/{tenant} or namespaces/{namespace}"""
     page_size: _builtins.int
     page_token: _builtins.str
+    """A previous page's next_page_token (at most 1024 characters)."""
     def __init__(
         self,
         *,
@@ -727,6 +736,7 @@ class ListBlocksRequest(_message.Message):
     """Only blocks in this state."""
     page_size: _builtins.int
     page_token: _builtins.str
+    """A previous page's next_page_token (at most 1024 characters)."""
     def __init__(
         self,
         *,
@@ -790,7 +800,10 @@ class CreateReclaimJobRequest(_message.Message):
     dry_run: _builtins.bool
     """Plan only: the job is stored as SUCCEEDED with its plan and never executed."""
     request_id: _builtins.str
-    """Idempotency: a repeat with the same id returns the job it created."""
+    """Idempotency: a repeat with the same id returns the job it created. Required, where
+    AIP-155 makes it optional: a job is durable and runs on its own, so a create retried
+    without one would start a second job and reclaim twice. [A-Za-z0-9._~:-]{1,128}.
+    """
     min_tier: _resources_pb2.ReclaimTier.ValueType
     """The lowest tier to use (unset: FREE). Freeing cached blocks makes no room for admission,
     which reuses them anyway: a job meant to let queued work in starts at OFFLOAD.
@@ -846,6 +859,7 @@ class ListReclaimJobsRequest(_message.Message):
     """instances/{instance}: only its jobs; empty: every job."""
     page_size: _builtins.int
     page_token: _builtins.str
+    """A previous page's next_page_token (at most 1024 characters)."""
     def __init__(
         self,
         *,
@@ -912,11 +926,15 @@ class CreateApiKeyRequest(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     TENANTS_FIELD_NUMBER: _builtins.int
     display_name: _builtins.str
-    """Human-readable label, e.g. "gateway-eu-1"; a resource id."""
+    """Human-readable label, e.g. "gateway-eu-1"; a resource id.
+    [a-z][a-z0-9-]{0,62}.
+    """
     role: _resources_pb2.Role.ValueType
     @_builtins.property
     def tenants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """tenants/{tenant}: the tenants a GATEWAY key acts for, or a TENANT key's own (exactly one)."""
+        """tenants/{tenant}: the tenants a GATEWAY key acts for, or a TENANT key's own (exactly one).
+        At most 100.
+        """
 
     def __init__(
         self,
@@ -966,6 +984,7 @@ class ListApiKeysRequest(_message.Message):
     SHOW_REVOKED_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     page_token: _builtins.str
+    """A previous page's next_page_token (at most 1024 characters)."""
     show_revoked: _builtins.bool
     """Also list revoked keys."""
     def __init__(
@@ -1036,10 +1055,15 @@ class ListAuditEventsRequest(_message.Message):
     METHOD_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     page_token: _builtins.str
+    """A previous page's next_page_token (at most 1024 characters)."""
     principal: _builtins.str
-    """Only the actions of this principal (apiKeys/{key_id}), or of every one when empty."""
+    """Only the actions of this principal (apiKeys/{key_id}), or of every one when empty.
+    At most 100 characters.
+    """
     method: _builtins.str
-    """Only this method (e.g. "DeleteTenant"), or every one when empty."""
+    """Only this method (e.g. "DeleteTenant"), or every one when empty.
+    At most 100 characters.
+    """
     def __init__(
         self,
         *,

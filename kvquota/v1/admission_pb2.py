@@ -22,37 +22,67 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
+from google.api import resource_pb2 as google_dot_api_dot_resource__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from kvquota.v1 import resources_pb2 as kvquota_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvquota/v1/admission.proto\x12\nkvquota.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1akvquota/v1/resources.proto\"\xa4\x02\n\x0c\x41\x64mitRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11max_output_tokens\x18\x05 \x01(\x05\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\x12/\n\x0cwait_timeout\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\tlease_ttl\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0e\x65ngine_address\x18\x0b \x01(\t\"Q\n\rAdmitResponse\x12,\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.kvquota.v1.Reservation\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"O\n\x11RenewLeaseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"5\n\x0eReleaseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\routput_tokens\x18\x02 \x01(\x05\"\x1d\n\rCancelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"%\n\x15GetReservationRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\'\n\x17WatchReservationRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"N\n\x14ReleaseBlocksRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x07handles\x18\x02 \x03(\x0b\x32\x17.kvquota.v1.BlockHandle\"D\n\x19SuspendReservationRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11session_token_ids\x18\x02 \x03(\x05\"Y\n\x18ResumeReservationRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12/\n\x0cwait_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration2\xac\x05\n\x10\x41\x64missionService\x12<\n\x05\x41\x64mit\x12\x18.kvquota.v1.AdmitRequest\x1a\x19.kvquota.v1.AdmitResponse\x12\x44\n\nRenewLease\x12\x1d.kvquota.v1.RenewLeaseRequest\x1a\x17.kvquota.v1.Reservation\x12>\n\x07Release\x12\x1a.kvquota.v1.ReleaseRequest\x1a\x17.kvquota.v1.Reservation\x12<\n\x06\x43\x61ncel\x12\x19.kvquota.v1.CancelRequest\x1a\x17.kvquota.v1.Reservation\x12L\n\x0eGetReservation\x12!.kvquota.v1.GetReservationRequest\x1a\x17.kvquota.v1.Reservation\x12J\n\rReleaseBlocks\x12 .kvquota.v1.ReleaseBlocksRequest\x1a\x17.kvquota.v1.Reservation\x12R\n\x10WatchReservation\x12#.kvquota.v1.WatchReservationRequest\x1a\x17.kvquota.v1.Reservation0\x01\x12T\n\x12SuspendReservation\x12%.kvquota.v1.SuspendReservationRequest\x1a\x17.kvquota.v1.Reservation\x12R\n\x11ResumeReservation\x12$.kvquota.v1.ResumeReservationRequest\x1a\x17.kvquota.v1.Reservationb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvquota/v1/admission.proto\x12\nkvquota.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x19google/api/resource.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1akvquota/v1/resources.proto\"\xea\x02\n\x0c\x41\x64mitRequest\x12\'\n\x06tenant\x18\x01 \x01(\tB\x17\xe2\x41\x01\x02\xfa\x41\x10\n\x0ekvquota/Tenant\x12\x18\n\nrequest_id\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12+\n\x08instance\x18\x03 \x01(\tB\x19\xe2\x41\x01\x01\xfa\x41\x12\n\x10kvquota/Instance\x12\x1b\n\rprompt_tokens\x18\x04 \x01(\x05\x42\x04\xe2\x41\x01\x02\x12\x1f\n\x11max_output_tokens\x18\x05 \x01(\x05\x42\x04\xe2\x41\x01\x02\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\x12/\n\x0cwait_timeout\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\tlease_ttl\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0e\x65ngine_address\x18\x0b \x01(\t\"Q\n\rAdmitResponse\x12,\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.kvquota.v1.Reservation\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"m\n\x11RenewLeaseRequest\x12*\n\x04name\x18\x01 \x01(\tB\x1c\xe2\x41\x01\x02\xfa\x41\x15\n\x13kvquota/Reservation\x12,\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"S\n\x0eReleaseRequest\x12*\n\x04name\x18\x01 \x01(\tB\x1c\xe2\x41\x01\x02\xfa\x41\x15\n\x13kvquota/Reservation\x12\x15\n\routput_tokens\x18\x02 \x01(\x05\";\n\rCancelRequest\x12*\n\x04name\x18\x01 \x01(\tB\x1c\xe2\x41\x01\x02\xfa\x41\x15\n\x13kvquota/Reservation\"C\n\x15GetReservationRequest\x12*\n\x04name\x18\x01 \x01(\tB\x1c\xe2\x41\x01\x02\xfa\x41\x15\n\x13kvquota/Reservation\"E\n\x17WatchReservationRequest\x12*\n\x04name\x18\x01 \x01(\tB\x1c\xe2\x41\x01\x02\xfa\x41\x15\n\x13kvquota/Reservation\"r\n\x14ReleaseBlocksRequest\x12*\n\x04name\x18\x01 \x01(\tB\x1c\xe2\x41\x01\x02\xfa\x41\x15\n\x13kvquota/Reservation\x12.\n\x07handles\x18\x02 \x03(\x0b\x32\x17.kvquota.v1.BlockHandleB\x04\xe2\x41\x01\x02\"b\n\x19SuspendReservationRequest\x12*\n\x04name\x18\x01 \x01(\tB\x1c\xe2\x41\x01\x02\xfa\x41\x15\n\x13kvquota/Reservation\x12\x19\n\x11session_token_ids\x18\x02 \x03(\x05\"w\n\x18ResumeReservationRequest\x12*\n\x04name\x18\x01 \x01(\tB\x1c\xe2\x41\x01\x02\xfa\x41\x15\n\x13kvquota/Reservation\x12/\n\x0cwait_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration2\xac\x05\n\x10\x41\x64missionService\x12<\n\x05\x41\x64mit\x12\x18.kvquota.v1.AdmitRequest\x1a\x19.kvquota.v1.AdmitResponse\x12\x44\n\nRenewLease\x12\x1d.kvquota.v1.RenewLeaseRequest\x1a\x17.kvquota.v1.Reservation\x12>\n\x07Release\x12\x1a.kvquota.v1.ReleaseRequest\x1a\x17.kvquota.v1.Reservation\x12<\n\x06\x43\x61ncel\x12\x19.kvquota.v1.CancelRequest\x1a\x17.kvquota.v1.Reservation\x12L\n\x0eGetReservation\x12!.kvquota.v1.GetReservationRequest\x1a\x17.kvquota.v1.Reservation\x12J\n\rReleaseBlocks\x12 .kvquota.v1.ReleaseBlocksRequest\x1a\x17.kvquota.v1.Reservation\x12R\n\x10WatchReservation\x12#.kvquota.v1.WatchReservationRequest\x1a\x17.kvquota.v1.Reservation0\x01\x12T\n\x12SuspendReservation\x12%.kvquota.v1.SuspendReservationRequest\x1a\x17.kvquota.v1.Reservation\x12R\n\x11ResumeReservation\x12$.kvquota.v1.ResumeReservationRequest\x1a\x17.kvquota.v1.Reservationb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvquota.v1.admission_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ADMITREQUEST']._serialized_start=103
-  _globals['_ADMITREQUEST']._serialized_end=395
-  _globals['_ADMITRESPONSE']._serialized_start=397
-  _globals['_ADMITRESPONSE']._serialized_end=478
-  _globals['_RENEWLEASEREQUEST']._serialized_start=480
-  _globals['_RENEWLEASEREQUEST']._serialized_end=559
-  _globals['_RELEASEREQUEST']._serialized_start=561
-  _globals['_RELEASEREQUEST']._serialized_end=614
-  _globals['_CANCELREQUEST']._serialized_start=616
-  _globals['_CANCELREQUEST']._serialized_end=645
-  _globals['_GETRESERVATIONREQUEST']._serialized_start=647
-  _globals['_GETRESERVATIONREQUEST']._serialized_end=684
-  _globals['_WATCHRESERVATIONREQUEST']._serialized_start=686
-  _globals['_WATCHRESERVATIONREQUEST']._serialized_end=725
-  _globals['_RELEASEBLOCKSREQUEST']._serialized_start=727
-  _globals['_RELEASEBLOCKSREQUEST']._serialized_end=805
-  _globals['_SUSPENDRESERVATIONREQUEST']._serialized_start=807
-  _globals['_SUSPENDRESERVATIONREQUEST']._serialized_end=875
-  _globals['_RESUMERESERVATIONREQUEST']._serialized_start=877
-  _globals['_RESUMERESERVATIONREQUEST']._serialized_end=966
-  _globals['_ADMISSIONSERVICE']._serialized_start=969
-  _globals['_ADMISSIONSERVICE']._serialized_end=1653
+  _globals['_ADMITREQUEST'].fields_by_name['tenant']._loaded_options = None
+  _globals['_ADMITREQUEST'].fields_by_name['tenant']._serialized_options = b'\342A\001\002\372A\020\n\016kvquota/Tenant'
+  _globals['_ADMITREQUEST'].fields_by_name['request_id']._loaded_options = None
+  _globals['_ADMITREQUEST'].fields_by_name['request_id']._serialized_options = b'\342A\001\002'
+  _globals['_ADMITREQUEST'].fields_by_name['instance']._loaded_options = None
+  _globals['_ADMITREQUEST'].fields_by_name['instance']._serialized_options = b'\342A\001\001\372A\022\n\020kvquota/Instance'
+  _globals['_ADMITREQUEST'].fields_by_name['prompt_tokens']._loaded_options = None
+  _globals['_ADMITREQUEST'].fields_by_name['prompt_tokens']._serialized_options = b'\342A\001\002'
+  _globals['_ADMITREQUEST'].fields_by_name['max_output_tokens']._loaded_options = None
+  _globals['_ADMITREQUEST'].fields_by_name['max_output_tokens']._serialized_options = b'\342A\001\002'
+  _globals['_RENEWLEASEREQUEST'].fields_by_name['name']._loaded_options = None
+  _globals['_RENEWLEASEREQUEST'].fields_by_name['name']._serialized_options = b'\342A\001\002\372A\025\n\023kvquota/Reservation'
+  _globals['_RELEASEREQUEST'].fields_by_name['name']._loaded_options = None
+  _globals['_RELEASEREQUEST'].fields_by_name['name']._serialized_options = b'\342A\001\002\372A\025\n\023kvquota/Reservation'
+  _globals['_CANCELREQUEST'].fields_by_name['name']._loaded_options = None
+  _globals['_CANCELREQUEST'].fields_by_name['name']._serialized_options = b'\342A\001\002\372A\025\n\023kvquota/Reservation'
+  _globals['_GETRESERVATIONREQUEST'].fields_by_name['name']._loaded_options = None
+  _globals['_GETRESERVATIONREQUEST'].fields_by_name['name']._serialized_options = b'\342A\001\002\372A\025\n\023kvquota/Reservation'
+  _globals['_WATCHRESERVATIONREQUEST'].fields_by_name['name']._loaded_options = None
+  _globals['_WATCHRESERVATIONREQUEST'].fields_by_name['name']._serialized_options = b'\342A\001\002\372A\025\n\023kvquota/Reservation'
+  _globals['_RELEASEBLOCKSREQUEST'].fields_by_name['name']._loaded_options = None
+  _globals['_RELEASEBLOCKSREQUEST'].fields_by_name['name']._serialized_options = b'\342A\001\002\372A\025\n\023kvquota/Reservation'
+  _globals['_RELEASEBLOCKSREQUEST'].fields_by_name['handles']._loaded_options = None
+  _globals['_RELEASEBLOCKSREQUEST'].fields_by_name['handles']._serialized_options = b'\342A\001\002'
+  _globals['_SUSPENDRESERVATIONREQUEST'].fields_by_name['name']._loaded_options = None
+  _globals['_SUSPENDRESERVATIONREQUEST'].fields_by_name['name']._serialized_options = b'\342A\001\002\372A\025\n\023kvquota/Reservation'
+  _globals['_RESUMERESERVATIONREQUEST'].fields_by_name['name']._loaded_options = None
+  _globals['_RESUMERESERVATIONREQUEST'].fields_by_name['name']._serialized_options = b'\342A\001\002\372A\025\n\023kvquota/Reservation'
+  _globals['_ADMITREQUEST']._serialized_start=163
+  _globals['_ADMITREQUEST']._serialized_end=525
+  _globals['_ADMITRESPONSE']._serialized_start=527
+  _globals['_ADMITRESPONSE']._serialized_end=608
+  _globals['_RENEWLEASEREQUEST']._serialized_start=610
+  _globals['_RENEWLEASEREQUEST']._serialized_end=719
+  _globals['_RELEASEREQUEST']._serialized_start=721
+  _globals['_RELEASEREQUEST']._serialized_end=804
+  _globals['_CANCELREQUEST']._serialized_start=806
+  _globals['_CANCELREQUEST']._serialized_end=865
+  _globals['_GETRESERVATIONREQUEST']._serialized_start=867
+  _globals['_GETRESERVATIONREQUEST']._serialized_end=934
+  _globals['_WATCHRESERVATIONREQUEST']._serialized_start=936
+  _globals['_WATCHRESERVATIONREQUEST']._serialized_end=1005
+  _globals['_RELEASEBLOCKSREQUEST']._serialized_start=1007
+  _globals['_RELEASEBLOCKSREQUEST']._serialized_end=1121
+  _globals['_SUSPENDRESERVATIONREQUEST']._serialized_start=1123
+  _globals['_SUSPENDRESERVATIONREQUEST']._serialized_end=1221
+  _globals['_RESUMERESERVATIONREQUEST']._serialized_start=1223
+  _globals['_RESUMERESERVATIONREQUEST']._serialized_end=1342
+  _globals['_ADMISSIONSERVICE']._serialized_start=1345
+  _globals['_ADMISSIONSERVICE']._serialized_end=2029
 # @@protoc_insertion_point(module_scope)

@@ -38,9 +38,11 @@ class AdmitRequest(_message.Message):
     tenant: _builtins.str
     """tenants/{tenant}"""
     request_id: _builtins.str
-    """Idempotency key, unique per tenant; also sent to vLLM as its request id."""
+    """Idempotency key, unique per tenant; also sent to vLLM as its request id.
+    [A-Za-z0-9._~:-]{1,128}.
+    """
     instance: _builtins.str
-    """instances/{instance}; or leave it empty and give engine_address."""
+    """instances/{instance}; or leave it empty and give engine_address (one of the two is required)."""
     prompt_tokens: _builtins.int
     max_output_tokens: _builtins.int
     n: _builtins.int
@@ -50,11 +52,14 @@ class AdmitRequest(_message.Message):
     engine_address: _builtins.str
     """The engine by its address instead of its instance name, as an endpoint picker gives it:
     vLLM's base URL (http://10.0.0.5:8000) or host:port. It names the instance registered with
-    that engine URL (INSTANCE_NOT_FOUND when none is); give it or instance, not both.
+    that engine URL (INSTANCE_NOT_FOUND when none is); give it or instance, not both. At most
+    200 characters.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Token ids of the prompt, for prefix sharing."""
+        """Token ids of the prompt, for prefix sharing.
+        Empty, or exactly prompt_tokens of them (at most 1048576), none negative.
+        """
 
     @_builtins.property
     def wait_timeout(self) -> _duration_pb2.Duration:
@@ -233,7 +238,9 @@ class ReleaseBlocksRequest(_message.Message):
     name: _builtins.str
     """tenants/{tenant}/reservations/{request_id}"""
     @_builtins.property
-    def handles(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.BlockHandle]: ...
+    def handles(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.BlockHandle]:
+        """At least 1, at most 131072, each naming an entry of its block table."""
+
     def __init__(
         self,
         *,
@@ -260,6 +267,7 @@ class SuspendReservationRequest(_message.Message):
     def session_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The session's tokens so far, as the engine saw them: what the CPU tier holds of it, to
         prefetch on resume and to delete if it is evicted. Optional.
+        At most prompt_tokens + max_output_tokens, none negative.
         """
 
     def __init__(

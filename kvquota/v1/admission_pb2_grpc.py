@@ -88,7 +88,9 @@ class AdmissionServiceServicer:
     """
 
     def Admit(self, request, context):
-        """Reserves KV blocks for one request, or refuses with a reason and a retry delay.
+        """Reserves KV blocks for one request, or refuses with a reason and a retry delay. Sent again
+        with the same request_id, it returns the live reservation; once that ended, it is refused
+        with RESERVATION_ENDED (never an OK a gateway would read as admitted).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -123,7 +125,9 @@ class AdmissionServiceServicer:
 
     def ReleaseBlocks(self, request, context):
         """Releases chosen entries of a live reservation's block table (a sliding window, a tail the
-        engine dropped); releasing an entry twice changes nothing.
+        engine dropped); releasing an entry again changes nothing while its block keeps that
+        generation. A handle whose block was freed since is STALE_BLOCK_HANDLE, whoever sends it;
+        an ended reservation is RESERVATION_ENDED. reserved_blocks counts what is left.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,7 +35,10 @@ class AdmissionServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> AdmissionServiceAsyncStub: ...
     Admit: _grpc.UnaryUnaryMultiCallable[_admission_pb2.AdmitRequest, _admission_pb2.AdmitResponse]
-    """Reserves KV blocks for one request, or refuses with a reason and a retry delay."""
+    """Reserves KV blocks for one request, or refuses with a reason and a retry delay. Sent again
+    with the same request_id, it returns the live reservation; once that ended, it is refused
+    with RESERVATION_ENDED (never an OK a gateway would read as admitted).
+    """
     RenewLease: _grpc.UnaryUnaryMultiCallable[_admission_pb2.RenewLeaseRequest, _resources_pb2.Reservation]
     """Extends a live reservation's lease."""
     Release: _grpc.UnaryUnaryMultiCallable[_admission_pb2.ReleaseRequest, _resources_pb2.Reservation]
@@ -45,7 +48,9 @@ class AdmissionServiceStub:
     GetReservation: _grpc.UnaryUnaryMultiCallable[_admission_pb2.GetReservationRequest, _resources_pb2.Reservation]
     ReleaseBlocks: _grpc.UnaryUnaryMultiCallable[_admission_pb2.ReleaseBlocksRequest, _resources_pb2.Reservation]
     """Releases chosen entries of a live reservation's block table (a sliding window, a tail the
-    engine dropped); releasing an entry twice changes nothing.
+    engine dropped); releasing an entry again changes nothing while its block keeps that
+    generation. A handle whose block was freed since is STALE_BLOCK_HANDLE, whoever sends it;
+    an ended reservation is RESERVATION_ENDED. reserved_blocks counts what is left.
     """
     WatchReservation: _grpc.UnaryStreamMultiCallable[_admission_pb2.WatchReservationRequest, _resources_pb2.Reservation]
     """Streams the reservation now and after each change of state (queued, admitted, ended with
@@ -67,7 +72,10 @@ class AdmissionServiceAsyncStub(AdmissionServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Admit: _aio.UnaryUnaryMultiCallable[_admission_pb2.AdmitRequest, _admission_pb2.AdmitResponse]  # type: ignore[assignment]
-    """Reserves KV blocks for one request, or refuses with a reason and a retry delay."""
+    """Reserves KV blocks for one request, or refuses with a reason and a retry delay. Sent again
+    with the same request_id, it returns the live reservation; once that ended, it is refused
+    with RESERVATION_ENDED (never an OK a gateway would read as admitted).
+    """
     RenewLease: _aio.UnaryUnaryMultiCallable[_admission_pb2.RenewLeaseRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
     """Extends a live reservation's lease."""
     Release: _aio.UnaryUnaryMultiCallable[_admission_pb2.ReleaseRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
@@ -77,7 +85,9 @@ class AdmissionServiceAsyncStub(AdmissionServiceStub):
     GetReservation: _aio.UnaryUnaryMultiCallable[_admission_pb2.GetReservationRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
     ReleaseBlocks: _aio.UnaryUnaryMultiCallable[_admission_pb2.ReleaseBlocksRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
     """Releases chosen entries of a live reservation's block table (a sliding window, a tail the
-    engine dropped); releasing an entry twice changes nothing.
+    engine dropped); releasing an entry again changes nothing while its block keeps that
+    generation. A handle whose block was freed since is STALE_BLOCK_HANDLE, whoever sends it;
+    an ended reservation is RESERVATION_ENDED. reserved_blocks counts what is left.
     """
     WatchReservation: _aio.UnaryStreamMultiCallable[_admission_pb2.WatchReservationRequest, _resources_pb2.Reservation]  # type: ignore[assignment]
     """Streams the reservation now and after each change of state (queued, admitted, ended with
@@ -102,7 +112,10 @@ class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admission_pb2.AdmitRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admission_pb2.AdmitResponse, _abc.Awaitable[_admission_pb2.AdmitResponse]]:
-        """Reserves KV blocks for one request, or refuses with a reason and a retry delay."""
+        """Reserves KV blocks for one request, or refuses with a reason and a retry delay. Sent again
+        with the same request_id, it returns the live reservation; once that ended, it is refused
+        with RESERVATION_ENDED (never an OK a gateway would read as admitted).
+        """
 
     @_abc_1.abstractmethod
     def RenewLease(
@@ -142,7 +155,9 @@ class AdmissionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_resources_pb2.Reservation, _abc.Awaitable[_resources_pb2.Reservation]]:
         """Releases chosen entries of a live reservation's block table (a sliding window, a tail the
-        engine dropped); releasing an entry twice changes nothing.
+        engine dropped); releasing an entry again changes nothing while its block keeps that
+        generation. A handle whose block was freed since is STALE_BLOCK_HANDLE, whoever sends it;
+        an ended reservation is RESERVATION_ENDED. reserved_blocks counts what is left.
         """
 
     @_abc_1.abstractmethod

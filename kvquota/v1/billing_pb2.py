@@ -22,36 +22,56 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
+from google.api import resource_pb2 as google_dot_api_dot_resource__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvquota/v1/billing.proto\x12\nkvquota.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x94\x01\n\x12\x45xportUsageRequest\x12.\n\nstart_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x10\n\x08instance\x18\x04 \x01(\t\"\x86\x01\n\x16GetUsageSummaryRequest\x12.\n\nstart_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"\xc9\x06\n\x0bUsageRecord\x12.\n\nhour_start\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08hour_end\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x10\n\x08instance\x18\x04 \x01(\t\x12\x19\n\x11gpu_block_seconds\x18\x05 \x01(\x01\x12 \n\x18\x66\x61ir_share_block_seconds\x18\x06 \x01(\x01\x12\x1c\n\x14pinned_block_seconds\x18\x07 \x01(\x01\x12\x15\n\rgpu_gib_hours\x18\x08 \x01(\x01\x12\x1c\n\x14\x66\x61ir_share_gib_hours\x18\t \x01(\x01\x12\x15\n\rcpu_gib_hours\x18\n \x01(\x01\x12\x1c\n\x14\x63ompressed_gib_hours\x18\x0b \x01(\x01\x12\x17\n\x0ftokens_reserved\x18\x0c \x01(\x03\x12\x15\n\routput_tokens\x18\r \x01(\x03\x12\x19\n\x11requests_admitted\x18\x0e \x01(\x03\x12\x17\n\x0frequests_queued\x18\x0f \x01(\x03\x12\x46\n\x10requests_refused\x18\x10 \x03(\x0b\x32,.kvquota.v1.UsageRecord.RequestsRefusedEntry\x12\x46\n\x10\x62locks_reclaimed\x18\x11 \x03(\x0b\x32,.kvquota.v1.UsageRecord.BlocksReclaimedEntry\x12S\n\x17requests_shadow_refused\x18\x12 \x03(\x0b\x32\x32.kvquota.v1.UsageRecord.RequestsShadowRefusedEntry\x1a\x36\n\x14RequestsRefusedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x36\n\x14\x42locksReclaimedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a<\n\x1aRequestsShadowRefusedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x96\x01\n\x0cUsageSummary\x12.\n\nstart_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12(\n\x07tenants\x18\x03 \x03(\x0b\x32\x17.kvquota.v1.UsageRecord2\xab\x01\n\x0e\x42illingService\x12H\n\x0b\x45xportUsage\x12\x1e.kvquota.v1.ExportUsageRequest\x1a\x17.kvquota.v1.UsageRecord0\x01\x12O\n\x0fGetUsageSummary\x12\".kvquota.v1.GetUsageSummaryRequest\x1a\x18.kvquota.v1.UsageSummaryb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvquota/v1/billing.proto\x12\nkvquota.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x19google/api/resource.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd4\x01\n\x12\x45xportUsageRequest\x12\x34\n\nstart_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x02\x12\x32\n\x08\x65nd_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x02\x12\'\n\x06tenant\x18\x03 \x01(\tB\x17\xe2\x41\x01\x01\xfa\x41\x10\n\x0ekvquota/Tenant\x12+\n\x08instance\x18\x04 \x01(\tB\x19\xe2\x41\x01\x01\xfa\x41\x12\n\x10kvquota/Instance\"\xab\x01\n\x16GetUsageSummaryRequest\x12\x34\n\nstart_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x02\x12\x32\n\x08\x65nd_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x02\x12\'\n\x06tenant\x18\x03 \x01(\tB\x17\xe2\x41\x01\x01\xfa\x41\x10\n\x0ekvquota/Tenant\"\xf5\x06\n\x0bUsageRecord\x12.\n\nhour_start\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08hour_end\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12#\n\x06tenant\x18\x03 \x01(\tB\x13\xfa\x41\x10\n\x0ekvquota/Tenant\x12\'\n\x08instance\x18\x04 \x01(\tB\x15\xfa\x41\x12\n\x10kvquota/Instance\x12\x19\n\x11gpu_block_seconds\x18\x05 \x01(\x01\x12 \n\x18\x66\x61ir_share_block_seconds\x18\x06 \x01(\x01\x12\x1c\n\x14pinned_block_seconds\x18\x07 \x01(\x01\x12\x15\n\rgpu_gib_hours\x18\x08 \x01(\x01\x12\x1c\n\x14\x66\x61ir_share_gib_hours\x18\t \x01(\x01\x12\x15\n\rcpu_gib_hours\x18\n \x01(\x01\x12\x1c\n\x14\x63ompressed_gib_hours\x18\x0b \x01(\x01\x12\x17\n\x0ftokens_reserved\x18\x0c \x01(\x03\x12\x15\n\routput_tokens\x18\r \x01(\x03\x12\x19\n\x11requests_admitted\x18\x0e \x01(\x03\x12\x17\n\x0frequests_queued\x18\x0f \x01(\x03\x12\x46\n\x10requests_refused\x18\x10 \x03(\x0b\x32,.kvquota.v1.UsageRecord.RequestsRefusedEntry\x12\x46\n\x10\x62locks_reclaimed\x18\x11 \x03(\x0b\x32,.kvquota.v1.UsageRecord.BlocksReclaimedEntry\x12S\n\x17requests_shadow_refused\x18\x12 \x03(\x0b\x32\x32.kvquota.v1.UsageRecord.RequestsShadowRefusedEntry\x1a\x36\n\x14RequestsRefusedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x36\n\x14\x42locksReclaimedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a<\n\x1aRequestsShadowRefusedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x96\x01\n\x0cUsageSummary\x12.\n\nstart_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12(\n\x07tenants\x18\x03 \x03(\x0b\x32\x17.kvquota.v1.UsageRecord2\xab\x01\n\x0e\x42illingService\x12H\n\x0b\x45xportUsage\x12\x1e.kvquota.v1.ExportUsageRequest\x1a\x17.kvquota.v1.UsageRecord0\x01\x12O\n\x0fGetUsageSummary\x12\".kvquota.v1.GetUsageSummaryRequest\x1a\x18.kvquota.v1.UsageSummaryb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvquota.v1.billing_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_EXPORTUSAGEREQUEST'].fields_by_name['start_time']._loaded_options = None
+  _globals['_EXPORTUSAGEREQUEST'].fields_by_name['start_time']._serialized_options = b'\342A\001\002'
+  _globals['_EXPORTUSAGEREQUEST'].fields_by_name['end_time']._loaded_options = None
+  _globals['_EXPORTUSAGEREQUEST'].fields_by_name['end_time']._serialized_options = b'\342A\001\002'
+  _globals['_EXPORTUSAGEREQUEST'].fields_by_name['tenant']._loaded_options = None
+  _globals['_EXPORTUSAGEREQUEST'].fields_by_name['tenant']._serialized_options = b'\342A\001\001\372A\020\n\016kvquota/Tenant'
+  _globals['_EXPORTUSAGEREQUEST'].fields_by_name['instance']._loaded_options = None
+  _globals['_EXPORTUSAGEREQUEST'].fields_by_name['instance']._serialized_options = b'\342A\001\001\372A\022\n\020kvquota/Instance'
+  _globals['_GETUSAGESUMMARYREQUEST'].fields_by_name['start_time']._loaded_options = None
+  _globals['_GETUSAGESUMMARYREQUEST'].fields_by_name['start_time']._serialized_options = b'\342A\001\002'
+  _globals['_GETUSAGESUMMARYREQUEST'].fields_by_name['end_time']._loaded_options = None
+  _globals['_GETUSAGESUMMARYREQUEST'].fields_by_name['end_time']._serialized_options = b'\342A\001\002'
+  _globals['_GETUSAGESUMMARYREQUEST'].fields_by_name['tenant']._loaded_options = None
+  _globals['_GETUSAGESUMMARYREQUEST'].fields_by_name['tenant']._serialized_options = b'\342A\001\001\372A\020\n\016kvquota/Tenant'
   _globals['_USAGERECORD_REQUESTSREFUSEDENTRY']._loaded_options = None
   _globals['_USAGERECORD_REQUESTSREFUSEDENTRY']._serialized_options = b'8\001'
   _globals['_USAGERECORD_BLOCKSRECLAIMEDENTRY']._loaded_options = None
   _globals['_USAGERECORD_BLOCKSRECLAIMEDENTRY']._serialized_options = b'8\001'
   _globals['_USAGERECORD_REQUESTSSHADOWREFUSEDENTRY']._loaded_options = None
   _globals['_USAGERECORD_REQUESTSSHADOWREFUSEDENTRY']._serialized_options = b'8\001'
-  _globals['_EXPORTUSAGEREQUEST']._serialized_start=74
-  _globals['_EXPORTUSAGEREQUEST']._serialized_end=222
-  _globals['_GETUSAGESUMMARYREQUEST']._serialized_start=225
-  _globals['_GETUSAGESUMMARYREQUEST']._serialized_end=359
-  _globals['_USAGERECORD']._serialized_start=362
-  _globals['_USAGERECORD']._serialized_end=1203
-  _globals['_USAGERECORD_REQUESTSREFUSEDENTRY']._serialized_start=1031
-  _globals['_USAGERECORD_REQUESTSREFUSEDENTRY']._serialized_end=1085
-  _globals['_USAGERECORD_BLOCKSRECLAIMEDENTRY']._serialized_start=1087
-  _globals['_USAGERECORD_BLOCKSRECLAIMEDENTRY']._serialized_end=1141
-  _globals['_USAGERECORD_REQUESTSSHADOWREFUSEDENTRY']._serialized_start=1143
-  _globals['_USAGERECORD_REQUESTSSHADOWREFUSEDENTRY']._serialized_end=1203
-  _globals['_USAGESUMMARY']._serialized_start=1206
-  _globals['_USAGESUMMARY']._serialized_end=1356
-  _globals['_BILLINGSERVICE']._serialized_start=1359
-  _globals['_BILLINGSERVICE']._serialized_end=1530
+  _globals['_USAGERECORD'].fields_by_name['tenant']._loaded_options = None
+  _globals['_USAGERECORD'].fields_by_name['tenant']._serialized_options = b'\372A\020\n\016kvquota/Tenant'
+  _globals['_USAGERECORD'].fields_by_name['instance']._loaded_options = None
+  _globals['_USAGERECORD'].fields_by_name['instance']._serialized_options = b'\372A\022\n\020kvquota/Instance'
+  _globals['_EXPORTUSAGEREQUEST']._serialized_start=134
+  _globals['_EXPORTUSAGEREQUEST']._serialized_end=346
+  _globals['_GETUSAGESUMMARYREQUEST']._serialized_start=349
+  _globals['_GETUSAGESUMMARYREQUEST']._serialized_end=520
+  _globals['_USAGERECORD']._serialized_start=523
+  _globals['_USAGERECORD']._serialized_end=1408
+  _globals['_USAGERECORD_REQUESTSREFUSEDENTRY']._serialized_start=1236
+  _globals['_USAGERECORD_REQUESTSREFUSEDENTRY']._serialized_end=1290
+  _globals['_USAGERECORD_BLOCKSRECLAIMEDENTRY']._serialized_start=1292
+  _globals['_USAGERECORD_BLOCKSRECLAIMEDENTRY']._serialized_end=1346
+  _globals['_USAGERECORD_REQUESTSSHADOWREFUSEDENTRY']._serialized_start=1348
+  _globals['_USAGERECORD_REQUESTSSHADOWREFUSEDENTRY']._serialized_end=1408
+  _globals['_USAGESUMMARY']._serialized_start=1411
+  _globals['_USAGESUMMARY']._serialized_end=1561
+  _globals['_BILLINGSERVICE']._serialized_start=1564
+  _globals['_BILLINGSERVICE']._serialized_end=1735
 # @@protoc_insertion_point(module_scope)

@@ -11,10 +11,11 @@ from kvquota.v1 import admin_pb2 as pb
 from kvquota.v1 import admin_pb2_grpc, resources_pb2
 from quota_service.api import convert
 from quota_service.api.auth import current_principal
-from quota_service.core import catalog, names, pagination
-from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
+from quota_service.core import access, catalog, names, pagination
+from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request, quoted
 from quota_service.core.model import DEFAULT_MAX_QUEUED_REQUESTS, QueueBounds, TenantState
 from quota_service.core.names import instance_id, tenant_id
+from quota_service.core.reasons import Reason
 from quota_service.core.reclaim import ReclaimTarget, Tier
 from quota_service.engine.vllm.http import EngineDescription, MetricsError, VllmHttp
 from quota_service.store.access import ApiKeys, AuditLog
@@ -25,6 +26,8 @@ from quota_service.store.pins import Pins
 from quota_service.store.reclaim import ReclaimJobs
 
 Context = grpc.aio.ServicerContext[Any, Any]
+# Principals and method names are far shorter; a longer filter can match nothing.
+MAX_AUDIT_FILTER = 100
 
 
 async def describe_engine(url: str) -> EngineDescription:
@@ -33,9 +36,8 @@ async def describe_engine(url: str) -> EngineDescription:
         return await http.describe()
     except (httpx.HTTPError, MetricsError, KeyError, IndexError, ValueError) as exc:
         raise KvQuotaError(
-            Code.UNAVAILABLE,
-            "ENGINE_UNREACHABLE",
-            f"cannot read the engine at {url}: {exc}",
+            Reason.ENGINE_UNREACHABLE,
+            f"cannot read the engine at {url}: {quoted(str(exc))}",
             metadata={"engineUrl": url},
             retry_delay_seconds=1.0,
         ) from None
@@ -119,13 +121,24 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def RegisterInstance(
         self, request: pb.RegisterInstanceRequest, context: Context
     ) -> resources_pb2.Instance:
-        has_geometry = request.HasField("geometry")
+        # Every field is checked before anything is refused: the caller hears of every fault.
+        found: list[FieldViolation] = []
         capacity = request.WhichOneof("capacity")
-        engine = convert.engine_endpoints(request.engine) if request.HasField("engine") else None
+        engine = None
+        if request.HasField("engine"):
+            engine = convert.engine_endpoints(request.engine, found)
+        kv_geometry = None
+        if request.HasField("geometry"):
+            kv_geometry = convert.kv_geometry(request.geometry, found)
+        budget = None
+        if capacity == "memory_budget":
+            budget = convert.memory_budget(request.memory_budget, found)
+        ttft_violation = convert.duration_violation(request.target_ttft, "target_ttft")
+        found += [ttft_violation] if ttft_violation else []
         model, block_size, max_model_len = request.model, request.block_size, request.max_model_len
         num_gpu_blocks = request.num_gpu_blocks if capacity == "num_gpu_blocks" else None
-        hash_algo = convert.hash_algo(request.hash_algo)
-        if capacity is None and engine is not None:
+        hash_algo = convert.hash_algo(request.hash_algo, found)
+        if capacity is None and engine is not None and not found:
             # A live engine: what it really has, rather than what the operator thinks it has.
             described = await describe_engine(engine.url)
             model = model or described.model
@@ -136,22 +149,21 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         spec = catalog.instance_spec(
             instance=request.instance_id,
             model=model,
-            kv_geometry=convert.kv_geometry(request.geometry) if has_geometry else None,
+            kv_geometry=kv_geometry,
             block_size=block_size,
             max_model_len=max_model_len,
-            budget=(
-                convert.memory_budget(request.memory_budget)
-                if capacity == "memory_budget"
-                else None
-            ),
+            budget=budget,
             num_gpu_blocks=num_gpu_blocks,
             hash_algo=hash_algo,
             engine=engine,
             queue=QueueBounds(
                 max_queued_requests=request.max_queued_requests or DEFAULT_MAX_QUEUED_REQUESTS,
-                target_ttft_seconds=convert.seconds(request.target_ttft, "target_ttft"),
+                target_ttft_seconds=(
+                    0.0 if ttft_violation else convert.seconds(request.target_ttft, "target_ttft")
+                ),
                 prefill_tokens_per_second=request.prefill_tokens_per_second,
             ),
+            found=found,
         )
         return convert.instance(await self._catalog.register_instance(spec))
 
@@ -247,13 +259,16 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         )
 
     async def PinPrefix(self, request: pb.PinPrefixRequest, context: Context) -> resources_pb2.Pin:
-        names.owner(request.parent)
-        violations = [
-            v for v in (names.check_resource_id(request.pin_id, "pin_id"),) if v is not None
-        ]
         instance, violation = names.parse_child(request.instance, "instances", "instance")
-        if violation:
-            violations.append(violation)
+        violations = [
+            v
+            for v in (
+                names.owner_violation(request.parent),
+                names.check_resource_id(request.pin_id, "pin_id"),
+                violation,
+            )
+            if v is not None
+        ]
         if violations:
             raise invalid_request(violations)
         assert instance is not None
@@ -299,12 +314,19 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         instance = instance_id(request.instance, "instance")
         tenant = tenant_id(request.tenant, "tenant") if request.tenant else None
         violations = []
-        if (request.target_blocks > 0) == (request.target_bytes > 0):
+        negative = [
+            field
+            for field, value in (
+                ("target_blocks", request.target_blocks),
+                ("target_bytes", request.target_bytes),
+            )
+            if value < 0
+        ]
+        violations += [FieldViolation(field, "must not be negative") for field in negative]
+        if not negative and (request.target_blocks > 0) == (request.target_bytes > 0):
             violations.append(
                 FieldViolation("target_blocks", "give exactly one of target_blocks, target_bytes")
             )
-        if request.target_blocks < 0 or request.target_bytes < 0:
-            violations.append(FieldViolation("target_blocks", "targets are never negative"))
         max_tier = convert.reclaim_tier(request.max_tier)
         if max_tier is None:
             violations.append(FieldViolation("max_tier", "name the highest tier allowed"))
@@ -357,23 +379,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def CreateApiKey(
         self, request: pb.CreateApiKeyRequest, context: Context
     ) -> pb.CreateApiKeyResponse:
-        violations = [
-            v
-            for v in (names.check_resource_id(request.display_name, "display_name"),)
-            if v is not None
-        ]
         role = convert.role(request.role)
-        if role is None:
-            violations.append(FieldViolation("role", "must be ADMIN, GATEWAY or TENANT"))
-        tenants = []
-        for index, tenant in enumerate(request.tenants):
-            value, violation = names.parse_child(tenant, "tenants", f"tenants[{index}]")
-            if violation:
-                violations.append(violation)
-            elif value is not None:
-                tenants.append(value)
-        if violations:
-            raise invalid_request(violations)
+        tenants = access.new_key_tenants(request.display_name, role, request.tenants)
         assert role is not None
         key, secret = await self._api_keys.create(
             request.display_name, role, tenants, current_principal.get().name
@@ -400,6 +407,13 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: pb.ListAuditEventsRequest, context: Context
     ) -> pb.ListAuditEventsResponse:
         page = pagination.page(request.page_size, request.page_token)
+        violations = [
+            FieldViolation(field, f"at most {MAX_AUDIT_FILTER} characters")
+            for field, value in (("principal", request.principal), ("method", request.method))
+            if len(value) > MAX_AUDIT_FILTER
+        ]
+        if violations:
+            raise invalid_request(violations)
         events = await self._audit.list(page, request.principal, request.method)
         return pb.ListAuditEventsResponse(
             audit_events=[convert.audit_event(e) for _, e in events],

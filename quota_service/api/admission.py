@@ -13,11 +13,12 @@ from kvquota.v1 import admission_pb2 as pb
 from kvquota.v1 import admission_pb2_grpc, resources_pb2
 from quota_service.api import convert, observability
 from quota_service.api.waiting import Waiters
-from quota_service.core import engine_address, queueing
+from quota_service.core import block_table, engine_address, queueing
 from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request, preempted
 from quota_service.core.model import EndReason, Reservation, ReservationState
 from quota_service.core.names import reservation_key, reservation_name
+from quota_service.core.reasons import Reason
 from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.metrics import ServiceMetrics
 from quota_service.jobs.termination import Termination
@@ -84,7 +85,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
             result = "timeout" if answer.offloaded_bytes is not None else "admitted"
             return answer
         except KvQuotaError as refused:
-            result = "timeout" if refused.reason == "QUEUE_TIMEOUT" else "refused"
+            result = "timeout" if refused.reason is Reason.QUEUE_TIMEOUT else "refused"
             raise
         except asyncio.CancelledError:
             result = "abandoned"
@@ -216,7 +217,6 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         self, request: pb.ReleaseBlocksRequest, context: Context
     ) -> resources_pb2.Reservation:
         tenant, request_id = reservation_key(request.name)
-        if not request.handles:
-            raise invalid_request([FieldViolation("handles", "name at least one block handle")])
         handles = [BlockHandle(h.block_id, h.generation) for h in request.handles]
+        block_table.check_release(handles)
         return convert.reservation(await self._ledger.release_blocks(tenant, request_id, handles))

@@ -13,7 +13,7 @@ from quota_service.core import geometry, names
 from quota_service.core.access import ApiKey, AuditEvent, Role
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.block_table import BlockHandle
-from quota_service.core.errors import FieldViolation, invalid_request
+from quota_service.core.errors import FieldViolation, invalid_request, quoted
 from quota_service.core.hashing import HashAlgo, event_hash
 from quota_service.core.model import (
     AdmitParams,
@@ -89,11 +89,19 @@ MAX_TIMESTAMP_SECONDS = 253_402_300_799
 NANOS = 1_000_000_000
 
 
-def seconds(value: Duration, field: str) -> float:
-    """A Duration as seconds, refused unless it is one protobuf itself would accept."""
+def duration_violation(value: Duration, field: str) -> FieldViolation | None:
+    """None for a Duration protobuf itself would accept."""
     same_sign = value.seconds * value.nanos >= 0
     if abs(value.seconds) > MAX_DURATION_SECONDS or abs(value.nanos) >= NANOS or not same_sign:
-        raise invalid_request([FieldViolation(field, "not a valid duration")])
+        return FieldViolation(field, "not a valid duration")
+    return None
+
+
+def seconds(value: Duration, field: str) -> float:
+    """A Duration as seconds, refused unless it is one protobuf itself would accept."""
+    violation = duration_violation(value, field)
+    if violation:
+        raise invalid_request([violation])
     return value.seconds + value.nanos / NANOS
 
 
@@ -199,25 +207,39 @@ def block_handle(value: BlockHandle) -> pb.BlockHandle:
     return pb.BlockHandle(block_id=value.block_id, generation=value.generation)
 
 
-def hash_algo(value: pb.PrefixHashAlgo.ValueType) -> HashAlgo:
-    """Unset means sha256, vLLM's default."""
-    return {v: k for k, v in _HASH_ALGOS.items()}.get(value, HashAlgo.SHA256)
+def hash_algo(value: pb.PrefixHashAlgo.ValueType, violations: list[FieldViolation]) -> HashAlgo:
+    """Unset means sha256, vLLM's default; a value this server does not know is a violation
+    (never stored as the default: the ledger's hashes would not be the engine's)."""
+    if value == pb.PREFIX_HASH_ALGO_UNSPECIFIED:
+        return HashAlgo.SHA256
+    known = {v: k for k, v in _HASH_ALGOS.items()}.get(value)
+    if known is None:
+        violations.append(FieldViolation("hash_algo", "not a PrefixHashAlgo this server knows"))
+    return known or HashAlgo.SHA256
 
 
 # Endpoint strings are stored in columns of 200 characters.
 MAX_ENDPOINT = 200
 
 
-def engine_endpoints(message: pb.EngineEndpoints) -> EngineEndpoints:
-    violations = []
-    if not message.url.startswith(("http://", "https://")):
-        violations.append(FieldViolation("engine.url", "must be an http(s) URL"))
+def engine_endpoints(
+    message: pb.EngineEndpoints, violations: list[FieldViolation]
+) -> EngineEndpoints:
+    """The endpoints given, each checked; what is wrong goes to `violations`."""
+    if not message.url.startswith(("http://", "https://")) or len(message.url) > MAX_ENDPOINT:
+        violations.append(
+            FieldViolation("engine.url", f"must be an http(s) URL of at most {MAX_ENDPOINT}")
+        )
     for field, value in (
         ("engine.kv_events_endpoint", message.kv_events_endpoint),
         ("engine.kv_replay_endpoint", message.kv_replay_endpoint),
     ):
-        if value and not value.startswith(("tcp://", "ipc://")):
-            violations.append(FieldViolation(field, "must be a tcp:// or ipc:// endpoint"))
+        if value and (not value.startswith(("tcp://", "ipc://")) or len(value) > MAX_ENDPOINT):
+            violations.append(
+                FieldViolation(
+                    field, f"must be a tcp:// or ipc:// endpoint of at most {MAX_ENDPOINT}"
+                )
+            )
     lmcache = None
     if message.HasField("lmcache"):
         given = message.lmcache
@@ -241,8 +263,6 @@ def engine_endpoints(message: pb.EngineEndpoints) -> EngineEndpoints:
         lmcache = LmcacheEndpoint(
             given.coordinator_url, given.instance_id, given.model_name, given.world_size or 1
         )
-    if violations:
-        raise invalid_request(violations)
     return EngineEndpoints(
         message.url,
         message.kv_events_endpoint or None,
@@ -259,7 +279,7 @@ def engine_hash_algo(name: str) -> HashAlgo:
         raise invalid_request(
             [
                 FieldViolation(
-                    "engine", f"prefix_caching_hash_algo {name!r}: use sha256 or sha256_cbor"
+                    "engine", f"prefix_caching_hash_algo {quoted(name)}: use sha256 or sha256_cbor"
                 )
             ]
         ) from None
@@ -303,19 +323,27 @@ def tenant(value: Tenant) -> pb.Tenant:
     )
 
 
-def kv_geometry(message: pb.KvGeometry) -> geometry.KvGeometry:
+def kv_geometry(
+    message: pb.KvGeometry, violations: list[FieldViolation]
+) -> geometry.KvGeometry | None:
+    """The geometry given, or None with what is wrong in `violations`."""
     dtype = _DTYPES.get(message.dtype)
     if dtype is None:
-        raise invalid_request([FieldViolation("geometry.dtype", "required")])
+        violations.append(FieldViolation("geometry.dtype", "required: one of KV_DTYPE_*"))
+        return None
     try:
         return geometry.KvGeometry(
             message.num_layers, message.num_kv_heads, message.head_dim, dtype, message.mla
         )
     except geometry.GeometryError as exc:
-        raise invalid_request([FieldViolation("geometry", str(exc))]) from None
+        violations.append(FieldViolation("geometry", str(exc)))
+        return None
 
 
-def memory_budget(message: pb.MemoryBudget) -> geometry.MemoryBudget:
+def memory_budget(
+    message: pb.MemoryBudget, violations: list[FieldViolation]
+) -> geometry.MemoryBudget | None:
+    """The budget given, or None with what is wrong in `violations`."""
     try:
         return geometry.MemoryBudget(
             total_bytes=message.total_bytes,
@@ -324,7 +352,8 @@ def memory_budget(message: pb.MemoryBudget) -> geometry.MemoryBudget:
             utilization=message.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         )
     except geometry.GeometryError as exc:
-        raise invalid_request([FieldViolation("memory_budget", str(exc))]) from None
+        violations.append(FieldViolation("memory_budget", str(exc)))
+        return None
 
 
 def instance(value: Instance) -> pb.Instance:
@@ -446,8 +475,14 @@ def block(value: Block) -> pb.Block:
 
 
 def block_state(value: pb.BlockState.ValueType) -> BlockState | None:
-    """Unset means any state."""
-    return _BLOCK_STATE_VALUES.get(value)
+    """Unset means any state; a state this server does not know is refused (a filter that
+    filtered nothing would answer with every block)."""
+    if value == pb.BLOCK_STATE_UNSPECIFIED:
+        return None
+    state = _BLOCK_STATE_VALUES.get(value)
+    if state is None:
+        raise invalid_request([FieldViolation("state", "not a BlockState this server knows")])
+    return state
 
 
 def reclaim_tier(value: pb.ReclaimTier.ValueType) -> Tier | None:

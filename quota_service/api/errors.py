@@ -16,6 +16,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from quota_service.core.errors import Code, KvQuotaError
+from quota_service.core.reasons import Reason
 from quota_service.store.database import unavailable_error
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def domain_error(exc: Exception, method: str) -> KvQuotaError:
     if unavailable is not None:
         return unavailable
     log.exception("unexpected error in %s", method)
-    return KvQuotaError(Code.INTERNAL, "INTERNAL", "internal error")
+    return KvQuotaError(Reason.INTERNAL, "internal error")
 
 
 def answered_with(
@@ -123,7 +124,7 @@ def answered_with(
     unavailable = unavailable_error(exc)
     if unavailable is not None:
         return unavailable.code.value, unavailable.reason
-    return Code.INTERNAL.value, Code.INTERNAL.value
+    return Code.INTERNAL.value, Reason.INTERNAL
 
 
 Request = TypeVar("Request")
@@ -187,6 +188,11 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
     def covers(self, method: str) -> bool:
         return True
 
+    def deserializer(self, parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+        """How the wrapped handler reads its request: as the handler it wraps does, unless an
+        interceptor says otherwise (those outside it copy what it chose)."""
+        return parse
+
     @abstractmethod
     def unary(
         self, behavior: Behavior[Request, Response], method: str
@@ -211,14 +217,14 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self.stream(handler.unary_stream, method),  # type: ignore[arg-type]
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=self.deserializer(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_unary is None:
             return handler
         return grpc.unary_unary_rpc_method_handler(
             self.unary(handler.unary_unary, method),  # type: ignore[arg-type]
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=self.deserializer(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 

@@ -29,6 +29,7 @@ from quota_service.api.auth import AccessInterceptor, Authenticator
 from quota_service.api.billing import BillingServicer
 from quota_service.api.errors import ErrorInterceptor
 from quota_service.api.observability import MetricsInterceptor
+from quota_service.api.payload import PayloadInterceptor
 from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
 from quota_service.jobs import maintenance
@@ -184,6 +185,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         interceptors=[
             ErrorInterceptor(),
             MetricsInterceptor(observed),
+            PayloadInterceptor(),
             AccessInterceptor(authenticator, audit),
         ],
         options=[

@@ -9,11 +9,14 @@ import hashlib
 import hmac
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
+from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request
+from quota_service.core.names import check_resource_id, parse_child
+from quota_service.core.reasons import Reason
 
 KEY_PREFIX = "kvq_"
 _TOKEN = re.compile(r"kvq_([0-9a-f]{16})_([A-Za-z0-9_-]{43})")
@@ -107,25 +110,61 @@ def matches(secret: str, stored_digest: bytes) -> bool:
     return hmac.compare_digest(digest(secret), stored_digest)
 
 
-def check_binding(role: Role, tenants: list[str]) -> None:
-    """A gateway acts for one tenant or more, a tenant key for exactly one, an admin for all."""
+# A gateway serving more tenants than this gets more keys.
+MAX_KEY_TENANTS = 100
+
+
+def binding_violation(role: Role, tenants: Sequence[str]) -> FieldViolation | None:
+    """A gateway acts for one tenant or more (at most MAX_KEY_TENANTS), a tenant key for exactly
+    one, an admin for all."""
     expected = {Role.ADMIN: "none", Role.GATEWAY: "at least one", Role.TENANT: "exactly one"}
     count = len(tenants)
-    fits = {Role.ADMIN: count == 0, Role.GATEWAY: count >= 1, Role.TENANT: count == 1}[role]
-    if not fits:
-        raise invalid_request(
-            [FieldViolation("tenants", f"a {role.value} key is bound to {expected[role]} tenant")]
-        )
+    fits = {
+        Role.ADMIN: count == 0,
+        Role.GATEWAY: 1 <= count <= MAX_KEY_TENANTS,
+        Role.TENANT: count == 1,
+    }[role]
+    if fits:
+        return None
+    if count > MAX_KEY_TENANTS:
+        return FieldViolation("tenants", f"at most {MAX_KEY_TENANTS} tenants")
+    return FieldViolation("tenants", f"a {role.value} key is bound to {expected[role]} tenant")
+
+
+def check_binding(role: Role, tenants: Sequence[str]) -> None:
+    violation = binding_violation(role, tenants)
+    if violation:
+        raise invalid_request([violation])
+
+
+def new_key_tenants(display_name: str, role: Role | None, tenant_names: Sequence[str]) -> list[str]:
+    """The tenants (ids) a new key is bound to; or every violation of its request at once."""
+    violation = check_resource_id(display_name, "display_name")
+    violations = [violation] if violation else []
+    if role is None:
+        violations.append(FieldViolation("role", "must be ADMIN, GATEWAY or TENANT"))
+    tenants = []
+    for index, name in enumerate(tenant_names[:MAX_KEY_TENANTS]):
+        tenant, violation = parse_child(name, "tenants", f"tenants[{index}]")
+        if violation:
+            violations.append(violation)
+        elif tenant is not None:
+            tenants.append(tenant)
+    binding = binding_violation(role, tenant_names) if role is not None else None
+    if binding:
+        violations.append(binding)
+    if violations:
+        raise invalid_request(violations)
+    return tenants
 
 
 def unauthenticated(message: str) -> KvQuotaError:
-    return KvQuotaError(Code.UNAUTHENTICATED, "UNAUTHENTICATED", message)
+    return KvQuotaError(Reason.UNAUTHENTICATED, message)
 
 
 def permission_denied(principal: Principal, method: str) -> KvQuotaError:
     # Says neither whether the resource exists nor which tenants the key reaches.
     return KvQuotaError(
-        Code.PERMISSION_DENIED,
-        "PERMISSION_DENIED",
+        Reason.PERMISSION_DENIED,
         f"{principal.name} ({principal.role.value}) may not call {method} on this resource",
     )

@@ -14,8 +14,8 @@ from typing import Literal
 
 from quota_service.core import block_table, geometry
 from quota_service.core.block_table import CachedBlock, TableLayout
+from quota_service.core.catalog import MAX_CONTEXT_TOKENS
 from quota_service.core.errors import (
-    Code,
     FieldViolation,
     KvQuotaError,
     QuotaViolation,
@@ -33,7 +33,8 @@ from quota_service.core.model import (
     TenantAccount,
     TenantState,
 )
-from quota_service.core.names import check_request_id, check_resource_id
+from quota_service.core.names import check_request_id, check_resource_id, reservation_name
+from quota_service.core.reasons import Reason
 
 MAX_PRIORITY = 9
 
@@ -106,7 +107,12 @@ def validate(request: AdmitRequest, limits: AdmissionLimits) -> None:
     if not 0 <= p.priority <= MAX_PRIORITY:
         violations.append(FieldViolation("priority", f"must be between 0 and {MAX_PRIORITY}"))
     if request.prompt_token_ids:
-        if len(request.prompt_token_ids) != p.prompt_tokens:
+        if len(request.prompt_token_ids) > MAX_CONTEXT_TOKENS:
+            # Longer than any instance's context: refused before any hashing.
+            violations.append(
+                FieldViolation("prompt_token_ids", f"at most {MAX_CONTEXT_TOKENS} token ids")
+            )
+        elif len(request.prompt_token_ids) != p.prompt_tokens:
             violations.append(FieldViolation("prompt_token_ids", "length must equal prompt_tokens"))
         if min(request.prompt_token_ids) < 0:
             violations.append(FieldViolation("prompt_token_ids", "token ids are never negative"))
@@ -164,53 +170,58 @@ def prompt_digest(token_ids: Sequence[int]) -> bytes | None:
 
 
 def check_replay(request: AdmitRequest, existing: Reservation) -> Reservation:
-    """A repeated Admit gets the same reservation; a different one under the same id (other
-    counts, or another prompt) is refused."""
+    """A repeated Admit gets the same reservation while it lives; a different one under the same
+    id (other counts, or another prompt) is refused, and so is a repeat after it ended: an OK
+    would read as admitted to a gateway that looks only at the status."""
     params = request.params
     if existing.params != params or existing.prompt_digest != prompt_digest(
         request.prompt_token_ids
     ):
         raise KvQuotaError(
-            Code.ALREADY_EXISTS,
-            "REQUEST_ID_REUSED",
+            Reason.REQUEST_ID_REUSED,
             f"request_id {params.request_id!r} was already used with different parameters",
             metadata={"requestId": params.request_id},
         )
+    if existing.state is ReservationState.ENDED:
+        raise reservation_ended(existing)
     return existing
 
 
-def not_live(name: str, state: ReservationState, end_reason: EndReason | None) -> KvQuotaError:
-    """Why a reservation that is not admitted any more (or not yet) cannot be renewed,
-    suspended or resumed."""
-    if end_reason is EndReason.PREEMPTED:
+def reservation_ended(current: Reservation) -> KvQuotaError:
+    """An ended reservation asked to change or to be admitted again; endReason says how it
+    ended."""
+    name = reservation_name(current.tenant, current.request_id)
+    how = current.end_reason.value if current.end_reason else ""
+    return KvQuotaError(
+        Reason.RESERVATION_ENDED,
+        f"{name} already ended ({how}): admit the request again under a new request_id",
+        metadata={"name": name, "endReason": how},
+    )
+
+
+def not_live(current: Reservation) -> KvQuotaError:
+    """Why a reservation that is not admitted (any more) cannot be renewed, suspended, resumed
+    or have blocks released: what the caller should do next differs (admit again, wait)."""
+    name = reservation_name(current.tenant, current.request_id)
+    if current.end_reason is EndReason.PREEMPTED:
         return preempted(name)
-    if state is ReservationState.ADMITTED or end_reason is EndReason.LEASE_EXPIRED:
+    if current.state is ReservationState.ADMITTED or (
+        current.end_reason is EndReason.LEASE_EXPIRED
+    ):
         return KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "LEASE_EXPIRED",
+            Reason.LEASE_EXPIRED,
             f"the lease of {name} expired; admit the request again",
             metadata={"name": name},
         )
-    if state is ReservationState.QUEUED:
-        return KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "NOT_ADMITTED",
-            f"{name} is still queued",
-            metadata={"name": name},
-        )
-    return KvQuotaError(
-        Code.FAILED_PRECONDITION,
-        "RESERVATION_ENDED",
-        f"{name} already ended ({end_reason.value if end_reason else ''})",
-        metadata={"name": name},
-    )
+    if current.state is ReservationState.QUEUED:
+        return KvQuotaError(Reason.NOT_ADMITTED, f"{name} is still queued", metadata={"name": name})
+    return reservation_ended(current)
 
 
 def tenant_not_active(tenant: str, state: TenantState) -> KvQuotaError:
     """A suspended or offboarded tenant asked for new work."""
     return KvQuotaError(
-        Code.FAILED_PRECONDITION,
-        "TENANT_SUSPENDED",
+        Reason.TENANT_SUSPENDED,
         f"tenant {tenant} is {state.value.lower()}",
         metadata={"tenant": tenant, "state": state.value},
     )
@@ -289,16 +300,14 @@ def judge(
         raise tenant_not_active(p.tenant, account.state)
     if pool.state is InstanceState.DRAINING:
         raise KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "INSTANCE_DRAINING",
+            Reason.INSTANCE_DRAINING,
             f"instance {p.instance} is draining and admits nothing new",
             metadata={"instance": p.instance},
         )
     asked = p.prompt_tokens + p.max_output_tokens
     if asked > pool.max_model_len:
         raise KvQuotaError(
-            Code.INVALID_ARGUMENT,
-            "CONTEXT_LENGTH_EXCEEDED",
+            Reason.CONTEXT_LENGTH_EXCEEDED,
             f"prompt + max_output = {asked} tokens exceeds the context cap of {pool.max_model_len}",
             metadata={"maxModelLen": str(pool.max_model_len), "requestedTokens": str(asked)},
         )
@@ -319,8 +328,7 @@ def judge(
                 shadow_refusal = "REQUEST_EXCEEDS_CAPACITY"
                 continue
             raise KvQuotaError(
-                Code.FAILED_PRECONDITION,
-                "REQUEST_EXCEEDS_CAPACITY",
+                Reason.REQUEST_EXCEEDS_CAPACITY,
                 f"needs {blocks} blocks and {tokens} tokens in flight; {limit_name} is {limit}, "
                 "so it can never be admitted",
                 metadata={
@@ -399,8 +407,7 @@ def shortfall_error(
                 )
             )
         return KvQuotaError(
-            Code.RESOURCE_EXHAUSTED,
-            "TENANT_QUOTA_EXCEEDED",
+            Reason.TENANT_QUOTA_EXCEEDED,
             f"tenant {tenant} is over its quota now",
             metadata={"tenant": tenant, "requestedBlocks": str(shortfall.blocks_needed)},
             quota_violations=tuple(violations),
@@ -413,8 +420,7 @@ def shortfall_error(
     if shortfall.queued_ahead:
         message += f", and {shortfall.queued_ahead} queued requests go first"
     return KvQuotaError(
-        Code.UNAVAILABLE,
-        "INSTANCE_OVERLOADED",
+        Reason.INSTANCE_OVERLOADED,
         message,
         metadata={
             "instance": instance,

@@ -12,8 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from quota_service.core import geometry
-from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
+from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request
 from quota_service.core.hashing import HashAlgo, block_hashes
+from quota_service.core.reasons import Reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,18 @@ def new_block_hashes(table: TableLayout, hits: int) -> list[bytes | None]:
     return [*hashed, *([None] * (table.total - hits - len(hashed)))]
 
 
+# More entries than a block table has (a 128k-token context in 16-token blocks, 16 sequences).
+MAX_RELEASED_HANDLES = 1 << 17
+
+
+def check_release(handles: Sequence[BlockHandle]) -> None:
+    """A ReleaseBlocks names at least one handle, and at most as many as a table has."""
+    if not 1 <= len(handles) <= MAX_RELEASED_HANDLES:
+        raise invalid_request(
+            [FieldViolation("handles", f"name 1 to {MAX_RELEASED_HANDLES} block handles")]
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class EntryLookup:
     """A handle a ReleaseBlocks names, and what the reservation's table and the pool say of it."""
@@ -103,36 +116,59 @@ class EntryLookup:
     current_generation: int | None
 
 
+# Handles an error names: enough to find the fault, never enough to outgrow a status.
+MAX_NAMED_HANDLES = 8
+
+
+def _named(handles: Sequence[BlockHandle]) -> str:
+    named = ", ".join(f"{h.block_id}@{h.generation}" for h in handles[:MAX_NAMED_HANDLES])
+    more = len(handles) - MAX_NAMED_HANDLES
+    return f"{named} and {more} more" if more > 0 else named
+
+
 def positions_to_release(reservation: str, lookups: Sequence[EntryLookup]) -> list[int]:
     """The table positions to release for these handles, or the refusal that changes nothing.
 
-    An entry released before is skipped (releasing twice changes nothing). A handle no entry names
-    is stale when its slot has moved on to another generation (its contents were dropped, the slot
-    may hold someone else's data now), or simply not part of this table."""
+    A handle is stale whoever names it, this reservation too, once its slot's generation is not
+    the handle's: the block was freed (its contents dropped; the slot may hold someone else's
+    data now), or the generation never existed. Releasing an entry of this table again while
+    its block is still at that generation changes nothing. A handle neither stale nor in the
+    table is not this reservation's to release."""
     positions: list[int] = []
     stale: list[BlockHandle] = []
+    unborn: list[BlockHandle] = []
     foreign: list[BlockHandle] = []
     for lookup in lookups:
-        if lookup.position is not None:
-            if not lookup.released:
-                positions.append(lookup.position)
-        elif lookup.current_generation is not None and (
-            lookup.current_generation != lookup.handle.generation
-        ):
+        current, generation = lookup.current_generation, lookup.handle.generation
+        if current is not None and generation > current:
+            unborn.append(lookup.handle)
+        elif current is not None and generation < current:
             stale.append(lookup.handle)
-        else:
+        elif lookup.position is None:
             foreign.append(lookup.handle)
-    if stale:
-        handles = ", ".join(f"{h.block_id}@{h.generation}" for h in stale)
+        elif not lookup.released:
+            positions.append(lookup.position)
+    if stale or unborn:
+        what = []
+        if stale:
+            what.append(f"{_named(stale)} were freed since: their contents were dropped")
+        if unborn:
+            what.append(f"{_named(unborn)} name generations their blocks never had")
         raise KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "STALE_BLOCK_HANDLE",
-            f"block handles {handles} are no longer current; their contents were dropped",
-            metadata={"name": reservation, "staleHandles": handles},
+            Reason.STALE_BLOCK_HANDLE,
+            f"block handles are not current, nothing was released: {'; '.join(what)}",
+            metadata={
+                "name": reservation,
+                "staleHandles": _named([*stale, *unborn]),
+                "staleHandleCount": str(len(stale) + len(unborn)),
+            },
         )
     if foreign:
-        handles = ", ".join(f"{h.block_id}@{h.generation}" for h in foreign)
         raise invalid_request(
-            [FieldViolation("handles", f"{handles} are not in the block table of {reservation}")]
+            [
+                FieldViolation(
+                    "handles", f"{_named(foreign)} are not in the block table of {reservation}"
+                )
+            ]
         )
     return sorted(set(positions))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
@@ -16,6 +17,11 @@ MAX_MODEL_NAME = 200
 MAX_WEIGHT = 10_000
 # One row per slot: beyond this a pool is surely a typo in a budget (a million is a big GPU).
 MAX_CAPACITY_BLOCKS = 10_000_000
+# vLLM's --block-size choices (its CacheConfig BlockSize): powers of two from 1 to 256.
+VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+# Longer than any context a model serves today (2^20 tokens); it bounds the token ids a request
+# may carry, and so the hashing one call may ask for.
+MAX_CONTEXT_TOKENS = 1 << 20
 
 
 QUOTA_FIELDS = tuple(TenantQuota.__dataclass_fields__)
@@ -107,21 +113,33 @@ def instance_spec(
     hash_algo: HashAlgo = HashAlgo.SHA256,
     queue: QueueBounds | None = None,
     engine: EngineEndpoints | None = None,
+    found: Sequence[FieldViolation] = (),
 ) -> InstanceSpec:
     """The pool an instance registers with: from its geometry and memory budget, or from the
-    block count the engine itself reports (then the geometry is optional)."""
-    violations = [v for v in (check_resource_id(instance, "instance_id"),) if v is not None]
+    block count the engine itself reports (then the geometry is optional). `found` holds what
+    the caller found wrong already, refused with the rest (a budget given with a geometry that
+    did not parse is refused for the geometry alone)."""
+    violations = [*found]
+    violations += [v for v in (check_resource_id(instance, "instance_id"),) if v is not None]
     if len(model) > MAX_MODEL_NAME:
         violations.append(FieldViolation("model", f"at most {MAX_MODEL_NAME} characters"))
-    if block_size < 1:
-        violations.append(FieldViolation("block_size", "must be at least 1"))
-    if max_model_len < 1:
-        violations.append(FieldViolation("max_model_len", "must be at least 1"))
+    block_size_known = block_size in VLLM_BLOCK_SIZES
+    if not block_size_known:
+        sizes = ", ".join(map(str, VLLM_BLOCK_SIZES))
+        violations.append(FieldViolation("block_size", f"must be one of vLLM's: {sizes}"))
+    if not block_size <= max_model_len <= MAX_CONTEXT_TOKENS:
+        violations.append(
+            FieldViolation(
+                "max_model_len", f"must be between block_size and {MAX_CONTEXT_TOKENS} tokens"
+            )
+        )
     capacity = 0
-    if budget is not None:
+    # A geometry or budget that did not parse is refused as such: no capacity follows from it.
+    unparsed = {v.field.split(".")[0] for v in found} & {"geometry", "memory_budget"}
+    if budget is not None and not unparsed:
         if kv_geometry is None:
             violations.append(FieldViolation("geometry", "required with memory_budget"))
-        elif block_size >= 1:
+        elif block_size_known:
             try:
                 capacity = geometry.capacity_blocks(kv_geometry, budget, block_size)
             except geometry.GeometryError as exc:
@@ -130,13 +148,16 @@ def instance_spec(
         if num_gpu_blocks < 1:
             violations.append(FieldViolation("num_gpu_blocks", "must be at least 1"))
         capacity = num_gpu_blocks
-    else:
+    elif not unparsed:
         violations.append(FieldViolation("capacity", "give memory_budget or num_gpu_blocks"))
     queue = queue or QueueBounds()
     if queue.max_queued_requests < 0:
         violations.append(FieldViolation("max_queued_requests", "must not be negative"))
-    if queue.target_ttft_seconds < 0 or queue.prefill_tokens_per_second < 0:
-        violations.append(FieldViolation("target_ttft", "TTFT guard values must not be negative"))
+    guard = (queue.target_ttft_seconds, queue.prefill_tokens_per_second)
+    if not all(0 <= value < math.inf for value in guard):  # NaN too
+        violations.append(
+            FieldViolation("target_ttft", "TTFT guard values must be finite, not negative")
+        )
     if capacity > MAX_CAPACITY_BLOCKS:
         violations.append(
             FieldViolation("capacity", f"{capacity} blocks is more than {MAX_CAPACITY_BLOCKS}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from quota_service.core.errors import FieldViolation, invalid_request
+from quota_service.core.errors import FieldViolation, invalid_request, quoted
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 # The registered engine URL's column holds at most this many characters.
@@ -40,7 +40,8 @@ def parse(address: str, field: str) -> str:
     """The key of an address a caller gave, or INVALID_REQUEST."""
     key = normalise(address)
     if key is None:
+        given = quoted(address)
         raise invalid_request(
-            [FieldViolation(field, f"must be an http(s) base URL or host:port, got {address!r}")]
+            [FieldViolation(field, f"must be an http(s) base URL or host:port, got {given}")]
         )
     return key

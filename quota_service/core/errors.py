@@ -1,4 +1,5 @@
-"""Domain errors: each knows its status code and reason, so servicers never translate by hand.
+"""Domain errors: each has a reason from kvquota.v1.ErrorReason, and the reason its status code,
+so servicers never translate by hand and a reason never travels with two codes.
 
 The status names are gRPC's (the api layer maps them by name); core stays free of gRPC imports.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from quota_service.core.reasons import STATUS_CODES, Reason
 
 
 class Code(enum.Enum):
@@ -27,6 +30,19 @@ class Code(enum.Enum):
     PERMISSION_DENIED = "PERMISSION_DENIED"
 
 
+# How much of a caller's value an error repeats: enough to recognise it, never enough to push a
+# status past what a client accepts in trailers (gRPC's default metadata limit is 8 KiB, and a
+# client over it sees RESOURCE_EXHAUSTED, which a gateway would answer as 429).
+MAX_QUOTED_CHARACTERS = 40
+
+
+def quoted(value: str) -> str:
+    """A caller's value as an error message quotes it: short ones whole, long ones cut."""
+    if len(value) <= MAX_QUOTED_CHARACTERS:
+        return repr(value)
+    return f"{value[:MAX_QUOTED_CHARACTERS]!r}... ({len(value)} characters)"
+
+
 @dataclass(frozen=True, slots=True)
 class FieldViolation:
     field: str
@@ -43,8 +59,7 @@ class QuotaViolation:
 class KvQuotaError(Exception):
     """A refusal the caller can act on: code says what to do next, reason says why."""
 
-    code: Code
-    reason: str
+    reason: Reason
     message: str
     metadata: Mapping[str, str] = field(default_factory=dict)
     field_violations: tuple[FieldViolation, ...] = ()
@@ -54,42 +69,44 @@ class KvQuotaError(Exception):
     def __post_init__(self) -> None:
         super().__init__(self.message)
 
+    @property
+    def code(self) -> Code:
+        return Code(STATUS_CODES[self.reason])
+
     def __str__(self) -> str:
         return f"{self.reason}: {self.message}"
 
 
+# A request with more violations is told the first ones (each a few dozen characters at most):
+# its status stays well inside a client's metadata limit. The message sums up fewer still.
+MAX_FIELD_VIOLATIONS = 20
+SUMMARISED_VIOLATIONS = 3
+
+
 def invalid_request(violations: list[FieldViolation]) -> KvQuotaError:
-    summary = "; ".join(f"{v.field}: {v.description}" for v in violations)
+    summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:SUMMARISED_VIOLATIONS])
+    if len(violations) > SUMMARISED_VIOLATIONS:
+        summary += f"; and {len(violations) - SUMMARISED_VIOLATIONS} more"
     return KvQuotaError(
-        Code.INVALID_ARGUMENT,
-        "INVALID_REQUEST",
+        Reason.INVALID_REQUEST,
         f"invalid request: {summary}",
-        field_violations=tuple(violations),
+        field_violations=tuple(violations[:MAX_FIELD_VIOLATIONS]),
     )
 
 
-def not_found(kind: str, name: str) -> KvQuotaError:
-    return KvQuotaError(
-        Code.NOT_FOUND,
-        f"{kind.upper()}_NOT_FOUND",
-        f"{name} does not exist",
-        metadata={"name": name},
-    )
+def not_found(reason: Reason, name: str) -> KvQuotaError:
+    """`reason` is one of the *_NOT_FOUND reasons."""
+    return KvQuotaError(reason, f"{name} does not exist", metadata={"name": name})
 
 
-def already_exists(kind: str, name: str) -> KvQuotaError:
-    return KvQuotaError(
-        Code.ALREADY_EXISTS,
-        f"{kind.upper()}_ALREADY_EXISTS",
-        f"{name} already exists",
-        metadata={"name": name},
-    )
+def already_exists(reason: Reason, name: str) -> KvQuotaError:
+    """`reason` is one of the *_ALREADY_EXISTS reasons."""
+    return KvQuotaError(reason, f"{name} already exists", metadata={"name": name})
 
 
 def preempted(name: str) -> KvQuotaError:
     return KvQuotaError(
-        Code.ABORTED,
-        "PREEMPTED",
+        Reason.PREEMPTED,
         f"{name} was preempted to reclaim KV memory; admit the request again",
         metadata={"name": name},
     )

@@ -34,7 +34,7 @@ from quota_service.core.admission import (
 )
 from quota_service.core.block_pool import BlockPool, SlotContents
 from quota_service.core.block_table import BlockHandle, CachedBlock, EntryLookup
-from quota_service.core.errors import Code, KvQuotaError, invalid_request, not_found
+from quota_service.core.errors import KvQuotaError, invalid_request, not_found
 from quota_service.core.hashing import block_hashes
 from quota_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from quota_service.core.model import (
@@ -52,6 +52,7 @@ from quota_service.core.model import (
 )
 from quota_service.core.names import reservation_name
 from quota_service.core.queueing import FairTags, QueuePolicy
+from quota_service.core.reasons import Reason
 
 # Weight of the newest observation in the mean holding time (an exponentially weighted mean, so
 # it follows a changing workload within tens of requests).
@@ -451,7 +452,7 @@ class InstanceMachine:
         key = (tenant, request_id)
         record = self.reservations.get(key) or self.ended.get(key)
         if record is None:
-            raise not_found("reservation", reservation_name(tenant, request_id))
+            raise not_found(Reason.RESERVATION_NOT_FOUND, reservation_name(tenant, request_id))
         return record
 
     def queue_position(self, record: ReservationRecord) -> int | None:
@@ -534,10 +535,7 @@ class InstanceMachine:
     def _replay(
         self, request: AdmitRequest, existing: ReservationRecord, now: float
     ) -> ReservationRecord:
-        if existing.params != request.params or existing.prompt_digest != (
-            admission.prompt_digest(request.prompt_token_ids)
-        ):
-            admission.check_replay(request, existing.snapshot())
+        admission.check_replay(request, existing.snapshot())
         if existing.state is ReservationState.QUEUED and request.wait_timeout_seconds > 0:
             # A retry keeps its place, and waits at least as long as this call will.
             assert existing.wait_deadline is not None
@@ -847,13 +845,11 @@ class InstanceMachine:
     ) -> ReservationRecord:
         """Give back chosen entries of a live table early; repeating one changes nothing."""
         record = self.get(tenant, request_id)
-        if not record.on_gpu:
-            return record
-        table = record.table
-        assert table is not None
-        positions = {
-            (b, g): i for i, (b, g) in enumerate(zip(table.blocks, table.generations, strict=True))
-        }
+        if record.state is not ReservationState.ADMITTED:
+            raise admission.not_live(record.snapshot())
+        table = record.table  # None while offloaded: nothing of it is on the GPU
+        entries = zip(table.blocks, table.generations, strict=True) if table is not None else ()
+        positions = {(b, g): i for i, (b, g) in enumerate(entries)}
         lookups = []
         for handle in handles:
             position = positions.get((handle.block_id, handle.generation))
@@ -862,13 +858,15 @@ class InstanceMachine:
                 EntryLookup(
                     handle,
                     position,
-                    bool(table.released[position]) if position is not None else None,
+                    table is not None and position is not None and bool(table.released[position]),
                     self.pool.generation(handle.block_id) if known else None,
                 )
             )
         chosen = block_table.positions_to_release(record.name, lookups)
         if chosen:
+            assert table is not None
             self._drop(table, chosen, self.tenants[tenant])
+            record.reserved_blocks -= len(chosen)
             self._touch(record)
             if self._queue:
                 self.dispatch(now)
@@ -894,7 +892,7 @@ class InstanceMachine:
             record.lease_expires_at is not None and record.lease_expires_at > now
         ):
             return
-        raise admission.not_live(record.name, record.state, record.end_reason)
+        raise admission.not_live(record.snapshot())
 
     def reap(self, now: float) -> int:
         """End reservations whose lease ran out and queued ones whose wait budget did."""
@@ -1015,12 +1013,7 @@ class InstanceMachine:
         existing = self.pins.get((owner, pin_id))
         if existing is not None:
             if existing.prefix != hashes[-1]:
-                raise KvQuotaError(
-                    Code.ALREADY_EXISTS,
-                    "PIN_ID_REUSED",
-                    f"pin {owner}/pins/{pin_id} already holds another prefix",
-                    metadata={"name": f"{owner}/pins/{pin_id}"},
-                )
+                raise pins.pin_id_reused(owner, pin_id)
             return existing
         here = self.tenants[tenant] if tenant is not None else None
         hit_blocks = self.pool_prefix(hashes, here)
@@ -1128,7 +1121,7 @@ class InstanceMachine:
     def _tenant(self, tenant: str) -> TenantHere:
         here = self.tenants.get(tenant)
         if here is None:
-            raise not_found("tenant", f"tenants/{tenant}")
+            raise not_found(Reason.TENANT_NOT_FOUND, f"tenants/{tenant}")
         return here
 
     def _scope_id(self, scope: str) -> int:

@@ -22,8 +22,25 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from quota_service.core.reasons import Reason
+
 MICROS = 1_000_000
 HOUR_US = 3600 * MICROS
+
+
+# Refusals of an admission, metered per reason (a malformed request or an unknown tenant or
+# instance is not one: nothing was asked of a real pool).
+METERED_REFUSALS = frozenset(
+    {
+        Reason.TENANT_QUOTA_EXCEEDED,
+        Reason.INSTANCE_OVERLOADED,
+        Reason.QUEUE_FULL,
+        Reason.REQUEST_EXCEEDS_CAPACITY,
+        Reason.CONTEXT_LENGTH_EXCEEDED,
+        Reason.TENANT_SUSPENDED,
+        Reason.INSTANCE_DRAINING,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)

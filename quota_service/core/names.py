@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from quota_service.core.errors import FieldViolation, invalid_request
+from quota_service.core.errors import FieldViolation, invalid_request, quoted
 
 # Ids become URL path segments and metric labels: lowercase, short, no separators.
 RESOURCE_ID = re.compile(r"[a-z][a-z0-9-]{0,62}")
@@ -17,7 +17,7 @@ API_KEY_ID = re.compile(r"[0-9a-f]{16}")
 def _id_or_violation(value: str, pattern: re.Pattern[str], field: str) -> FieldViolation | None:
     if pattern.fullmatch(value):
         return None
-    return FieldViolation(field, f"{value!r} does not match {pattern.pattern}")
+    return FieldViolation(field, f"{quoted(value)} does not match {pattern.pattern}")
 
 
 def check_resource_id(value: str, field: str) -> FieldViolation | None:
@@ -32,7 +32,9 @@ def parse_child(name: str, collection: str, field: str) -> tuple[str | None, Fie
     """Split `{collection}/{id}` into its id, or say what is wrong with it."""
     prefix = f"{collection}/"
     if not name.startswith(prefix):
-        return None, FieldViolation(field, f"must look like {collection}/{{id}}, got {name!r}")
+        return None, FieldViolation(
+            field, f"must look like {collection}/{{id}}, got {quoted(name)}"
+        )
     value = name[len(prefix) :]
     violation = check_resource_id(value, field)
     return (None, violation) if violation else (value, None)
@@ -63,7 +65,11 @@ def reservation_key(name: str, field: str = "name") -> tuple[str, str]:
     parts = name.split("/")
     if len(parts) != 4 or parts[0] != "tenants" or parts[2] != "reservations":
         raise invalid_request(
-            [FieldViolation(field, f"must look like tenants/{{t}}/reservations/{{id}}: {name!r}")]
+            [
+                FieldViolation(
+                    field, f"must look like tenants/{{t}}/reservations/{{id}}: {quoted(name)}"
+                )
+            ]
         )
     violations = [
         v
@@ -80,7 +86,7 @@ def api_key_id(name: str, field: str = "name") -> str:
     value = name.removeprefix("apiKeys/")
     if value == name or not API_KEY_ID.fullmatch(value):
         raise invalid_request(
-            [FieldViolation(field, f"must look like apiKeys/{{16 hex digits}}, got {name!r}")]
+            [FieldViolation(field, f"must look like apiKeys/{{16 hex digits}}, got {quoted(name)}")]
         )
     return value
 
@@ -108,17 +114,22 @@ def reservation_name(tenant: str, request_id: str) -> str:
 OWNER_COLLECTIONS = ("tenants", "namespaces")
 
 
-def owner(name: str, field: str = "parent") -> tuple[str, str]:
-    """`tenants/{t}` or `namespaces/{n}` → (collection, id): who a pin or a salt belongs to."""
+def owner_violation(name: str, field: str = "parent") -> FieldViolation | None:
+    """None when `name` is `tenants/{t}` or `namespaces/{n}`."""
     collection = name.split("/", 1)[0]
     if collection not in OWNER_COLLECTIONS:
-        raise invalid_request(
-            [FieldViolation(field, f"must be tenants/{{t}} or namespaces/{{n}}, got {name!r}")]
+        return FieldViolation(
+            field, f"must be tenants/{{t}} or namespaces/{{n}}, got {quoted(name)}"
         )
-    value, violation = parse_child(name, collection, field)
+    return parse_child(name, collection, field)[1]
+
+
+def owner(name: str, field: str = "parent") -> tuple[str, str]:
+    """`tenants/{t}` or `namespaces/{n}` → (collection, id): who a pin or a salt belongs to."""
+    violation = owner_violation(name, field)
     if violation:
         raise invalid_request([violation])
-    assert value is not None
+    collection, value = name.split("/", 1)
     return collection, value
 
 
@@ -127,7 +138,7 @@ def pin_key(name: str, field: str = "name") -> tuple[str, str]:
     parts = name.split("/")
     if len(parts) != 4 or parts[2] != "pins":
         raise invalid_request(
-            [FieldViolation(field, f"must look like {{owner}}/pins/{{id}}: {name!r}")]
+            [FieldViolation(field, f"must look like {{owner}}/pins/{{id}}: {quoted(name)}")]
         )
     owner_name = "/".join(parts[:2])
     owner(owner_name, field)

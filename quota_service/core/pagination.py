@@ -11,6 +11,8 @@ from quota_service.core.errors import FieldViolation, invalid_request
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
+# Tokens this API issues carry one id: far shorter than this.
+MAX_PAGE_TOKEN = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,13 +27,15 @@ def page(page_size: int, page_token: str) -> Page:
     size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
     if not page_token:
         return Page(size, None)
+    if len(page_token) > MAX_PAGE_TOKEN:
+        raise invalid_request([FieldViolation("page_token", "not a token this API issued")])
     try:
         after = json.loads(base64.urlsafe_b64decode(page_token.encode()))["after"]
     except (binascii.Error, ValueError, KeyError, TypeError, UnicodeError):
         raise invalid_request(
             [FieldViolation("page_token", "not a token this API issued")]
         ) from None
-    if not isinstance(after, str):
+    if not isinstance(after, str) or "\0" in after:
         raise invalid_request([FieldViolation("page_token", "not a token this API issued")])
     return Page(size, after)
 

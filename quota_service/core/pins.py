@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from quota_service.core.admission import Shortfall, tenant_not_active
 from quota_service.core.block_table import CachedBlock
 from quota_service.core.errors import (
-    Code,
     FieldViolation,
     KvQuotaError,
     QuotaViolation,
     invalid_request,
 )
 from quota_service.core.model import InstancePool, InstanceState, TenantAccount, TenantState
+from quota_service.core.reasons import Reason
 
 MAX_PIN_TOKENS = 1 << 20
 
@@ -52,15 +52,13 @@ def decide(
     room as an admission's do."""
     if pool.state is InstanceState.DRAINING:
         raise KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "INSTANCE_DRAINING",
+            Reason.INSTANCE_DRAINING,
             f"instance {pool.instance} is draining",
             metadata={"instance": pool.instance},
         )
     if len(hashes) > pool.capacity_blocks:
         raise KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "REQUEST_EXCEEDS_CAPACITY",
+            Reason.REQUEST_EXCEEDS_CAPACITY,
             f"{len(hashes)} blocks is more than instance {pool.instance} has",
             metadata={"requestedBlocks": str(len(hashes))},
         )
@@ -73,8 +71,7 @@ def decide(
         if pinned_new > pin_room:
             # Pins do not expire: no retry delay would help; someone must unpin first.
             raise KvQuotaError(
-                Code.RESOURCE_EXHAUSTED,
-                "TENANT_QUOTA_EXCEEDED",
+                Reason.TENANT_QUOTA_EXCEEDED,
                 f"tenant {account.tenant} has room for {max(pin_room, 0)} more pinned blocks, "
                 f"the prefix needs {pinned_new}",
                 metadata={"tenant": account.tenant, "requestedBlocks": str(pinned_new)},
@@ -93,3 +90,11 @@ def decide(
     if new_blocks > allocatable:
         return Shortfall("instance", new_blocks, 0, allocatable, 0)
     return PinPlan(tuple(hits), tuple(hashes[len(hits) :]))
+
+
+def pin_id_reused(owner: str, pin_id: str) -> KvQuotaError:
+    """A pin id already pinning another prefix (or on another instance)."""
+    name = f"{owner}/pins/{pin_id}"
+    return KvQuotaError(
+        Reason.PIN_ID_REUSED, f"{name} already pins another prefix", metadata={"name": name}
+    )

@@ -24,7 +24,8 @@ import enum
 from dataclasses import dataclass, field
 
 from quota_service.core.admission import AdmissionLimits, AdmissionPlan, Shortfall
-from quota_service.core.errors import Code, KvQuotaError
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.reasons import Reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +98,7 @@ def check_bounds(
         full = f"tenant {tenant} has {load.tenant_queued_requests} requests queued, its limit"
     if full is not None:
         raise KvQuotaError(
-            Code.UNAVAILABLE,
-            "QUEUE_FULL",
+            Reason.QUEUE_FULL,
             full,
             metadata={
                 "instance": instance,
@@ -160,8 +160,7 @@ def queue_delay(
 
 def queue_timeout(name: str, waited_seconds: float, delay: float) -> KvQuotaError:
     return KvQuotaError(
-        Code.DEADLINE_EXCEEDED,
-        "QUEUE_TIMEOUT",
+        Reason.QUEUE_TIMEOUT,
         f"{name} waited {waited_seconds:.1f}s, its whole wait budget, without being admitted",
         metadata={"name": name},
         retry_delay_seconds=delay,
@@ -170,8 +169,7 @@ def queue_timeout(name: str, waited_seconds: float, delay: float) -> KvQuotaErro
 
 def cancelled(name: str) -> KvQuotaError:
     return KvQuotaError(
-        Code.CANCELLED,
-        "RESERVATION_CANCELLED",
+        Reason.RESERVATION_CANCELLED,
         f"{name} was cancelled while it waited",
         metadata={"name": name},
     )
@@ -182,8 +180,7 @@ def shutting_down(name: str, delay: float) -> KvQuotaError:
     another replica, with the same request id; a queued request keeps its place in the queue,
     which every replica shares."""
     return KvQuotaError(
-        Code.UNAVAILABLE,
-        "SERVER_SHUTTING_DOWN",
+        Reason.SERVER_SHUTTING_DOWN,
         f"this kvquota server is shutting down: ask another one about {name}",
         metadata={"name": name},
         retry_delay_seconds=delay,

@@ -28,8 +28,9 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from quota_service.core.errors import Code, FieldViolation, KvQuotaError, invalid_request
+from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request
 from quota_service.core.names import tenant_name
+from quota_service.core.reasons import Reason
 
 
 class Tier(enum.IntEnum):
@@ -420,8 +421,7 @@ def check_executable(result: ReclaimPlan) -> None:
     tiers = sorted({s.tier for s in result.steps} - EXECUTABLE_TIERS)
     if tiers:
         raise KvQuotaError(
-            Code.FAILED_PRECONDITION,
-            "TIER_NOT_EXECUTABLE",
+            Reason.TIER_NOT_EXECUTABLE,
             f"the plan needs {', '.join(t.name for t in tiers)}, which can be planned (dry_run) "
             "but not executed yet",
             metadata={"tiers": ",".join(t.name for t in tiers)},

@@ -13,6 +13,7 @@ import logging
 import time
 
 from quota_service.core.errors import KvQuotaError
+from quota_service.core.reasons import Reason
 from quota_service.core.reclaim import Tier, policy_jobs
 from quota_service.store.reclaim import ReclaimJobs
 
@@ -47,7 +48,7 @@ class ReclaimPolicy:
                     continue  # nothing it may take: no job (an empty one every period is noise)
                 created = await self._jobs.create(request_id, job.instance, job.target, False)
             except KvQuotaError as exc:
-                if exc.reason != "REQUEST_ID_REUSED":  # else another replica was first
+                if exc.reason is not Reason.REQUEST_ID_REUSED:  # else another replica was first
                     log.warning("reclaim policy on %s: %s", job.instance, exc)
                 continue
             log.info(

@@ -12,6 +12,7 @@ from quota_service.core.access import ApiKey, AuditEvent, Role
 from quota_service.core.errors import FieldViolation, invalid_request, not_found
 from quota_service.core.names import tenant_name
 from quota_service.core.pagination import Page
+from quota_service.core.reasons import Reason
 from quota_service.store.database import connect, in_transaction
 from quota_service.store.schema import ApiKeyRow, AuditEventRow, TenantRow
 
@@ -55,7 +56,7 @@ class ApiKeys:
             )
             missing = sorted(set(tenants) - set(known.scalars()))
             if missing:
-                raise not_found("tenant", tenant_name(missing[0]))
+                raise not_found(Reason.TENANT_NOT_FOUND, tenant_name(missing[0]))
             row = await conn.execute(
                 insert(ApiKeyRow)
                 .values(
@@ -101,7 +102,7 @@ class ApiKeys:
         async with self._engine.begin() as conn:
             row = (await conn.execute(statement)).mappings().first()
         if row is None:
-            raise not_found("api_key", access.key_name(key_id))
+            raise not_found(Reason.API_KEY_NOT_FOUND, access.key_name(key_id))
         return _key(row)
 
 

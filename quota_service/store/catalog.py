@@ -12,7 +12,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core import engine_address
 from quota_service.core.errors import (
-    Code,
     FieldViolation,
     KvQuotaError,
     already_exists,
@@ -34,6 +33,7 @@ from quota_service.core.model import (
 )
 from quota_service.core.names import instance_name, tenant_name
 from quota_service.core.pagination import Page
+from quota_service.core.reasons import Reason
 from quota_service.store.database import in_transaction
 from quota_service.store.schema import InstanceRow, NamespaceRow, ReservationRow, TenantRow
 
@@ -160,7 +160,7 @@ class Catalog:
                 .returning(TenantRow.tenant)
             )
             if (await conn.execute(statement)).first() is None:
-                raise already_exists("tenant", tenant_name(tenant))
+                raise already_exists(Reason.TENANT_ALREADY_EXISTS, tenant_name(tenant))
             return await self._tenant(conn, tenant)
 
         return await in_transaction(self._engine, work)
@@ -195,7 +195,7 @@ class Catalog:
         if namespace is not None:
             exists = select(NamespaceRow.namespace).where(NamespaceRow.namespace == namespace)
             if (await conn.execute(exists)).first() is None:
-                raise not_found("namespace", f"namespaces/{namespace}")
+                raise not_found(Reason.NAMESPACE_NOT_FOUND, f"namespaces/{namespace}")
         statement = (
             update(TenantRow)
             .where(TenantRow.tenant == tenant, TenantRow.state.in_(("ACTIVE", "SUSPENDED")))
@@ -205,8 +205,7 @@ class Catalog:
         if (await conn.execute(statement)).first() is None:
             current = await self._tenant(conn, tenant)  # raises when there is no such tenant
             raise KvQuotaError(
-                Code.FAILED_PRECONDITION,
-                "TENANT_OFFBOARDED",
+                Reason.TENANT_OFFBOARDED,
                 f"{tenant_name(tenant)} is {current.state.value.lower()}; it cannot change",
                 metadata={"name": tenant_name(tenant)},
             )
@@ -215,7 +214,7 @@ class Catalog:
         query = _TENANT_VIEW.where(TenantRow.tenant == tenant)
         row = (await conn.execute(query)).mappings().first()
         if row is None:
-            raise not_found("tenant", tenant_name(tenant))
+            raise not_found(Reason.TENANT_NOT_FOUND, tenant_name(tenant))
         return tenant_from_row(row)
 
     # Cache salts and shared namespaces
@@ -230,7 +229,7 @@ class Catalog:
             )
             row = (await conn.execute(statement)).first()
             if row is None:
-                raise already_exists("namespace", f"namespaces/{namespace}")
+                raise already_exists(Reason.NAMESPACE_ALREADY_EXISTS, f"namespaces/{namespace}")
             return row[0], row[1]
 
         return await in_transaction(self._engine, work)
@@ -260,7 +259,12 @@ class Catalog:
                 update(table).where(key == owner_id).values(cache_salt=new_salt()).returning(key)
             )
             if (await conn.execute(statement)).first() is None:
-                raise not_found(collection.rstrip("s"), f"{collection}/{owner_id}")
+                missing = (
+                    Reason.TENANT_NOT_FOUND
+                    if collection == "tenants"
+                    else Reason.NAMESPACE_NOT_FOUND
+                )
+                raise not_found(missing, f"{collection}/{owner_id}")
 
         await in_transaction(self._engine, work)
 
@@ -295,7 +299,7 @@ class Catalog:
                 .returning(InstanceRow.instance)
             )
             if (await conn.execute(statement)).first() is None:
-                raise already_exists("instance", instance_name(spec.instance))
+                raise already_exists(Reason.INSTANCE_ALREADY_EXISTS, instance_name(spec.instance))
             await self._create_slots(conn, spec.instance, spec.capacity_blocks)
             return await self._instance(conn, spec.instance)
 
@@ -326,7 +330,7 @@ class Catalog:
                 .returning(InstanceRow.instance)
             )
             if (await conn.execute(statement)).first() is None:
-                raise not_found("instance", instance_name(instance))
+                raise not_found(Reason.INSTANCE_NOT_FOUND, instance_name(instance))
             return await self._instance(conn, instance)
 
         return await in_transaction(self._engine, work)
@@ -340,8 +344,7 @@ class Catalog:
             found = list((await conn.execute(query)).scalars())
         if not found:
             raise KvQuotaError(
-                Code.NOT_FOUND,
-                "INSTANCE_NOT_FOUND",
+                Reason.INSTANCE_NOT_FOUND,
                 f"no instance is registered with the engine at {address}",
                 metadata={"engineAddress": address},
             )
@@ -376,7 +379,7 @@ class Catalog:
                 .returning(InstanceRow.instance)
             )
             if (await conn.execute(statement)).first() is None:
-                raise not_found("instance", instance_name(instance))
+                raise not_found(Reason.INSTANCE_NOT_FOUND, instance_name(instance))
             return await self._instance(conn, instance)
 
         return await in_transaction(self._engine, work)
@@ -385,7 +388,7 @@ class Catalog:
         query = _INSTANCE_VIEW.where(InstanceRow.instance == instance)
         row = (await conn.execute(query)).mappings().first()
         if row is None:
-            raise not_found("instance", instance_name(instance))
+            raise not_found(Reason.INSTANCE_NOT_FOUND, instance_name(instance))
         return instance_from_row(row)
 
 

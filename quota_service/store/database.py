@@ -15,7 +15,8 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import QueuePool
 
-from quota_service.core.errors import Code, KvQuotaError
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.reasons import Reason
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,7 @@ def unavailable_error(exc: BaseException) -> KvQuotaError | None:
         isinstance(exc, DBAPIError) and exc.connection_invalidated
     ):
         return KvQuotaError(
-            Code.UNAVAILABLE,
-            "DATABASE_UNAVAILABLE",
+            Reason.DATABASE_UNAVAILABLE,
             "the ledger database cannot be reached; retry shortly",
             retry_delay_seconds=1.0,
         )

@@ -30,6 +30,7 @@ from quota_service.core.errors import (
 )
 from quota_service.core.hashing import HashAlgo
 from quota_service.core.instance_machine import HOLD_EWMA_ALPHA
+from quota_service.core.metering import METERED_REFUSALS
 from quota_service.core.model import (
     AdmitParams,
     EndReason,
@@ -44,6 +45,7 @@ from quota_service.core.model import (
 )
 from quota_service.core.names import instance_name, reservation_name, tenant_name
 from quota_service.core.queueing import QueuePolicy
+from quota_service.core.reasons import Reason
 from quota_service.store import blocks
 from quota_service.store.database import in_transaction
 
@@ -427,19 +429,6 @@ _UNSUSPEND = text(
     "WHERE tenant = :tenant AND request_id = :request_id AND state = 'ADMITTED'"
 )
 
-# Refusals of an admission, metered per reason (a malformed request or an unknown tenant or
-# instance is not one: nothing was asked of a real pool).
-METERED_REFUSALS = frozenset(
-    {
-        "TENANT_QUOTA_EXCEEDED",
-        "INSTANCE_OVERLOADED",
-        "QUEUE_FULL",
-        "REQUEST_EXCEEDS_CAPACITY",
-        "CONTEXT_LENGTH_EXCEEDED",
-        "TENANT_SUSPENDED",
-        "INSTANCE_DRAINING",
-    }
-)
 _METER_REFUSAL = text(
     "INSERT INTO usage_events (tenant, instance, refused) "
     "VALUES (:tenant, :instance, jsonb_build_object(CAST(:reason AS text), 1))"
@@ -460,7 +449,11 @@ _RELEASE_BLOCKS = text(
             "AND NOT r.released "
             "RETURNING r.block_id, r.position, r.pinned, r.tenant"
         )
-    }, {blocks.pool_counts()}, {blocks.TENANT_REMOVALS}
+    }, {blocks.pool_counts()}, {blocks.TENANT_REMOVALS}, shrunk AS (
+        -- reserved_blocks is what the reservation holds now.
+        UPDATE reservations SET reserved_blocks = reserved_blocks - (SELECT count(*) FROM dropped)
+        WHERE tenant = :tenant AND request_id = :request_id
+    )
     SELECT count(*) AS released, {blocks.NOTIFY_RELEASED} FROM dropped
     """
 )
@@ -956,12 +949,12 @@ class Ledger:
         return delay if delay is not None else self._limits.min_retry_delay_seconds
 
     async def _missing(self, conn: AsyncConnection, tenant: str, instance: str) -> KvQuotaError:
-        for kind, key, name in (
-            ("tenant", tenant, tenant_name(tenant)),
-            ("instance", instance, instance_name(instance)),
+        for kind, key, name, reason in (
+            ("tenant", tenant, tenant_name(tenant), Reason.TENANT_NOT_FOUND),
+            ("instance", instance, instance_name(instance), Reason.INSTANCE_NOT_FOUND),
         ):
             if (await conn.execute(_EXISTS[kind], {"key": key})).first() is None:
-                return not_found(kind, name)
+                return not_found(reason, name)
         raise AssertionError("the lock query found nothing although both rows exist")
 
     async def get(self, tenant: str, request_id: str) -> Reservation:
@@ -972,7 +965,7 @@ class Ledger:
         keys = {"tenant": tenant, "request_id": request_id}
         row = (await conn.execute(_GET_RESERVATION, keys)).mappings().first()
         if row is None:
-            raise not_found("reservation", reservation_name(tenant, request_id))
+            raise not_found(Reason.RESERVATION_NOT_FOUND, reservation_name(tenant, request_id))
         return reservation_from_row(row)
 
     async def _lock(self, conn: AsyncConnection, tenant: str, request_id: str) -> RowMapping:
@@ -986,7 +979,7 @@ class Ledger:
         keys = {"tenant": tenant, "request_id": request_id}
         instance = (await conn.execute(_LOCK_FOR_RESERVATION, keys)).scalar()
         if instance is None:
-            raise not_found("reservation", reservation_name(tenant, request_id))
+            raise not_found(Reason.RESERVATION_NOT_FOUND, reservation_name(tenant, request_id))
         return str(instance)
 
     async def end(
@@ -1040,7 +1033,7 @@ class Ledger:
         async def work(conn: AsyncConnection) -> Reservation:
             locked = await self._lock(conn, tenant, request_id)
             if locked["state"] != ReservationState.ADMITTED.value:
-                return await self._get(conn, tenant, request_id)
+                raise admission.not_live(await self._get(conn, tenant, request_id))
             found = await conn.execute(
                 _TABLE_ENTRIES_FOR,
                 {
@@ -1069,6 +1062,7 @@ class Ledger:
                         "holder": locked["holder_id"],
                         "instance": locked["instance"],
                         "tenant": tenant,
+                        "request_id": request_id,
                         "positions": positions,
                     },
                 )
@@ -1088,7 +1082,7 @@ class Ledger:
             current = await self._get(conn, tenant, request_id)
             if current.state is ReservationState.QUEUED:
                 return current  # no lease yet: its wait budget is what bounds it
-            raise _not_live(current)
+            raise admission.not_live(current)
 
         return await in_transaction(self._engine, work)
 
@@ -1101,7 +1095,7 @@ class Ledger:
         async def work(conn: AsyncConnection) -> Reservation:
             current = await self._get(conn, tenant, request_id)
             if current.state is not ReservationState.ADMITTED:
-                raise _not_live(current)
+                raise admission.not_live(current)
             violation = admission.check_session_tokens(current, session_token_ids)
             if violation:
                 raise invalid_request([violation])
@@ -1129,7 +1123,7 @@ class Ledger:
             if current.state is not ReservationState.ADMITTED or (
                 current.lease_expires_at is not None and current.lease_expires_at <= locked["now"]
             ):
-                raise _not_live(current)
+                raise admission.not_live(current)
             tenant_state = TenantState(locked["tenant_state"])
             if tenant_state in (TenantState.DELETING, TenantState.DELETED):
                 # Offboarding ends an idle session without asking its engine to abort: it
@@ -1350,8 +1344,3 @@ async def offload(conn: AsyncConnection, instance: str, tenant: str, request_id:
     }
     offloaded = (await conn.execute(_OFFLOAD_RESERVATION, params)).mappings().first()
     return None if offloaded is None else int(offloaded["freed_now"])
-
-
-def _not_live(current: Reservation) -> KvQuotaError:
-    name = reservation_name(current.tenant, current.request_id)
-    return admission.not_live(name, current.state, current.end_reason)

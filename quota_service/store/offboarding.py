@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from quota_service.core.errors import not_found
 from quota_service.core.model import EndReason
 from quota_service.core.names import tenant_name
+from quota_service.core.reasons import Reason
 from quota_service.store import blocks
 from quota_service.store.catalog import new_salt
 from quota_service.store.database import in_transaction
@@ -204,7 +205,7 @@ class Offboarding:
         async def start(conn: AsyncConnection) -> None:
             state = (await conn.execute(_STATE, keys)).scalar_one_or_none()
             if state is None:
-                raise not_found("tenant", scope)
+                raise not_found(Reason.TENANT_NOT_FOUND, scope)
             await conn.execute(_START, keys)
 
         await in_transaction(self._engine, start)

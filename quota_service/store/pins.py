@@ -9,11 +9,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core import pins
 from quota_service.core.admission import AdmissionLimits, Shortfall
-from quota_service.core.errors import Code, KvQuotaError, not_found
+from quota_service.core.errors import not_found
 from quota_service.core.hashing import block_hashes
 from quota_service.core.model import Pin, PinState
 from quota_service.core.names import instance_name
 from quota_service.core.pagination import Page
+from quota_service.core.reasons import Reason
 from quota_service.store import blocks
 from quota_service.store.database import in_transaction
 from quota_service.store.ledger import (
@@ -132,14 +133,14 @@ class Pins:
         async def work(conn: AsyncConnection) -> Pin:
             locked = (await conn.execute(_LOCK_POOL, {"instance": instance})).mappings().first()
             if locked is None:
-                raise not_found("instance", instance_name(instance))
+                raise not_found(Reason.INSTANCE_NOT_FOUND, instance_name(instance))
             pool = pool_from_row(instance, locked)
             pins.check_prefix(token_ids, pool.block_size)
             account = None
             if tenant is not None:
                 row = (await conn.execute(_LOCK_TENANT, {"tenant": tenant})).mappings().first()
                 if row is None:
-                    raise not_found("tenant", owner)
+                    raise not_found(Reason.TENANT_NOT_FOUND, owner)
                 account = account_from_row(tenant, row)
                 salted = (await conn.execute(_TENANT_SALT, {"tenant": tenant})).mappings().one()
                 salt, scope = salted["cache_salt"], salted["hash_scope"]
@@ -148,7 +149,7 @@ class Pins:
                     await conn.execute(_NAMESPACE_SALT, {"namespace": owner_id})
                 ).scalar_one_or_none()
                 if salt is None:
-                    raise not_found("namespace", owner)
+                    raise not_found(Reason.NAMESPACE_NOT_FOUND, owner)
                 scope = owner
             hashes = block_hashes(token_ids, pool.block_size, salt, pool.hash_algo)
             existing = await self._find(conn, owner, pin_id)
@@ -156,12 +157,7 @@ class Pins:
                 same = existing[1] == hashes[-1] and existing[0].instance == instance
                 if existing[0].state is PinState.ACTIVE:
                     if not same:
-                        raise KvQuotaError(
-                            Code.ALREADY_EXISTS,
-                            "PIN_ID_REUSED",
-                            f"{owner}/pins/{pin_id} already pins another prefix",
-                            metadata={"name": f"{owner}/pins/{pin_id}"},
-                        )
+                        raise pins.pin_id_reused(owner, pin_id)
                     return existing[0]
                 await conn.execute(_FORGET_REMOVED_PIN, {"holder": existing[2]})
             hits = await lookup_prefix(conn, instance, tenant, hashes)
@@ -195,7 +191,7 @@ class Pins:
         async def work(conn: AsyncConnection) -> Pin:
             found = await self._find(conn, owner, pin_id)
             if found is None:
-                raise not_found("pin", f"{owner}/pins/{pin_id}")
+                raise not_found(Reason.PIN_NOT_FOUND, f"{owner}/pins/{pin_id}")
             pin, _, holder = found
             if pin.state is PinState.ACTIVE:
                 collection, owner_id = owner.split("/", 1)

@@ -14,10 +14,11 @@ from typing import Any
 from sqlalchemy import RowMapping, TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from quota_service.core.errors import Code, KvQuotaError, not_found
+from quota_service.core.errors import KvQuotaError, not_found
 from quota_service.core.model import EndReason, ReservationState
 from quota_service.core.names import reclaim_job_name, tenant_name
 from quota_service.core.pagination import Page
+from quota_service.core.reasons import Reason
 from quota_service.core.reclaim import (
     DEFAULT_WATERMARKS,
     CachedScope,
@@ -421,8 +422,7 @@ def _same_request(
     """A repeated request_id returns its job only when it asks for the same thing."""
     if (job.instance, job.target, job.dry_run) != (instance, target, dry_run):
         raise KvQuotaError(
-            Code.ALREADY_EXISTS,
-            "REQUEST_ID_REUSED",
+            Reason.REQUEST_ID_REUSED,
             f"request_id {job.request_id!r} already created {reclaim_job_name(job.job_id)} "
             "with different parameters",
             metadata={"requestId": job.request_id, "name": reclaim_job_name(job.job_id)},
@@ -501,7 +501,7 @@ class ReclaimJobs:
         async with self._engine.connect() as conn:
             found = await _load_jobs(conn, _JOB, {"job_id": job_id})
         if not found:
-            raise not_found("reclaim_job", reclaim_job_name(job_id))
+            raise not_found(Reason.RECLAIM_JOB_NOT_FOUND, reclaim_job_name(job_id))
         return found[0]
 
     async def cancel(self, job_id: str) -> ReclaimJob:

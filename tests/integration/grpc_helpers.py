@@ -12,7 +12,7 @@ import pytest
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 
-from kvquota.v1 import admission_pb2
+from kvquota.v1 import admission_pb2, error_reason_pb2
 from kvquota.v1 import resources_pb2 as pb
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
@@ -66,7 +66,17 @@ def rich_error(error: grpc.aio.AioRpcError) -> RichError:
         assert pushback == str(retry.retry_delay.ToMilliseconds())
     else:
         assert pushback is None
+    check_vocabulary(error.code(), info)
     return RichError(error.code(), info.reason, info.domain, dict(info.metadata), details)
+
+
+def check_vocabulary(code: grpc.StatusCode, info: error_details_pb2.ErrorInfo) -> None:
+    """Every error is one kvquota.v1.ErrorReason documents: its code, and only its metadata."""
+    value = error_reason_pb2.ErrorReason.DESCRIPTOR.values_by_name.get(info.reason)
+    assert value is not None, f"{info.reason!r} is no ErrorReason"
+    documented = value.GetOptions().Extensions[error_reason_pb2.error_mapping]
+    assert code.value[0] == documented.code, info.reason
+    assert set(info.metadata) <= set(documented.metadata_keys), info
 
 
 async def refused(call: Awaitable[Any]) -> RichError:

@@ -137,15 +137,23 @@ async def test_release_blocks(ledger: Ledger, engine: AsyncEngine) -> None:
     after = await ledger.release_blocks("acme", "a", [table[6], table[5]])
     assert after.block_table == table[:5]
     assert (await counters(engine))["tenant:acme"]["blocks_in_use"] == 5
-    # Released again: nothing changes, even though the freed slot's generation moved on.
+    # A full prompt block stays cached at its generation: releasing it again changes nothing.
+    released = await ledger.release_blocks("acme", "a", [table[3]])
     before = await snapshot(engine)
-    assert (await ledger.release_blocks("acme", "a", [table[6]])).block_table == table[:5]
+    assert (await ledger.release_blocks("acme", "a", [table[3]])) == released
+    assert released.reserved_blocks == 4  # what it holds now
     assert await snapshot(engine) == before
-
+    # A freed tail block's generation moved on: its handle is stale, for the reservation that
+    # released it too (the slot may hold another tenant's data by now).
     with pytest.raises(KvQuotaError) as stale:
-        await ledger.release_blocks("acme", "a", [table[4], BlockHandle(table[0].block_id, 7)])
+        await ledger.release_blocks("acme", "a", [table[4], table[6]])
     assert stale.value.reason == "STALE_BLOCK_HANDLE"
+    assert "freed since" in stale.value.message
+    with pytest.raises(KvQuotaError) as unborn:
+        await ledger.release_blocks("acme", "a", [BlockHandle(table[0].block_id, 7)])
+    assert "never had" in unborn.value.message
     assert await snapshot(engine) == before  # not even the valid handle was released
+    table = (*table[:3], table[4])
 
     other, _ = await ledger.admit(request("b", 10, 10))
     before = await snapshot(engine)
@@ -157,6 +165,12 @@ async def test_release_blocks(ledger: Ledger, engine: AsyncEngine) -> None:
     await ledger.end("acme", "b", EndReason.CANCELLED)
     await ledger.end("acme", "a", EndReason.RELEASED, 30)
     assert (await pool(engine))["blocks_in_use"] == 0
+    with pytest.raises(KvQuotaError) as ended:
+        await ledger.release_blocks("acme", "a", [table[0]])
+    assert (ended.value.reason, ended.value.metadata["endReason"]) == (
+        "RESERVATION_ENDED",
+        "RELEASED",
+    )
     await assert_invariants(engine)
 
 

@@ -123,7 +123,8 @@ class Model:
                 assert existing.params is not None
                 if (existing.params, existing.token_ids) != (params, tuple(token_ids)):
                     return "REQUEST_ID_REUSED"
-                return None
+                # A repeat after it ended is refused: an OK would read as admitted.
+                return None if existing.live else "RESERVATION_ENDED"
             tenant = self.tenants[params.tenant]
             salt, scope = self._salt(params.tenant)
             table = block_table.layout(
@@ -171,7 +172,7 @@ class Model:
     ) -> str | None:
         holder = self.reservations[(tenant, request_id)]
         if not holder.live:
-            return None
+            return "RESERVATION_ENDED"
         lookups = []
         for handle in handles:
             entry = next(

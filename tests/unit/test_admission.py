@@ -149,7 +149,7 @@ def test_shortfalls_name_their_scope() -> None:
 PROMPT = tuple(range(7, 107))
 
 
-def test_replay_same_parameters_returns_the_reservation() -> None:
+def test_replay_returns_a_live_reservation_and_refuses_an_ended_one() -> None:
     existing = Reservation(
         "acme",
         "r-1",
@@ -174,7 +174,15 @@ def test_replay_same_parameters_returns_the_reservation() -> None:
     def again(params: AdmitParams, tokens: tuple[int, ...]) -> AdmitRequest:
         return AdmitRequest(params, tokens, 0.0, None)
 
-    assert admission.check_replay(again(existing.params, PROMPT), existing) is existing
+    live = replace(existing, state=ReservationState.ADMITTED, end_reason=None)
+    assert admission.check_replay(again(existing.params, PROMPT), live) is live
+    with pytest.raises(KvQuotaError) as ended:
+        admission.check_replay(again(existing.params, PROMPT), existing)
+    assert (ended.value.code, ended.value.reason, ended.value.metadata["endReason"]) == (
+        Code.FAILED_PRECONDITION,
+        "RESERVATION_ENDED",
+        "RELEASED",
+    )
     other_counts = again(replace(existing.params, max_output_tokens=51), PROMPT)
     other_prompt = again(existing.params, (*PROMPT[:-1], PROMPT[-1] + 1))
     no_prompt = again(existing.params, ())

@@ -9,6 +9,7 @@ import pytest
 from kvquota.client import errors
 from quota_service.api.errors import rich_status, trailers
 from quota_service.core.errors import Code, FieldViolation, KvQuotaError, QuotaViolation
+from quota_service.core.reasons import Reason
 
 # (reason, gRPC code, HTTP status, with a retry delay: retry-after, exception class)
 TABLE = [
@@ -50,7 +51,9 @@ def test_each_reason_maps_as_the_error_table_says(
     reason: str, code: Code, http: int, retry_after: bool, kind: type[errors.KvquotaError]
 ) -> None:
     delay = 2.4 if retry_after else None
-    refusal = decoded(KvQuotaError(code, reason, "refused", retry_delay_seconds=delay))
+    error = KvQuotaError(Reason(reason), "refused", retry_delay_seconds=delay)
+    assert error.code is code
+    refusal = decoded(error)
     assert type(refusal) is kind
     assert (refusal.reason, refusal.http_status) == (reason, http)
     assert refusal.headers == ({"retry-after": "3"} if retry_after else {})
@@ -59,8 +62,7 @@ def test_each_reason_maps_as_the_error_table_says(
 def test_every_detail_is_decoded() -> None:
     refusal = decoded(
         KvQuotaError(
-            Code.RESOURCE_EXHAUSTED,
-            "TENANT_QUOTA_EXCEEDED",
+            Reason.TENANT_QUOTA_EXCEEDED,
             "over quota",
             metadata={"tenant": "acme"},
             field_violations=(FieldViolation("n", "too big"),),

@@ -10,12 +10,12 @@ from sqlalchemy.exc import OperationalError
 
 from quota_service.api.errors import domain_error, rich_status, trailers
 from quota_service.core.errors import Code, FieldViolation, KvQuotaError, QuotaViolation
+from quota_service.core.reasons import Reason
 
 
 def test_rich_status_carries_every_detail() -> None:
     error = KvQuotaError(
-        Code.RESOURCE_EXHAUSTED,
-        "TENANT_QUOTA_EXCEEDED",
+        Reason.TENANT_QUOTA_EXCEEDED,
         "over quota",
         metadata={"tenant": "acme"},
         field_violations=(FieldViolation("n", "too big"),),
@@ -47,7 +47,7 @@ def test_rich_status_carries_every_detail() -> None:
 
 
 def test_retry_delay_is_whole_milliseconds_in_both_places() -> None:
-    error = KvQuotaError(Code.UNAVAILABLE, "QUEUE_FULL", "full", retry_delay_seconds=0.12345)
+    error = KvQuotaError(Reason.QUEUE_FULL, "full", retry_delay_seconds=0.12345)
     _, status = rich_status(error)
     retry = error_details_pb2.RetryInfo()
     assert status.details[-1].Unpack(retry)
@@ -56,7 +56,7 @@ def test_retry_delay_is_whole_milliseconds_in_both_places() -> None:
 
 
 def test_no_pushback_without_a_retry_delay() -> None:
-    error = KvQuotaError(Code.ALREADY_EXISTS, "REQUEST_ID_REUSED", "reused")
+    error = KvQuotaError(Reason.REQUEST_ID_REUSED, "reused")
     _, status = rich_status(error)
     assert "grpc-retry-pushback-ms" not in dict(trailers(error, status))
 

@@ -12,7 +12,8 @@ from sqlalchemy.exc import OperationalError
 from kvquota.v1 import admission_pb2
 from kvquota.v1 import resources_pb2 as pb
 from quota_service.api import errors, observability
-from quota_service.core.errors import Code, KvQuotaError
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.reasons import Reason
 from quota_service.jobs.metrics import ServiceMetrics
 
 
@@ -32,7 +33,7 @@ def answered(exc: BaseException, code: grpc.StatusCode | None = None) -> tuple[s
 
 
 def test_the_status_of_an_answer_is_the_domain_error_s_or_a_safe_default() -> None:
-    quota = KvQuotaError(Code.RESOURCE_EXHAUSTED, "TENANT_QUOTA_EXCEEDED", "over")
+    quota = KvQuotaError(Reason.TENANT_QUOTA_EXCEEDED, "over")
     assert answered(quota) == ("RESOURCE_EXHAUSTED", "TENANT_QUOTA_EXCEEDED")
     down = OperationalError("SELECT 1", {}, Exception("connection refused"))
     assert answered(down) == ("UNAVAILABLE", "DATABASE_UNAVAILABLE")
