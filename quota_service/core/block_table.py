@@ -46,6 +46,15 @@ class TableLayout:
     n: int
     # One per full prompt block when the prompt's token ids are known, else empty.
     hashes: tuple[bytes, ...]
+    # How many of them a prefix hit may cover. vLLM recomputes a prompt's last token for its
+    # logits, so its KVCacheManager caps a hit at num_tokens - 1 tokens: a fully cached,
+    # block-aligned prompt still gets a new block for its last one.
+    max_hit_blocks: int = 0
+
+    @property
+    def hit_candidates(self) -> tuple[bytes, ...]:
+        """The hashes a cached prefix may cover, in order."""
+        return self.hashes[: self.max_hit_blocks]
 
     @property
     def total(self) -> int:
@@ -68,7 +77,7 @@ def layout(
     )
     assert len(hashes) in (0, full)
     # Total agrees with geometry.blocks_for_request by construction: floor(p/bs) + n*ceil(...).
-    return TableLayout(full, tail, n, tuple(hashes))
+    return TableLayout(full, tail, n, tuple(hashes), (prompt_tokens - 1) // block_size)
 
 
 def longest_cached_prefix(

@@ -485,7 +485,7 @@ class InstanceMachine:
             return self._replay(request, existing, now)
         here = self._tenant(p.tenant)
         table = self._layout(p, request.prompt_token_ids, here.settings)
-        hit_blocks = self.pool_prefix(table.hashes, here)
+        hit_blocks = self.pool_prefix(table.hit_candidates, here)
         verdict = admission.judge(
             request,
             self.view(),
@@ -765,7 +765,7 @@ class InstanceMachine:
             token_ids = admission.prompt_of(record.prompt_token_ids, p.prompt_tokens)
             request = AdmitRequest(p, token_ids, 0.0, record.lease_ttl_seconds)
             table = self._layout(p, token_ids, here.settings)
-            hit_blocks = self.pool_prefix(table.hashes, here)
+            hit_blocks = self.pool_prefix(table.hit_candidates, here)
             other = (elsewhere or {}).get(p.tenant, NOWHERE_ELSE)
             try:
                 verdict = admission.judge(
@@ -1022,7 +1022,7 @@ class InstanceMachine:
         plan = pins.decide(hashes, hits, self.view(), account)
         if isinstance(plan, Shortfall):
             raise self.refusal(plan, tenant, now)
-        layout = block_table.TableLayout(len(hashes), 0, 1, tuple(hashes))
+        layout = block_table.TableLayout(len(hashes), 0, 1, tuple(hashes), len(hashes))
         table = self._take(hit_blocks, layout, here, scope, pinned=True)
         record = PinRecord(owner, pin_id, tenant, hashes[-1], len(token_ids), table, now)
         self.pins[(owner, pin_id)] = record

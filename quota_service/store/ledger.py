@@ -699,7 +699,7 @@ class Ledger:
             salt,
             pool.hash_algo,
         )
-        hits = await lookup_prefix(conn, p.instance, p.tenant, table.hashes)
+        hits = await lookup_prefix(conn, p.instance, p.tenant, table.hit_candidates)
         decision = admission.decide(request, pool, account, self._limits, table, hits)
         ahead = 0
         if row["pool_queued"]:
@@ -903,7 +903,7 @@ class Ledger:
             salt["cache_salt"],
             pool.hash_algo,
         )
-        hits = await lookup_prefix(conn, params.instance, reservation.tenant, table.hashes)
+        hits = await lookup_prefix(conn, params.instance, reservation.tenant, table.hit_candidates)
         return admission.decide(request, pool, account, self._limits, table, hits), salt
 
     async def _dequeue(

@@ -113,7 +113,7 @@ async def test_never_hashed_slots_first_then_lru_tail_before_head(
         )
         assert [tuple(r) for r in evicted] == [(0, 0), (1, 0), (2, 0), (3, 0)]
     # b's prefix is still cached; a's is gone: a new request for it misses.
-    hit_b, _ = await ledger.admit(with_tokens("d", other[: 2 * BS], 1))
+    hit_b, _ = await ledger.admit(with_tokens("d", other[: 2 * BS + 1], 1))
     assert hit_b.prefix_hit_blocks == 2
     await ledger.end("acme", "c", EndReason.RELEASED, 1)
     miss_a, _ = await ledger.admit(with_tokens("e", PROMPT[: 2 * BS], 1))
@@ -176,7 +176,7 @@ async def test_release_blocks(ledger: Ledger, engine: AsyncEngine) -> None:
 
 async def test_concurrent_sharers_count_exactly(ledger: Ledger, engine: AsyncEngine) -> None:
     await add_instance(engine, "gpu-1", blocks=400)
-    tokens = list(range(10 * BS))
+    tokens = list(range(10 * BS + 1))  # ten full blocks every request can hit, and a tail
     results = await asyncio.gather(
         *(ledger.admit(with_tokens(f"r{i}", tokens, 1, instance="gpu-1")) for i in range(30))
     )
@@ -233,7 +233,7 @@ async def test_round_trips_do_not_grow_with_the_request(
     await add_instance(engine, "big", blocks=400)
     sizes = {}
     for blocks_wanted in (1, 96):
-        tokens = list(range(blocks_wanted * BS))
+        tokens = list(range(blocks_wanted * BS + 1))
         with statements(engine) as seen:
             await ledger.admit(with_tokens(f"n{blocks_wanted}", tokens, 1, instance="big"))
             await ledger.end("acme", f"n{blocks_wanted}", EndReason.RELEASED, 1)

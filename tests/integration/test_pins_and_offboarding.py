@@ -163,7 +163,7 @@ async def test_offboarding_ten_thousand_blocks(
     shared = tokens(3, 20)
     theirs, _ = await ledger.admit(with_tokens("s", shared, tenant="other"))
     await ledger.admit(with_tokens("s", shared + tokens(4, 1), tenant="big"))  # 20 + 1 + tail
-    await ledger.admit(with_tokens("r", tokens(2, 3), tenant="big"))  # 3 pinned + tail
+    await ledger.admit(with_tokens("r", [*tokens(2, 3), 1], tenant="big"))  # 3 pinned + tail
     held = (await counters(engine))["tenant:big"]["blocks_in_use"]
     assert held == 5 + 10_000 + 22 + 4
 

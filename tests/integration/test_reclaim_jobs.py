@@ -56,8 +56,9 @@ async def leave_cached(ledger: Ledger, tenant: str, prompts: range) -> None:
 
 
 async def prefix_hits(ledger: Ledger, tenant: str, request_id: str, i: int) -> int:
-    """How many of the i-th prompt's blocks are still cached (a request reusing them)."""
-    tokens = prompt(i)
+    """How many of the i-th prompt's blocks are still cached (a request reusing them, one token
+    longer: a hit never covers a prompt's last token, as in vLLM)."""
+    tokens = (*prompt(i), 1)
     base = request(request_id, len(tokens), 1, tenant=tenant)
     admitted, _ = await ledger.admit(replace(base, prompt_token_ids=tokens))
     return admitted.prefix_hit_blocks

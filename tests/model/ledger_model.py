@@ -136,7 +136,7 @@ class Model:
                 salt,
                 HashAlgo.SHA256,
             )
-            hits = self._prefix(params.instance, params.tenant, table.hashes)
+            hits = self._prefix(params.instance, params.tenant, table.hit_candidates)
             plan = admission.decide(
                 request,
                 self._pool(params.instance),

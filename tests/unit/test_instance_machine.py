@@ -78,22 +78,33 @@ def test_a_cached_prefix_is_shared_and_costs_its_tenant_once() -> None:
     check_recovery(m)
 
 
-def test_the_tenants_own_copy_of_a_duplicated_hash_is_preferred() -> None:
-    """A prefix block allocated again after its parent was evicted sits on two slots: the
-    tenant's own copy wins, then one in use, then the lowest id."""
-    m = machine(blocks=6, tenants={"a": 1, "b": 1})
-    m.set_tenant(replace(m.tenants["b"].settings, salt="salt-a"))
+def test_a_repeated_prompt_gets_a_new_last_block_and_copies_are_chosen_in_order() -> None:
+    """vLLM recomputes a prompt's last token, so a block-aligned prompt repeated in full hits
+    all but its last block and allocates that one again: the same hash on two slots. A later
+    prefix takes the tenant's own copy, then one in use, then the lowest id."""
+    m = machine(blocks=16, tenants={"a": 1, "b": 1})
+    m.set_tenant(replace(m.tenants["b"].settings, salt="salt-a", scope="tenants/a"))
     prompt = tuple(range(32))
-    admit(m, "r1", 32, 16, ids=prompt, tenant="b")  # slots 0,1 (hashed), 2 tail
-    m.end("b", "r1", EndReason.RELEASED, NOW)  # 0,1 cached (LRU: 1, 0); 2 free
-    admit(m, "big", 48, 16, tenant="b")  # 2,3,4,5... needs 4: 2,3,4,5 free
-    m.end("b", "big", EndReason.RELEASED, NOW)
-    admit(m, "evict", 80, 16, tenant="a")  # 6 blocks: 4 free, then 1 and 0 evicted
-    m.end("a", "evict", EndReason.RELEASED, NOW)
-    hashes = block_hashes(prompt, 16, "salt-a")
-    admit(m, "r2", 32, 16, ids=prompt, tenant="a")
-    admit(m, "r3", 32, 16, ids=prompt, tenant="b")
-    assert [len(m.pool.holding(h)) for h in hashes] == [1, 1]
+    admit(m, "r1", 32, 16, ids=prompt)  # 0, 1 hashed; 2 the tail
+    admit(m, "r2", 32, 16, ids=prompt)
+    second = m.get("a", "r2").snapshot()
+    assert second.prefix_hit_blocks == 1
+    assert [h.block_id for h in second.block_table] == [0, 3, 4]
+    last = block_hashes(prompt, 16, "salt-a")[1]
+    assert sorted(m.pool.holding(last)) == [1, 3]
+    m.end("a", "r1", EndReason.RELEASED, NOW)  # slot 1 cached, unreferenced
+    m.end("a", "r2", EndReason.RELEASED, NOW)  # slot 3 cached too
+    admit(m, "r3", 32, 16, ids=prompt, tenant="b")  # 0, and a third copy at 2 (lowest free)
+    longer = (*prompt, *range(500, 516))
+    admit(m, "r4", 48, 16, ids=longer, tenant="b")  # its own copy of the last hash
+    assert m.get("b", "r4").snapshot().block_table[1].block_id == 2
+    admit(m, "r5", 48, 16, ids=longer)  # a: none of its own; 2 is in use
+    assert m.get("a", "r5").snapshot().block_table[1].block_id == 2
+    m.end("b", "r3", EndReason.RELEASED, NOW)
+    m.end("b", "r4", EndReason.RELEASED, NOW)
+    m.end("a", "r5", EndReason.RELEASED, NOW)
+    admit(m, "r6", 48, 16, ids=longer)  # all cached: the lowest id
+    assert m.get("a", "r6").snapshot().block_table[1].block_id == 1
     recount(m)
     check_recovery(m)
 
