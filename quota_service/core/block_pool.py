@@ -140,8 +140,9 @@ class BlockPool:
         cannot be the same prefix."""
         found: list[int] = []
         by_key, more_by_key, data = self._by_key, self._more_by_key, self._digests
+        from_bytes = int.from_bytes
         for digest in digests:
-            key = event_hash(digest)
+            key = from_bytes(digest[-8:], "big")  # event_hash, without a call per block
             block = by_key.get(key)
             if block is None:
                 break

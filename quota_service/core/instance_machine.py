@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from operator import itemgetter
 
 from quota_service.core import admission, block_table, geometry, pins, queueing
 from quota_service.core.admission import (
@@ -622,13 +624,9 @@ class InstanceMachine:
 
     @staticmethod
     def _hold(here: TenantHere, blocks: Sequence[int], pinned: bool) -> None:
-        held = here.held
-        for block in blocks:
-            held[block] = held.get(block, 0) + 1
+        _count(here.held, blocks)
         if pinned:
-            pinned_here = here.pinned
-            for block in blocks:
-                pinned_here[block] = pinned_here.get(block, 0) + 1
+            _count(here.pinned, blocks)
 
     def _drop(self, table: HeldTable, positions: Sequence[int], here: TenantHere | None) -> None:
         """Give back the table's entries at `positions` (ascending), tail first, so that a
@@ -1140,8 +1138,22 @@ class InstanceMachine:
         self.changes.reservations[record.key] = record
 
 
+def _count(held: dict[int, int], blocks: Sequence[int]) -> None:
+    """One entry more per block (a table names each block once)."""
+    if held.keys().isdisjoint(blocks):
+        # The common case, done in C: none of them held yet.
+        held.update(dict.fromkeys(blocks, 1))
+        return
+    for block in blocks:
+        held[block] = held.get(block, 0) + 1
+
+
 def _unhold(held: dict[int, int], blocks: Sequence[int]) -> None:
     """One entry fewer per block; a block leaves with its last entry."""
+    if len(blocks) > 1 and max(itemgetter(*blocks)(held)) == 1:
+        # The common case, done in C: each was held by this one entry.
+        deque(map(held.pop, blocks), maxlen=0)
+        return
     for block in blocks:
         left = held[block] - 1
         if left:
