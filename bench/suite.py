@@ -1,4 +1,4 @@
-"""The benchmark suite of issue 9: what the quota service costs on the hot path, measured against
+"""The benchmark suite: what the quota service costs on the hot path, measured against
 the database's own limit (`pgbench -N`) on the same PostgreSQL server, in one run.
 
 One throwaway database; --servers `kvquota serve` processes on it (API keys required unless

@@ -1,4 +1,4 @@
-"""The API at its edges (issue 20): payloads that do not parse, values far too long, and the
+"""The API at its edges: payloads that do not parse, values far too long, and the
 answers a gateway can act on without reading messages."""
 
 from __future__ import annotations
