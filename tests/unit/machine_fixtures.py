@@ -9,12 +9,6 @@ from quota_service.config import Settings
 from quota_service.core.instance_machine import HeldTable, InstanceMachine, TenantSettings
 from quota_service.core.model import InstanceSpec, QueueBounds, TenantQuota, TenantState
 
-TENANT_QUOTAS = {
-    "t1": TenantQuota(20, 2000, 1, 6, 1),
-    "t2": TenantQuota(60, 10**6, 1, 10, 1),
-    "t3": TenantQuota(60, 10**6, 1, 10, 1),
-    "t4": TenantQuota(60, 10**6, 1, 10, 1),
-}
 ROOMY = TenantQuota(10**6, 10**9, 100, 10**6, 0)
 
 
