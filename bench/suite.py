@@ -499,14 +499,16 @@ class Suite:
         that are waiting. With six each, weight 4 often had none queued when a slot freed, and
         got 31% instead of 50%."""
         clients = 48
-        say(f"queue mix: {clients} clients of 4 tenants, room for 10, {self.args.seconds:g} s")
+        # A queued pair takes seconds on a loaded machine: the smoke form must still see some.
+        seconds = max(self.args.seconds, 5.0)
+        say(f"queue mix: {clients} clients of 4 tenants, room for 10, {seconds:g} s")
         result = await load.closed_loop(
             gateway,
             "queue",
             QUEUE_TENANTS,
             Shape(),
             clients,
-            self.args.seconds,
+            seconds,
             label=f"queue-r{number}",
             hold_seconds=0.05,
             wait_seconds=10.0,
