@@ -58,12 +58,23 @@ def template_database(server_url: str) -> Iterator[str]:
     _admin(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@pytest.fixture
-def database_url(server_url: str, template_database: str) -> Iterator[str]:
+def _fresh_database(server_url: str, template_database: str) -> Iterator[str]:
     name = f"kvq_test_{uuid.uuid4().hex[:12]}"
     _admin(server_url, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
     yield _with_database(server_url, name)
     _admin(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(server_url: str, template_database: str) -> Iterator[str]:
+    yield from _fresh_database(server_url, template_database)
+
+
+@pytest.fixture(scope="module")
+def module_database_url(server_url: str, template_database: str) -> Iterator[str]:
+    """One database for every test of a module, for tests that each need little of it and
+    check what they do to it themselves (the fuzz test)."""
+    yield from _fresh_database(server_url, template_database)
 
 
 @pytest.fixture
@@ -73,7 +84,8 @@ async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
     await db.dispose()
 
 
-@pytest.fixture
+# Session-wide: Settings is frozen, and a test that needs others derives them with replace().
+@pytest.fixture(scope="session")
 def settings() -> Settings:
     # Authentication has its own tests (tests/integration/test_access.py).
     return Settings(

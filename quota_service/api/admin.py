@@ -11,8 +11,14 @@ from kvquota.v1 import admin_pb2 as pb
 from kvquota.v1 import admin_pb2_grpc, resources_pb2
 from quota_service.api import convert
 from quota_service.api.auth import current_principal
-from quota_service.core import access, catalog, names, pagination
-from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request, quoted
+from quota_service.core import access, catalog, names, pagination, pins, reclaim
+from quota_service.core.errors import (
+    FieldViolation,
+    KvQuotaError,
+    invalid_request,
+    quoted,
+    refuse_invalid,
+)
 from quota_service.core.model import DEFAULT_MAX_QUEUED_REQUESTS, QueueBounds, TenantState
 from quota_service.core.names import instance_id, tenant_id
 from quota_service.core.reasons import Reason
@@ -95,7 +101,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: pb.UpdateTenantRequest, context: Context
     ) -> resources_pb2.Tenant:
         given = request.tenant
-        name = tenant_id(given.name, "tenant.name")
+        name, violation = names.parse_child(given.name, "tenants", "tenant.name")
         changes = catalog.tenant_changes(
             list(request.update_mask.paths),
             given.display_name,
@@ -103,7 +109,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             convert.quota(given.quota),
             given.shared_namespace,
             given.shadow_mode,
+            found=[violation] if violation else [],
         )
+        assert name is not None
         return convert.tenant(await self._catalog.update_tenant(name, changes))
 
     async def SuspendTenant(
@@ -133,8 +141,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         budget = None
         if capacity == "memory_budget":
             budget = convert.memory_budget(request.memory_budget, found)
-        ttft_violation = convert.duration_violation(request.target_ttft, "target_ttft")
-        found += [ttft_violation] if ttft_violation else []
+        target_ttft = convert.seconds(request.target_ttft, "target_ttft", found)
         model, block_size, max_model_len = request.model, request.block_size, request.max_model_len
         num_gpu_blocks = request.num_gpu_blocks if capacity == "num_gpu_blocks" else None
         hash_algo = convert.hash_algo(request.hash_algo, found)
@@ -158,9 +165,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             engine=engine,
             queue=QueueBounds(
                 max_queued_requests=request.max_queued_requests or DEFAULT_MAX_QUEUED_REQUESTS,
-                target_ttft_seconds=(
-                    0.0 if ttft_violation else convert.seconds(request.target_ttft, "target_ttft")
-                ),
+                target_ttft_seconds=target_ttft or 0.0,
                 prefill_tokens_per_second=request.prefill_tokens_per_second,
             ),
             found=found,
@@ -260,17 +265,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     async def PinPrefix(self, request: pb.PinPrefixRequest, context: Context) -> resources_pb2.Pin:
         instance, violation = names.parse_child(request.instance, "instances", "instance")
-        violations = [
-            v
-            for v in (
+        refuse_invalid(
+            [
                 names.owner_violation(request.parent),
                 names.check_resource_id(request.pin_id, "pin_id"),
                 violation,
-            )
-            if v is not None
-        ]
-        if violations:
-            raise invalid_request(violations)
+                *pins.token_violations(request.token_ids),
+            ]
+        )
         assert instance is not None
         pinned = await self._pins.pin(
             request.parent, request.pin_id, instance, list(request.token_ids)
@@ -284,8 +286,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return convert.pin(await self._pins.unpin(owner, pin_id))
 
     async def ListPins(self, request: pb.ListPinsRequest, context: Context) -> pb.ListPinsResponse:
-        names.owner(request.parent)
-        page = pagination.page(request.page_size, request.page_token)
+        page, violations = pagination.parse_page(request.page_size, request.page_token)
+        refuse_invalid([names.owner_violation(request.parent), *violations])
+        assert page is not None
         found = await self._pins.list_pins(request.parent, page)
         return pb.ListPinsResponse(
             pins=[convert.pin(p) for p in found],
@@ -295,14 +298,16 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def ListBlocks(
         self, request: pb.ListBlocksRequest, context: Context
     ) -> pb.ListBlocksResponse:
-        instance = instance_id(request.parent, "parent")
-        tenant = tenant_id(request.tenant, "tenant") if request.tenant else None
-        page = pagination.page(request.page_size, request.page_token)
-        if page.after is not None and not page.after.isdigit():
-            raise invalid_request([FieldViolation("page_token", "not a token this API issued")])
-        found = await self._inspection.list_blocks(
-            instance, tenant, convert.block_state(request.state), page
+        instance, instance_violation = names.parse_child(request.parent, "instances", "parent")
+        tenant, tenant_violation = names.parse_filter(request.tenant, "tenants", "tenant")
+        # Blocks are paged by their ids: a token carries a number.
+        page, violations = pagination.parse_page(
+            request.page_size, request.page_token, numeric=True
         )
+        state = convert.block_state(request.state, violations)
+        refuse_invalid([instance_violation, tenant_violation, *violations])
+        assert instance is not None and page is not None
+        found = await self._inspection.list_blocks(instance, tenant, state, page)
         return pb.ListBlocksResponse(
             blocks=[convert.block(b) for b in found],
             next_page_token=pagination.next_token([str(b.block_id) for b in found], page.size),
@@ -311,37 +316,22 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def CreateReclaimJob(
         self, request: pb.CreateReclaimJobRequest, context: Context
     ) -> resources_pb2.ReclaimJob:
-        instance = instance_id(request.instance, "instance")
-        tenant = tenant_id(request.tenant, "tenant") if request.tenant else None
-        violations = []
-        negative = [
-            field
-            for field, value in (
-                ("target_blocks", request.target_blocks),
-                ("target_bytes", request.target_bytes),
-            )
-            if value < 0
-        ]
-        violations += [FieldViolation(field, "must not be negative") for field in negative]
-        if not negative and (request.target_blocks > 0) == (request.target_bytes > 0):
-            violations.append(
-                FieldViolation("target_blocks", "give exactly one of target_blocks, target_bytes")
-            )
+        instance, instance_violation = names.parse_child(request.instance, "instances", "instance")
+        tenant, tenant_violation = names.parse_filter(request.tenant, "tenants", "tenant")
         max_tier = convert.reclaim_tier(request.max_tier)
-        if max_tier is None:
-            violations.append(FieldViolation("max_tier", "name the highest tier allowed"))
-        min_tier = Tier.FREE
-        if request.min_tier:
-            given = convert.reclaim_tier(request.min_tier)
-            if given is None:
-                violations.append(FieldViolation("min_tier", "not a reclaim tier"))
-            min_tier = given or Tier.FREE
-        request_violation = names.check_request_id(request.request_id, "request_id")
-        if request_violation:
-            violations.append(request_violation)
-        if violations:
-            raise invalid_request(violations)
-        assert max_tier is not None
+        # Unset, the job may start with freeing cached blocks.
+        min_tier = convert.reclaim_tier(request.min_tier) if request.min_tier else Tier.FREE
+        refuse_invalid(
+            [
+                instance_violation,
+                tenant_violation,
+                names.check_request_id(request.request_id, "request_id"),
+                *reclaim.request_violations(
+                    request.target_blocks, request.target_bytes, max_tier, min_tier
+                ),
+            ]
+        )
+        assert instance is not None and max_tier is not None and min_tier is not None
         target_blocks = request.target_blocks
         if request.target_bytes:
             spec = (await self._catalog.get_instance(instance)).spec
@@ -362,8 +352,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def ListReclaimJobs(
         self, request: pb.ListReclaimJobsRequest, context: Context
     ) -> pb.ListReclaimJobsResponse:
-        instance = instance_id(request.instance, "instance") if request.instance else None
-        page = pagination.page(request.page_size, request.page_token)
+        instance, violation = names.parse_filter(request.instance, "instances", "instance")
+        page, violations = pagination.parse_page(request.page_size, request.page_token)
+        refuse_invalid([violation, *violations])
+        assert page is not None
         jobs = await self._reclaim.list_jobs(page, instance)
         return pb.ListReclaimJobsResponse(
             reclaim_jobs=[convert.reclaim_job(j) for j in jobs],
@@ -406,14 +398,17 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def ListAuditEvents(
         self, request: pb.ListAuditEventsRequest, context: Context
     ) -> pb.ListAuditEventsResponse:
-        page = pagination.page(request.page_size, request.page_token)
-        violations = [
+        # Events are paged by their ids: a token carries a number.
+        page, violations = pagination.parse_page(
+            request.page_size, request.page_token, numeric=True
+        )
+        violations += [
             FieldViolation(field, f"at most {MAX_AUDIT_FILTER} characters")
             for field, value in (("principal", request.principal), ("method", request.method))
             if len(value) > MAX_AUDIT_FILTER
         ]
-        if violations:
-            raise invalid_request(violations)
+        refuse_invalid(violations)
+        assert page is not None
         events = await self._audit.list(page, request.principal, request.method)
         return pb.ListAuditEventsResponse(
             audit_events=[convert.audit_event(e) for _, e in events],

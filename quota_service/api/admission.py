@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -13,11 +14,11 @@ from kvquota.v1 import admission_pb2 as pb
 from kvquota.v1 import admission_pb2_grpc, resources_pb2
 from quota_service.api import convert, observability
 from quota_service.api.waiting import Waiters
-from quota_service.core import block_table, engine_address, queueing
+from quota_service.core import admission, block_table, queueing
 from quota_service.core.block_table import BlockHandle
-from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request, preempted
+from quota_service.core.errors import FieldViolation, KvQuotaError, preempted, refuse_invalid
 from quota_service.core.model import EndReason, Reservation, ReservationState
-from quota_service.core.names import reservation_key, reservation_name
+from quota_service.core.names import parse_reservation, reservation_key, reservation_name
 from quota_service.core.reasons import Reason
 from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.metrics import ServiceMetrics
@@ -26,6 +27,15 @@ from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def checked_key(name: str, *violations: FieldViolation | None) -> tuple[str, str]:
+    """A reservation's (tenant, request_id), from its name; refused, if anything is wrong, with
+    every other fault of the request (`violations`; None is a check that passed)."""
+    key, found = parse_reservation(name)
+    refuse_invalid([*found, *violations])
+    assert key is not None
+    return key
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
@@ -46,7 +56,10 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         self._metrics = metrics
 
     async def Admit(self, request: pb.AdmitRequest, context: Context) -> pb.AdmitResponse:
-        admit = convert.admit_request(request, await self._engine_instance(request))
+        admit, address = convert.admit_request(request, self._ledger.limits)
+        if address is not None:
+            instance = await self._catalog.instance_at(address)
+            admit = replace(admit, params=replace(admit.params, instance=instance))
         reservation, salt = await self._ledger.admit(admit)
         if reservation.state is ReservationState.QUEUED:
             try:
@@ -59,19 +72,6 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                     await asyncio.shield(self._abandon(reservation))
                 raise
         return pb.AdmitResponse(reservation=convert.reservation(reservation), cache_salt=salt)
-
-    async def _engine_instance(self, request: pb.AdmitRequest) -> str | None:
-        """The instance an Admit names by its engine's address; None when it names the
-        instance itself."""
-        if not request.engine_address:
-            return None
-        if request.instance:
-            raise invalid_request(
-                [FieldViolation("engine_address", "give instance or engine_address, not both")]
-            )
-        return await self._catalog.instance_at(
-            engine_address.parse(request.engine_address, "engine_address")
-        )
 
     async def _queue_wait(self, reservation: Reservation, budget_seconds: float) -> Reservation:
         """`_until_admitted`, measured: the one place a caller waits in a queue (a queued Admit,
@@ -158,16 +158,18 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     async def RenewLease(
         self, request: pb.RenewLeaseRequest, context: Context
     ) -> resources_pb2.Reservation:
-        tenant, request_id = reservation_key(request.name)
-        ttl = convert.lease_ttl(request)
+        found: list[FieldViolation] = []
+        ttl = convert.lease_ttl(request, found)
+        ttl_violation = admission.check_lease_ttl(ttl, self._ledger.limits)
+        tenant, request_id = checked_key(request.name, *found, ttl_violation)
         return convert.reservation(await self._ledger.renew(tenant, request_id, ttl))
 
     async def Release(
         self, request: pb.ReleaseRequest, context: Context
     ) -> resources_pb2.Reservation:
-        tenant, request_id = reservation_key(request.name)
-        if request.output_tokens < 0:
-            raise invalid_request([FieldViolation("output_tokens", "must not be negative")])
+        tenant, request_id = checked_key(
+            request.name, admission.check_output_tokens(request.output_tokens)
+        )
         ended = await self._ledger.end(
             tenant, request_id, EndReason.RELEASED, request.output_tokens
         )
@@ -189,15 +191,20 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     async def SuspendReservation(
         self, request: pb.SuspendReservationRequest, context: Context
     ) -> resources_pb2.Reservation:
-        tenant, request_id = reservation_key(request.name)
+        tenant, request_id = checked_key(
+            request.name, *admission.session_token_violations(request.session_token_ids)
+        )
         suspended = await self._ledger.suspend(tenant, request_id, request.session_token_ids)
         return convert.reservation(suspended)
 
     async def ResumeReservation(
         self, request: pb.ResumeReservationRequest, context: Context
     ) -> resources_pb2.Reservation:
-        tenant, request_id = reservation_key(request.name)
-        wait = convert.wait_timeout(request.wait_timeout)
+        found: list[FieldViolation] = []
+        wait = convert.seconds(request.wait_timeout, "wait_timeout", found)
+        wait_violation = None if wait is None else admission.check_wait_timeout(wait)
+        tenant, request_id = checked_key(request.name, *found, wait_violation)
+        assert wait is not None
         current = await self._ledger.get(tenant, request_id)
         if current.offloaded_bytes is not None:
             # Its session comes back into the CPU tier's L1 while it waits for GPU blocks.
@@ -216,7 +223,6 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     async def ReleaseBlocks(
         self, request: pb.ReleaseBlocksRequest, context: Context
     ) -> resources_pb2.Reservation:
-        tenant, request_id = reservation_key(request.name)
         handles = [BlockHandle(h.block_id, h.generation) for h in request.handles]
-        block_table.check_release(handles)
+        tenant, request_id = checked_key(request.name, block_table.release_violation(handles))
         return convert.reservation(await self._ledger.release_blocks(tenant, request_id, handles))

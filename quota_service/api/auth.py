@@ -43,21 +43,26 @@ REQUEST_ID_KEY = "x-request-id"
 current_principal: ContextVar[Principal] = ContextVar("current_principal", default=ANONYMOUS)
 
 
-def _admit_tenant(request: Any) -> str:
-    return names.tenant_id(request.tenant, "tenant")
+# Each reads the tenant a request names, or None when its name is malformed: such a request names
+# no tenant, and its servicer refuses it (with every other fault it has) before reading anything.
 
 
-def _reservation_tenant(request: Any) -> str:
-    return names.reservation_key(request.name)[0]
+def _admit_tenant(request: Any) -> str | None:
+    return names.parse_child(request.tenant, "tenants", "tenant")[0]
 
 
-def _named_tenant(request: Any) -> str:
-    return names.tenant_id(request.name)
+def _reservation_tenant(request: Any) -> str | None:
+    key = names.parse_reservation(request.name)[0]
+    return None if key is None else key[0]
 
 
-def _filtered_tenant(request: Any) -> str:
+def _named_tenant(request: Any) -> str | None:
+    return names.parse_child(request.name, "tenants", "name")[0]
+
+
+def _filtered_tenant(request: Any) -> str | None:
     # Without a tenant filter the range covers every tenant: an admin's question only.
-    return names.tenant_id(request.tenant, "tenant") if request.tenant else ""
+    return names.parse_child(request.tenant, "tenants", "tenant")[0] if request.tenant else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +70,7 @@ class Rule:
     """Roles besides ADMIN that may call a method, for the tenant its request names."""
 
     roles: frozenset[Role]
-    tenant_of: Callable[[Any], str]
+    tenant_of: Callable[[Any], str | None]
 
 
 _GATEWAY = frozenset({Role.GATEWAY})
@@ -100,8 +105,10 @@ def authorize(principal: Principal, method: str, request: Any) -> None:
     rule = RULES.get(method)
     if rule is None or principal.role not in rule.roles:
         raise access.permission_denied(principal, method.rsplit("/", 1)[-1])
-    # A malformed name is refused as such (INVALID_ARGUMENT): that says nothing about others.
-    if not principal.acts_for(rule.tenant_of(request)):
+    tenant = rule.tenant_of(request)
+    # A malformed name goes on to be refused as such (INVALID_ARGUMENT), with the request's other
+    # faults: that says nothing about other tenants.
+    if tenant is not None and not principal.acts_for(tenant):
         raise access.permission_denied(principal, method.rsplit("/", 1)[-1])
 
 

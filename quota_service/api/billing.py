@@ -13,26 +13,26 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from kvquota.v1 import billing_pb2 as pb
 from kvquota.v1 import billing_pb2_grpc
 from quota_service.api import convert
-from quota_service.core.errors import FieldViolation, invalid_request
-from quota_service.core.metering import HOUR_US, BilledHour, UsageTotals
-from quota_service.core.names import instance_id, instance_name, tenant_id, tenant_name
+from quota_service.core.errors import FieldViolation, refuse_invalid
+from quota_service.core.metering import HOUR_US, BilledHour, UsageTotals, hour_range_violations
+from quota_service.core.names import instance_name, parse_filter, tenant_name
 from quota_service.store.usage import UsageBook
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
-def _hour_range(start: Timestamp, end: Timestamp) -> tuple[datetime, datetime]:
-    """[start, end) in whole hours; refused otherwise."""
-    first, last = convert.instant(start, "start_time"), convert.instant(end, "end_time")
-    violations = []
-    for field, value in (("start_time", start), ("end_time", end)):
-        if value.ToMicroseconds() % HOUR_US:
-            violations.append(FieldViolation(field, "must be a whole hour (UTC)"))
-    if last <= first:
-        violations.append(FieldViolation("end_time", "must be after start_time"))
-    if violations:
-        raise invalid_request(violations)
-    return first, last
+def _query(
+    request: pb.ExportUsageRequest | pb.GetUsageSummaryRequest, *more: FieldViolation | None
+) -> tuple[datetime, datetime, str | None]:
+    """[start, end) in whole hours and the tenant filter; refused, if anything is wrong, with
+    the request's other faults (`more`; None is a check that passed)."""
+    violations: list[FieldViolation] = []
+    first = convert.instant(request.start_time, "start_time", violations)
+    last = convert.instant(request.end_time, "end_time", violations)
+    tenant, violation = parse_filter(request.tenant, "tenants", "tenant")
+    refuse_invalid([*violations, *hour_range_violations(first, last), violation, *more])
+    assert first is not None and last is not None
+    return first, last, tenant
 
 
 def _timestamp(micros: int) -> Timestamp:
@@ -81,17 +81,15 @@ class BillingServicer(billing_pb2_grpc.BillingServiceServicer):
     async def ExportUsage(
         self, request: pb.ExportUsageRequest, context: Context
     ) -> AsyncIterator[pb.UsageRecord]:
-        start, end = _hour_range(request.start_time, request.end_time)
-        tenant = tenant_id(request.tenant, "tenant") if request.tenant else None
-        instance = instance_id(request.instance, "instance") if request.instance else None
+        instance, violation = parse_filter(request.instance, "instances", "instance")
+        start, end, tenant = _query(request, violation)
         async for hour in self._book.hours(start, end, tenant, instance):
             yield usage_record(hour)
 
     async def GetUsageSummary(
         self, request: pb.GetUsageSummaryRequest, context: Context
     ) -> pb.UsageSummary:
-        start, end = _hour_range(request.start_time, request.end_time)
-        tenant = tenant_id(request.tenant, "tenant") if request.tenant else None
+        start, end, tenant = _query(request)
         totals: dict[str, UsageTotals] = defaultdict(UsageTotals)
         async for hour in self._book.hours(start, end, tenant, None):
             totals[hour.usage.tenant].add(hour)

@@ -9,11 +9,11 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvquota.v1 import admission_pb2 as admission_pb
 from kvquota.v1 import resources_pb2 as pb
-from quota_service.core import geometry, names
+from quota_service.core import admission, engine_address, geometry, names
 from quota_service.core.access import ApiKey, AuditEvent, Role
-from quota_service.core.admission import AdmitRequest
+from quota_service.core.admission import AdmissionLimits, AdmitRequest
 from quota_service.core.block_table import BlockHandle
-from quota_service.core.errors import FieldViolation, invalid_request, quoted
+from quota_service.core.errors import FieldViolation, invalid_request, quoted, refuse_invalid
 from quota_service.core.hashing import HashAlgo, event_hash
 from quota_service.core.model import (
     AdmitParams,
@@ -89,27 +89,23 @@ MAX_TIMESTAMP_SECONDS = 253_402_300_799
 NANOS = 1_000_000_000
 
 
-def duration_violation(value: Duration, field: str) -> FieldViolation | None:
-    """None for a Duration protobuf itself would accept."""
+def seconds(value: Duration, field: str, violations: list[FieldViolation]) -> float | None:
+    """A Duration as seconds; None, with what is wrong in `violations`, unless it is one
+    protobuf itself would accept."""
     same_sign = value.seconds * value.nanos >= 0
     if abs(value.seconds) > MAX_DURATION_SECONDS or abs(value.nanos) >= NANOS or not same_sign:
-        return FieldViolation(field, "not a valid duration")
-    return None
-
-
-def seconds(value: Duration, field: str) -> float:
-    """A Duration as seconds, refused unless it is one protobuf itself would accept."""
-    violation = duration_violation(value, field)
-    if violation:
-        raise invalid_request([violation])
+        violations.append(FieldViolation(field, "not a valid duration"))
+        return None
     return value.seconds + value.nanos / NANOS
 
 
-def instant(value: Timestamp, field: str) -> datetime:
-    """A Timestamp as a UTC datetime, refused unless it is a valid one."""
+def instant(value: Timestamp, field: str, violations: list[FieldViolation]) -> datetime | None:
+    """A Timestamp as a UTC datetime; None, with what is wrong in `violations`, unless it is a
+    valid one."""
     valid_seconds = MIN_TIMESTAMP_SECONDS <= value.seconds <= MAX_TIMESTAMP_SECONDS
     if not valid_seconds or not 0 <= value.nanos < NANOS:
-        raise invalid_request([FieldViolation(field, "not a valid timestamp")])
+        violations.append(FieldViolation(field, "not a valid timestamp"))
+        return None
     return value.ToDatetime(UTC)
 
 
@@ -127,17 +123,24 @@ def _resource_id(name: str, collection: str, field: str, violations: list[FieldV
 
 
 def admit_request(
-    request: admission_pb.AdmitRequest, engine_instance: str | None = None
-) -> AdmitRequest:
-    """The Admit; `engine_instance` is the instance its engine_address named, if it gave one."""
+    request: admission_pb.AdmitRequest, limits: AdmissionLimits
+) -> tuple[AdmitRequest, str | None]:
+    """The Admit, checked whole before any database work: every fault is refused at once. With
+    it, the key of the engine address it names its instance by (None: it names the instance,
+    and the AdmitRequest carries it)."""
     violations: list[FieldViolation] = []
     tenant = _resource_id(request.tenant, "tenants", "tenant", violations)
-    instance = engine_instance or _resource_id(
-        request.instance, "instances", "instance", violations
-    )
-    if violations:
-        raise invalid_request(violations)
-    return AdmitRequest(
+    instance, address = "", None
+    if not request.engine_address:
+        instance = _resource_id(request.instance, "instances", "instance", violations)
+    elif request.instance:
+        violations.append(
+            FieldViolation("engine_address", "give instance or engine_address, not both")
+        )
+    else:
+        address, violation = engine_address.parse(request.engine_address, "engine_address")
+        violations += [violation] if violation else []
+    admit = AdmitRequest(
         params=AdmitParams(
             tenant=tenant,
             request_id=request.request_id,
@@ -148,21 +151,23 @@ def admit_request(
             priority=request.priority,
         ),
         prompt_token_ids=tuple(request.prompt_token_ids),
-        wait_timeout_seconds=wait_timeout(request.wait_timeout),
-        lease_ttl_seconds=lease_ttl(request),
+        # A Duration that is not one is refused as such, not checked again as a value.
+        wait_timeout_seconds=seconds(request.wait_timeout, "wait_timeout", violations) or 0.0,
+        lease_ttl_seconds=lease_ttl(request, violations),
     )
+    refuse_invalid([*violations, *admission.request_violations(admit, limits)])
+    return admit, address
 
 
-def lease_ttl(request: admission_pb.AdmitRequest | admission_pb.RenewLeaseRequest) -> float | None:
-    """The lease TTL asked for, or None for the default."""
-    return seconds(request.lease_ttl, "lease_ttl") if request.HasField("lease_ttl") else None
-
-
-def wait_timeout(value: Duration) -> float:
-    budget = seconds(value, "wait_timeout")
-    if budget < 0:
-        raise invalid_request([FieldViolation("wait_timeout", "must not be negative")])
-    return budget
+def lease_ttl(
+    request: admission_pb.AdmitRequest | admission_pb.RenewLeaseRequest,
+    violations: list[FieldViolation],
+) -> float | None:
+    """The lease TTL asked for, or None for the default (and for one that is no Duration, with
+    what is wrong in `violations`)."""
+    if not request.HasField("lease_ttl"):
+        return None
+    return seconds(request.lease_ttl, "lease_ttl", violations)
 
 
 def reservation(value: Reservation) -> pb.Reservation:
@@ -474,14 +479,16 @@ def block(value: Block) -> pb.Block:
     return message
 
 
-def block_state(value: pb.BlockState.ValueType) -> BlockState | None:
-    """Unset means any state; a state this server does not know is refused (a filter that
-    filtered nothing would answer with every block)."""
+def block_state(
+    value: pb.BlockState.ValueType, violations: list[FieldViolation]
+) -> BlockState | None:
+    """Unset means any state (None); a state this server does not know is a violation (a filter
+    that filtered nothing would answer with every block)."""
     if value == pb.BLOCK_STATE_UNSPECIFIED:
         return None
     state = _BLOCK_STATE_VALUES.get(value)
     if state is None:
-        raise invalid_request([FieldViolation("state", "not a BlockState this server knows")])
+        violations.append(FieldViolation("state", "not a BlockState this server knows"))
     return state
 
 

@@ -19,8 +19,8 @@ from quota_service.core.errors import (
     FieldViolation,
     KvQuotaError,
     QuotaViolation,
-    invalid_request,
     preempted,
+    refuse_invalid,
 )
 from quota_service.core.model import (
     AdmitParams,
@@ -87,17 +87,23 @@ class Shortfall:
 
 
 def validate(request: AdmitRequest, limits: AdmissionLimits) -> None:
-    """Refuse malformed requests before any database work (INVALID_REQUEST)."""
+    """Refuse malformed requests before any database work (INVALID_REQUEST), naming every
+    fault."""
     p = request.params
-    violations = [
-        v
-        for v in (
+    refuse_invalid(
+        [
             check_resource_id(p.tenant, "tenant"),
             check_resource_id(p.instance, "instance"),
-            check_request_id(p.request_id, "request_id"),
-        )
-        if v is not None
-    ]
+            *request_violations(request, limits),
+        ]
+    )
+
+
+def request_violations(request: AdmitRequest, limits: AdmissionLimits) -> list[FieldViolation]:
+    """Every fault of an Admit but its tenant's and instance's ids, which the API reads from
+    resource names (or an engine's address) and checks as it reads them."""
+    p = request.params
+    violations = [v for v in (check_request_id(p.request_id, "request_id"),) if v is not None]
     if p.prompt_tokens < 1:
         violations.append(FieldViolation("prompt_tokens", "must be at least 1"))
     if p.max_output_tokens < 1:
@@ -116,13 +122,27 @@ def validate(request: AdmitRequest, limits: AdmissionLimits) -> None:
             violations.append(FieldViolation("prompt_token_ids", "length must equal prompt_tokens"))
         if min(request.prompt_token_ids) < 0:
             violations.append(FieldViolation("prompt_token_ids", "token ids are never negative"))
-    if request.wait_timeout_seconds < 0:
-        violations.append(FieldViolation("wait_timeout", "must not be negative"))
-    ttl_violation = check_lease_ttl(request.lease_ttl_seconds, limits)
-    if ttl_violation:
-        violations.append(ttl_violation)
-    if violations:
-        raise invalid_request(violations)
+    return [
+        *violations,
+        *(
+            v
+            for v in (
+                check_wait_timeout(request.wait_timeout_seconds),
+                check_lease_ttl(request.lease_ttl_seconds, limits),
+            )
+            if v is not None
+        ),
+    ]
+
+
+def check_wait_timeout(seconds: float) -> FieldViolation | None:
+    """How long a caller will queue (Admit, ResumeReservation): zero fails fast."""
+    return FieldViolation("wait_timeout", "must not be negative") if seconds < 0 else None
+
+
+def check_output_tokens(output_tokens: int) -> FieldViolation | None:
+    """What a Release reports the engine generated: a count, for billing."""
+    return FieldViolation("output_tokens", "must not be negative") if output_tokens < 0 else None
 
 
 def check_lease_ttl(ttl_seconds: float | None, limits: AdmissionLimits) -> FieldViolation | None:
@@ -137,19 +157,33 @@ def check_lease_ttl(ttl_seconds: float | None, limits: AdmissionLimits) -> Field
     )
 
 
-def check_session_tokens(
-    reservation: Reservation, session_token_ids: Sequence[int]
-) -> FieldViolation | None:
-    """A suspended session's tokens: its prompt and what was generated, never more than the
-    reservation holds room for."""
-    most = reservation.prompt_tokens + reservation.max_output_tokens
-    if len(session_token_ids) > most:
-        return FieldViolation(
-            "session_token_ids", f"at most prompt_tokens + max_output_tokens ({most}) tokens"
+def session_token_violations(session_token_ids: Sequence[int]) -> list[FieldViolation]:
+    """What is wrong with a suspended session's tokens whatever its reservation is (no
+    reservation holds room for more than any context)."""
+    violations = []
+    if len(session_token_ids) > MAX_CONTEXT_TOKENS:
+        violations.append(
+            FieldViolation("session_token_ids", f"at most {MAX_CONTEXT_TOKENS} token ids")
         )
     if any(t < 0 for t in session_token_ids):
-        return FieldViolation("session_token_ids", "token ids are never negative")
-    return None
+        violations.append(FieldViolation("session_token_ids", "token ids are never negative"))
+    return violations
+
+
+def check_session_tokens(
+    reservation: Reservation, session_token_ids: Sequence[int]
+) -> list[FieldViolation]:
+    """A suspended session's tokens: its prompt and what was generated, never more than the
+    reservation holds room for."""
+    violations = session_token_violations(session_token_ids)
+    most = reservation.prompt_tokens + reservation.max_output_tokens
+    if most < len(session_token_ids) <= MAX_CONTEXT_TOKENS:
+        violations.append(
+            FieldViolation(
+                "session_token_ids", f"at most prompt_tokens + max_output_tokens ({most}) tokens"
+            )
+        )
+    return violations
 
 
 def prompt_of(stored_token_ids: Sequence[int], prompt_tokens: int) -> tuple[int, ...]:

@@ -105,12 +105,11 @@ def new_block_hashes(table: TableLayout, hits: int) -> list[bytes | None]:
 MAX_RELEASED_HANDLES = 1 << 17
 
 
-def check_release(handles: Sequence[BlockHandle]) -> None:
+def release_violation(handles: Sequence[BlockHandle]) -> FieldViolation | None:
     """A ReleaseBlocks names at least one handle, and at most as many as a table has."""
-    if not 1 <= len(handles) <= MAX_RELEASED_HANDLES:
-        raise invalid_request(
-            [FieldViolation("handles", f"name 1 to {MAX_RELEASED_HANDLES} block handles")]
-        )
+    if 1 <= len(handles) <= MAX_RELEASED_HANDLES:
+        return None
+    return FieldViolation("handles", f"name 1 to {MAX_RELEASED_HANDLES} block handles")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
 from quota_service.core import geometry
-from quota_service.core.errors import FieldViolation, invalid_request
+from quota_service.core.errors import FieldViolation, invalid_request, refuse_invalid
 from quota_service.core.hashing import HashAlgo
 from quota_service.core.model import EngineEndpoints, InstanceSpec, QueueBounds, TenantQuota
 from quota_service.core.names import check_resource_id, parse_child
@@ -69,11 +69,15 @@ def tenant_changes(
     quota: TenantQuota,
     shared_namespace: str = "",
     shadow_mode: bool = False,
+    found: Sequence[FieldViolation] = (),
 ) -> dict[str, object]:
-    """The columns an update sets: the fields its mask names (AIP-134), checked like a create."""
+    """The columns an update sets: the fields its mask names (AIP-134), checked like a create.
+    `found` holds what the caller found wrong already (the tenant's name), refused with the
+    rest."""
+    violations = [*found]
     if not paths or any(p not in TENANT_UPDATE_PATHS for p in paths):
-        raise invalid_request(
-            [FieldViolation("update_mask", f"paths must be among {', '.join(TENANT_UPDATE_PATHS)}")]
+        violations.append(
+            FieldViolation("update_mask", f"paths must be among {', '.join(TENANT_UPDATE_PATHS)}")
         )
     quota_changes = {
         name: getattr(quota, name)
@@ -82,7 +86,7 @@ def tenant_changes(
     }
     new_name = display_name if "display_name" in paths else None
     new_weight = weight if "weight" in paths else None
-    violations = _tenant_violations(new_name, new_weight, quota_changes)
+    violations += _tenant_violations(new_name, new_weight, quota_changes)
     changes: dict[str, object] = dict(quota_changes)
     if "shared_namespace" in paths:
         # Empty leaves the namespace: the tenant is isolated again under its own salt.
@@ -91,8 +95,7 @@ def tenant_changes(
             namespace, violation = parse_child(shared_namespace, "namespaces", "shared_namespace")
             violations += [violation] if violation else []
         changes["namespace"] = namespace
-    if violations:
-        raise invalid_request(violations)
+    refuse_invalid(violations)
     if new_name is not None:
         changes["display_name"] = new_name
     if new_weight is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from quota_service.core.errors import FieldViolation, invalid_request, quoted
+from quota_service.core.errors import FieldViolation, quoted
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 # The registered engine URL's column holds at most this many characters.
@@ -36,12 +36,10 @@ def normalise(address: str) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def parse(address: str, field: str) -> str:
-    """The key of an address a caller gave, or INVALID_REQUEST."""
+def parse(address: str, field: str) -> tuple[str | None, FieldViolation | None]:
+    """The key of an address a caller gave, or what is wrong with it."""
     key = normalise(address)
     if key is None:
         given = quoted(address)
-        raise invalid_request(
-            [FieldViolation(field, f"must be an http(s) base URL or host:port, got {given}")]
-        )
-    return key
+        return None, FieldViolation(field, f"must be an http(s) base URL or host:port, got {given}")
+    return key, None

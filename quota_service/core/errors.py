@@ -7,7 +7,7 @@ The status names are gRPC's (the api layer maps them by name); core stays free o
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from quota_service.core.reasons import STATUS_CODES, Reason
@@ -92,6 +92,14 @@ def invalid_request(violations: list[FieldViolation]) -> KvQuotaError:
         f"invalid request: {summary}",
         field_violations=tuple(violations[:MAX_FIELD_VIOLATIONS]),
     )
+
+
+def refuse_invalid(violations: Iterable[FieldViolation | None]) -> None:
+    """Raise INVALID_REQUEST naming every violation given, if there is one (None is a check that
+    passed): a request's checks all run first, so its caller hears of every fault at once."""
+    found = [v for v in violations if v is not None]
+    if found:
+        raise invalid_request(found)
 
 
 def not_found(reason: Reason, name: str) -> KvQuotaError:

@@ -20,12 +20,27 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from fractions import Fraction
 
+from quota_service.core.errors import FieldViolation
 from quota_service.core.reasons import Reason
 
 MICROS = 1_000_000
 HOUR_US = 3600 * MICROS
+
+
+def hour_range_violations(start: datetime | None, end: datetime | None) -> list[FieldViolation]:
+    """What is wrong with a range of usage to read, [start, end) in whole hours (UTC); None is
+    a time that was no timestamp at all, refused as such."""
+    violations = [
+        FieldViolation(name, "must be a whole hour (UTC)")
+        for name, value in (("start_time", start), ("end_time", end))
+        if value is not None and (value.minute or value.second or value.microsecond)
+    ]
+    if start is not None and end is not None and end <= start:
+        violations.append(FieldViolation("end_time", "must be after start_time"))
+    return violations
 
 
 # Refusals of an admission, metered per reason (a malformed request or an unknown tenant or

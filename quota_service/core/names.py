@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from quota_service.core.errors import FieldViolation, invalid_request, quoted
+from quota_service.core.errors import FieldViolation, invalid_request, quoted, refuse_invalid
 
 # Ids become URL path segments and metric labels: lowercase, short, no separators.
 RESOURCE_ID = re.compile(r"[a-z][a-z0-9-]{0,62}")
@@ -60,25 +60,31 @@ def reclaim_job_id(name: str, field: str = "name") -> str:
     return _child_id(name, "reclaimJobs", field)
 
 
-def reservation_key(name: str, field: str = "name") -> tuple[str, str]:
-    """`tenants/{tenant}/reservations/{request_id}` → (tenant, request_id)."""
+def parse_reservation(
+    name: str, field: str = "name"
+) -> tuple[tuple[str, str] | None, list[FieldViolation]]:
+    """`tenants/{tenant}/reservations/{request_id}` → (tenant, request_id), or what is wrong."""
     parts = name.split("/")
     if len(parts) != 4 or parts[0] != "tenants" or parts[2] != "reservations":
-        raise invalid_request(
-            [
-                FieldViolation(
-                    field, f"must look like tenants/{{t}}/reservations/{{id}}: {quoted(name)}"
-                )
-            ]
-        )
+        return None, [
+            FieldViolation(
+                field, f"must look like tenants/{{t}}/reservations/{{id}}: {quoted(name)}"
+            )
+        ]
     violations = [
         v
         for v in (check_resource_id(parts[1], field), check_request_id(parts[3], field))
         if v is not None
     ]
-    if violations:
-        raise invalid_request(violations)
-    return parts[1], parts[3]
+    return (None if violations else (parts[1], parts[3])), violations
+
+
+def reservation_key(name: str, field: str = "name") -> tuple[str, str]:
+    """`tenants/{tenant}/reservations/{request_id}` → (tenant, request_id), or INVALID_REQUEST."""
+    key, violations = parse_reservation(name, field)
+    refuse_invalid(violations)
+    assert key is not None
+    return key
 
 
 def api_key_id(name: str, field: str = "name") -> str:
@@ -133,19 +139,37 @@ def owner(name: str, field: str = "parent") -> tuple[str, str]:
     return collection, value
 
 
-def pin_key(name: str, field: str = "name") -> tuple[str, str]:
-    """`{owner}/pins/{pin}` → (owner name, pin id)."""
+def parse_pin(
+    name: str, field: str = "name"
+) -> tuple[tuple[str, str] | None, list[FieldViolation]]:
+    """`{owner}/pins/{pin}` → (owner name, pin id), or what is wrong with its owner and its id."""
     parts = name.split("/")
     if len(parts) != 4 or parts[2] != "pins":
-        raise invalid_request(
-            [FieldViolation(field, f"must look like {{owner}}/pins/{{id}}: {quoted(name)}")]
-        )
+        return None, [
+            FieldViolation(field, f"must look like {{owner}}/pins/{{id}}: {quoted(name)}")
+        ]
     owner_name = "/".join(parts[:2])
-    owner(owner_name, field)
-    violation = check_resource_id(parts[3], field)
-    if violation:
-        raise invalid_request([violation])
-    return owner_name, parts[3]
+    violations = [
+        v
+        for v in (owner_violation(owner_name, field), check_resource_id(parts[3], field))
+        if v is not None
+    ]
+    return (None if violations else (owner_name, parts[3])), violations
+
+
+def pin_key(name: str, field: str = "name") -> tuple[str, str]:
+    """`{owner}/pins/{pin}` → (owner name, pin id), or INVALID_REQUEST."""
+    key, violations = parse_pin(name, field)
+    refuse_invalid(violations)
+    assert key is not None
+    return key
+
+
+def parse_filter(
+    name: str, collection: str, field: str
+) -> tuple[str | None, FieldViolation | None]:
+    """An optional `{collection}/{id}` filter: its id, None when not given, or what is wrong."""
+    return parse_child(name, collection, field) if name else (None, None)
 
 
 def namespace_id(name: str, field: str = "name") -> str:

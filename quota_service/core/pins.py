@@ -12,7 +12,7 @@ from quota_service.core.errors import (
     FieldViolation,
     KvQuotaError,
     QuotaViolation,
-    invalid_request,
+    refuse_invalid,
 )
 from quota_service.core.model import InstancePool, InstanceState, TenantAccount, TenantState
 from quota_service.core.reasons import Reason
@@ -27,18 +27,28 @@ class PinPlan:
     new_hashes: tuple[bytes, ...]
 
 
-def check_prefix(token_ids: Sequence[int], block_size: int) -> None:
+def token_violations(token_ids: Sequence[int]) -> list[FieldViolation]:
+    """What is wrong with a prefix to pin on any instance: checked with the rest of its request,
+    before the instance (and so its block size) is looked up."""
     violations = []
-    if len(token_ids) < block_size:
-        violations.append(
-            FieldViolation("token_ids", f"a pin needs at least one full block of {block_size}")
-        )
+    if not token_ids:
+        violations.append(FieldViolation("token_ids", "a pin needs at least one full block"))
     if len(token_ids) > MAX_PIN_TOKENS:
         violations.append(FieldViolation("token_ids", f"at most {MAX_PIN_TOKENS} tokens"))
     if any(t < 0 for t in token_ids):
         violations.append(FieldViolation("token_ids", "token ids are never negative"))
-    if violations:
-        raise invalid_request(violations)
+    return violations
+
+
+def check_prefix(token_ids: Sequence[int], block_size: int) -> None:
+    """A prefix to pin on an instance of `block_size`: at least one full block, and nothing
+    `token_violations` refuses."""
+    violations = token_violations(token_ids)
+    if token_ids and len(token_ids) < block_size:
+        violations.append(
+            FieldViolation("token_ids", f"a pin needs at least one full block of {block_size}")
+        )
+    refuse_invalid(violations)
 
 
 def decide(

@@ -407,12 +407,39 @@ class ReclaimJob:
         )
 
 
+MIN_TIER_ABOVE_MAX = FieldViolation("min_tier", "must not be above max_tier")
+
+
+def request_violations(
+    target_blocks: int, target_bytes: int, max_tier: Tier | None, min_tier: Tier | None
+) -> list[FieldViolation]:
+    """What is wrong with a CreateReclaimJob's target and tiers (a tier None: not one this
+    server knows), before the instance is looked up to turn bytes into blocks."""
+    negative = [
+        field
+        for field, value in (("target_blocks", target_blocks), ("target_bytes", target_bytes))
+        if value < 0
+    ]
+    violations = [FieldViolation(field, "must not be negative") for field in negative]
+    if not negative and (target_blocks > 0) == (target_bytes > 0):
+        violations.append(
+            FieldViolation("target_blocks", "give exactly one of target_blocks, target_bytes")
+        )
+    if max_tier is None:
+        violations.append(FieldViolation("max_tier", "name the highest tier allowed"))
+    if min_tier is None:
+        violations.append(FieldViolation("min_tier", "not a reclaim tier"))
+    elif max_tier is not None and min_tier > max_tier:
+        violations.append(MIN_TIER_ABOVE_MAX)
+    return violations
+
+
 def check_target(target: ReclaimTarget) -> None:
     violations = []
     if target.target_blocks <= 0:
         violations.append(FieldViolation("target", "must be a positive number of blocks"))
     if target.min_tier > target.max_tier:
-        violations.append(FieldViolation("min_tier", "must not be above max_tier"))
+        violations.append(MIN_TIER_ABOVE_MAX)
     if violations:
         raise invalid_request(violations)
 

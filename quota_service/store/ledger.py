@@ -23,11 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from quota_service.core import admission, block_table, geometry, queueing
 from quota_service.core.admission import AdmissionLimits, AdmissionPlan, AdmitRequest, Shortfall
 from quota_service.core.block_table import BlockHandle, CachedBlock
-from quota_service.core.errors import (
-    KvQuotaError,
-    invalid_request,
-    not_found,
-)
+from quota_service.core.errors import KvQuotaError, not_found, refuse_invalid
 from quota_service.core.hashing import HashAlgo
 from quota_service.core.instance_machine import HOLD_EWMA_ALPHA
 from quota_service.core.metering import METERED_REFUSALS
@@ -630,6 +626,11 @@ class Ledger:
         self._queue = queue or QueuePolicy()
 
     @property
+    def limits(self) -> AdmissionLimits:
+        """The server's bounds, for checking a request whole before it reaches the ledger."""
+        return self._limits
+
+    @property
     def min_retry_delay_seconds(self) -> float:
         return self._limits.min_retry_delay_seconds
 
@@ -1071,9 +1072,7 @@ class Ledger:
         return await in_transaction(self._engine, work)
 
     async def renew(self, tenant: str, request_id: str, ttl_seconds: float | None) -> Reservation:
-        violation = admission.check_lease_ttl(ttl_seconds, self._limits)
-        if violation:
-            raise invalid_request([violation])
+        refuse_invalid([admission.check_lease_ttl(ttl_seconds, self._limits)])
 
         async def work(conn: AsyncConnection) -> Reservation:
             params = {"tenant": tenant, "request_id": request_id, "ttl": ttl_seconds}
@@ -1096,9 +1095,7 @@ class Ledger:
             current = await self._get(conn, tenant, request_id)
             if current.state is not ReservationState.ADMITTED:
                 raise admission.not_live(current)
-            violation = admission.check_session_tokens(current, session_token_ids)
-            if violation:
-                raise invalid_request([violation])
+            refuse_invalid(admission.check_session_tokens(current, session_token_ids))
             params = {
                 "tenant": tenant,
                 "request_id": request_id,

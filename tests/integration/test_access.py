@@ -18,6 +18,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -30,6 +31,7 @@ from quota_service.config import Settings
 from quota_service.core import access
 from quota_service.core.access import Role
 from quota_service.store.access import ApiKeys, create_bootstrap_key
+from tests.integration.grpc_helpers import refused
 from tests.integration.ledger_fixtures import add_instance, add_tenant
 
 SERVICES = [
@@ -234,6 +236,35 @@ async def test_a_gateway_gets_only_its_own_tenants_salt(
         await admit(admit_request(OTHER), metadata=gateway)
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert salts[OTHER] not in str(refused.value.details())
+
+
+async def test_a_malformed_name_is_refused_with_every_fault_of_its_request(
+    secured: tuple[grpc.aio.Channel, dict[str, str]], engine: AsyncEngine
+) -> None:
+    """A name that does not parse names no tenant: a gateway hears of it with the rest of what
+    is wrong, as an admin does, not of it alone (and a tenant it may not act for stays
+    PERMISSION_DENIED however its request is malformed)."""
+    channel, tokens = secured
+    stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+    gateway = (("authorization", f"Bearer {tokens['gateway']}"),)
+    faulty = admission_pb2.AdmitRequest(
+        tenant=OWN, request_id="r", instance="instances/gpu-0", prompt_tokens=0
+    )
+    release = admission_pb2.ReleaseRequest(name=f"tenants/{OWN}/r", output_tokens=-1)
+    for call, fields in (
+        (stub.Admit(faulty, metadata=gateway), {"tenant", "prompt_tokens", "max_output_tokens"}),
+        (stub.Release(release, metadata=gateway), {"name", "output_tokens"}),
+    ):
+        error = await refused(call)
+        assert (error.code, error.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST")
+        bad = error.details["BadRequest"]
+        assert isinstance(bad, error_details_pb2.BadRequest)
+        assert {v.field for v in bad.field_violations} == fields
+    other = admission_pb2.ReleaseRequest(
+        name=f"tenants/{OTHER}/reservations/live", output_tokens=-1
+    )
+    denied = await refused(stub.Release(other, metadata=gateway))
+    assert denied.code == grpc.StatusCode.PERMISSION_DENIED
 
 
 async def test_keys_are_stored_hashed_shown_once_and_revocable(

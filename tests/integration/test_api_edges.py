@@ -4,13 +4,16 @@ answers a gateway can act on without reading messages."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
+from collections.abc import AsyncIterable, Awaitable, Callable
 
 import grpc
 import pytest
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.field_mask_pb2 import FieldMask
+from google.protobuf.timestamp_pb2 import Timestamp
 from google.rpc import error_details_pb2
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvquota.v1 import (
     admin_pb2,
@@ -18,9 +21,12 @@ from kvquota.v1 import (
     admission_pb2,
     admission_pb2_grpc,
     billing_pb2,
+    billing_pb2_grpc,
 )
 from kvquota.v1 import resources_pb2 as pb
+from quota_service.core import pagination
 from tests.integration.grpc_helpers import GIB, RichError, admit, quota, refused, rich_error
+from tests.integration.ledger_fixtures import snapshot
 
 METHODS: list[MethodDescriptor] = [
     method
@@ -264,3 +270,202 @@ async def test_text_with_a_nul_character_is_invalid(
     ):
         error = await refused(call)
         assert violations(error) == {field: "must not contain a NUL character"}
+
+
+def _faulty_requests(
+    admin: admin_pb2_grpc.AdminServiceAsyncStub,
+    gateway: admission_pb2_grpc.AdmissionServiceAsyncStub,
+    billing: billing_pb2_grpc.BillingServiceAsyncStub,
+) -> list[tuple[str, Callable[[], Awaitable[object] | AsyncIterable[object]], set[str]]]:
+    """Requests with faults that were once found in different places (name parsing, wire
+    conversion, the domain's checks, the store), each with every field it must be told of."""
+    bad_reservation = "tenants/acme/reservation/r"
+    not_a_duration = Duration(seconds=1, nanos=-1)
+    half_past = Timestamp(seconds=1_800)
+    return [
+        (
+            "Admit",
+            lambda: gateway.Admit(
+                admission_pb2.AdmitRequest(
+                    tenant="acme",
+                    request_id="r",
+                    instance="instances/gpu-0",
+                    prompt_tokens=0,
+                    max_output_tokens=16,
+                    wait_timeout=Duration(seconds=-1),
+                    lease_ttl=not_a_duration,
+                )
+            ),
+            {"tenant", "prompt_tokens", "wait_timeout", "lease_ttl"},
+        ),
+        (
+            "Admit by engine address",
+            lambda: gateway.Admit(
+                admission_pb2.AdmitRequest(
+                    tenant="tenants/acme",
+                    request_id="r",
+                    engine_address="gpu-0",
+                    prompt_tokens=16,
+                    max_output_tokens=0,
+                    n=1000,
+                )
+            ),
+            {"engine_address", "max_output_tokens", "n"},
+        ),
+        (
+            "RenewLease",
+            lambda: gateway.RenewLease(
+                admission_pb2.RenewLeaseRequest(
+                    name=bad_reservation, lease_ttl=Duration(seconds=10**9)
+                )
+            ),
+            {"name", "lease_ttl"},
+        ),
+        (
+            "Release",
+            lambda: gateway.Release(
+                admission_pb2.ReleaseRequest(name=bad_reservation, output_tokens=-1)
+            ),
+            {"name", "output_tokens"},
+        ),
+        (
+            "SuspendReservation",
+            lambda: gateway.SuspendReservation(
+                admission_pb2.SuspendReservationRequest(
+                    name=bad_reservation, session_token_ids=[1, -1]
+                )
+            ),
+            {"name", "session_token_ids"},
+        ),
+        (
+            "ResumeReservation",
+            lambda: gateway.ResumeReservation(
+                admission_pb2.ResumeReservationRequest(
+                    name=bad_reservation, wait_timeout=Duration(seconds=-1)
+                )
+            ),
+            {"name", "wait_timeout"},
+        ),
+        (
+            "ReleaseBlocks",
+            lambda: gateway.ReleaseBlocks(admission_pb2.ReleaseBlocksRequest(name=bad_reservation)),
+            {"name", "handles"},
+        ),
+        (
+            "UpdateTenant",
+            lambda: admin.UpdateTenant(
+                admin_pb2.UpdateTenantRequest(
+                    tenant=pb.Tenant(name="acme", weight=0),
+                    update_mask=FieldMask(paths=["weight", "colour"]),
+                )
+            ),
+            {"tenant.name", "update_mask", "tenant.weight"},
+        ),
+        (
+            "PinPrefix",
+            lambda: admin.PinPrefix(
+                admin_pb2.PinPrefixRequest(
+                    parent="teams/acme", pin_id="p", instance="instances/gpu-0", token_ids=[-1]
+                )
+            ),
+            {"parent", "token_ids"},
+        ),
+        (
+            "ListPins",
+            lambda: admin.ListPins(admin_pb2.ListPinsRequest(parent="teams/acme", page_size=-1)),
+            {"parent", "page_size"},
+        ),
+        (
+            "ListTenants",
+            lambda: admin.ListTenants(
+                admin_pb2.ListTenantsRequest(page_size=-1, page_token="nope")
+            ),
+            {"page_size", "page_token"},
+        ),
+        (
+            "ListBlocks",
+            lambda: admin.ListBlocks(
+                admin_pb2.ListBlocksRequest(
+                    parent="gpu-0",
+                    tenant="acme",
+                    page_token=pagination.next_token(["x"], 1),
+                    state=9,  # type: ignore[arg-type]
+                )
+            ),
+            {"parent", "tenant", "page_token", "state"},
+        ),
+        (
+            "CreateReclaimJob",
+            lambda: admin.CreateReclaimJob(
+                admin_pb2.CreateReclaimJobRequest(
+                    instance="gpu-0",
+                    tenant="acme",
+                    target_blocks=-5,
+                    max_tier=pb.RECLAIM_TIER_FREE,
+                    min_tier=pb.RECLAIM_TIER_EVICT,
+                    request_id="r/1",
+                )
+            ),
+            {"instance", "tenant", "target_blocks", "min_tier", "request_id"},
+        ),
+        (
+            "ListReclaimJobs",
+            lambda: admin.ListReclaimJobs(
+                admin_pb2.ListReclaimJobsRequest(instance="gpu-0", page_token="nope")
+            ),
+            {"instance", "page_token"},
+        ),
+        (
+            "ListAuditEvents",
+            lambda: admin.ListAuditEvents(
+                admin_pb2.ListAuditEventsRequest(
+                    principal=LONG, page_token=pagination.next_token(["x"], 1)
+                )
+            ),
+            {"principal", "page_token"},
+        ),
+        (
+            "ExportUsage",
+            lambda: billing.ExportUsage(
+                billing_pb2.ExportUsageRequest(
+                    start_time=Timestamp(seconds=-(2**62)),
+                    end_time=half_past,
+                    tenant="acme",
+                    instance="gpu-0",
+                )
+            ),
+            {"start_time", "end_time", "tenant", "instance"},
+        ),
+        (
+            "GetUsageSummary",
+            lambda: billing.GetUsageSummary(
+                billing_pb2.GetUsageSummaryRequest(
+                    start_time=half_past, end_time=Timestamp(), tenant="acme"
+                )
+            ),
+            {"start_time", "end_time", "tenant"},
+        ),
+    ]
+
+
+async def test_a_request_with_several_faults_is_told_all_of_them_at_once(
+    channel: grpc.aio.Channel,
+    admin: admin_pb2_grpc.AdminServiceAsyncStub,
+    gateway: admission_pb2_grpc.AdmissionServiceAsyncStub,
+    fleet: None,
+    engine: AsyncEngine,
+) -> None:
+    billing = billing_pb2_grpc.BillingServiceStub(channel)
+    for method, send, fields in _faulty_requests(admin, gateway, billing):
+        before = await snapshot(engine)
+        call = send()
+        if isinstance(call, AsyncIterable):  # a server stream: refused before its first record
+            error = await refused(anext(aiter(call)))
+        else:
+            error = await refused(call)
+        assert (error.code, error.reason) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_REQUEST",
+        ), method
+        assert set(violations(error)) == fields, method
+        assert await snapshot(engine) == before, method

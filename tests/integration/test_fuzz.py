@@ -4,8 +4,9 @@ admin and as a gateway of one tenant, and the same requests' bytes mutated (cut 
 spliced) so that most no longer parse. Every answer has a deliberate status code (never INTERNAL
 or UNKNOWN), and a refused request changes nothing in the ledger.
 
-KVQUOTA_FUZZ_EXAMPLES sets the examples per method (15 by default: a second or two each);
-`make stress` runs it with many more."""
+Every method is fuzzed against one server and ledger (a server and a database each cost more
+than a method's examples). KVQUOTA_FUZZ_EXAMPLES sets the examples per method (15 by default:
+half a second each, the whole module under 20 s on two cores); `make stress` runs many more."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
+import pytest_asyncio
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
 from google.protobuf.duration_pb2 import Duration
@@ -33,6 +35,7 @@ from quota_service.config import Settings
 from quota_service.core import access
 from quota_service.core.access import Role
 from quota_service.store.access import ApiKeys
+from quota_service.store.database import connect
 from tests.integration.ledger_fixtures import add_instance, add_tenant, snapshot
 
 METHODS: list[MethodDescriptor] = [
@@ -44,6 +47,8 @@ METHODS: list[MethodDescriptor] = [
     )
     for method in descriptor.services_by_name[name].methods
 ]
+# Every test here shares the module's server, so each runs in the module's event loop.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 EXAMPLES = int(os.environ.get("KVQUOTA_FUZZ_EXAMPLES", "15"))
 # The client gives up on a call that is still working (a queued Admit, a watch) after this: that
 # is not an answer of the server's, and the state it leaves is the work in progress.
@@ -231,10 +236,11 @@ class Target:
         self.loop = asyncio.get_running_loop()
 
 
-@pytest.fixture
-async def target(
-    engine: AsyncEngine, database_url: str, settings: Settings
-) -> AsyncIterator[Target]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def target(module_database_url: str, settings: Settings) -> AsyncIterator[Target]:
+    """One server and ledger for every method: each call is checked against the ledger as it
+    was just before it, so what earlier calls left there is only more to fuzz against."""
+    engine = connect(module_database_url)
     await add_instance(engine, blocks=64)
     for tenant in ("acme", "globex"):
         await add_tenant(engine, tenant)
@@ -243,7 +249,7 @@ async def target(
         "admin": (await keys.create("ops", Role.ADMIN, [], access.BOOTSTRAP))[1],
         "gateway": (await keys.create("gw", Role.GATEWAY, ["acme"], access.BOOTSTRAP))[1],
     }
-    running = await server.start(replace(settings, auth_required=True), database_url)
+    running = await server.start(replace(settings, auth_required=True), module_database_url)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
         for tenant in ("acme", "globex"):
             request = admission_pb2.AdmitRequest(
@@ -256,6 +262,7 @@ async def target(
             await call(channel, METHODS[0], request, tokens["admin"])
         yield Target(channel, engine, tokens)
     await running.stop(0)
+    await engine.dispose()
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)

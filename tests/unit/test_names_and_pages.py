@@ -47,3 +47,22 @@ def test_pages() -> None:
             pagination.page(2, bad)
     with pytest.raises(KvQuotaError):
         pagination.page(-1, "")
+
+
+def test_a_page_is_refused_for_every_fault_at_once() -> None:
+    page, violations = pagination.parse_page(-1, "nope")
+    assert page is None
+    assert [v.field for v in violations] == ["page_size", "page_token"]
+    # Lists paged by number take only a token that carries one.
+    named = pagination.next_token(["a"], 1)
+    assert pagination.parse_page(1, named)[0] == pagination.Page(1, "a")
+    assert [v.field for v in pagination.parse_page(1, named, numeric=True)[1]] == ["page_token"]
+    numbered = pagination.next_token(["7"], 1)
+    assert pagination.parse_page(1, numbered, numeric=True) == (pagination.Page(1, "7"), [])
+
+
+def test_a_pin_name_is_refused_for_its_owner_and_its_id_at_once() -> None:
+    key, violations = names.parse_pin("teams/acme/pins/Bad")
+    assert key is None
+    assert len(violations) == 2
+    assert names.parse_pin("tenants/acme/pins/system") == (("tenants/acme", "system"), [])
