@@ -66,6 +66,24 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway_envoy(args: argparse.Namespace) -> int:
+    # The gateways' dependencies (Envoy's protos, transformers) are an extra, not the server's.
+    from kvquota.gateways import config
+    from kvquota.gateways.ext_proc import processor
+
+    try:
+        gateway_config = config.load(args.config)
+    except config.ConfigError as exc:
+        print(f"kvquota: bad gateway configuration: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(processor.serve(gateway_config))
+    except config.ConfigError as exc:
+        print(f"kvquota: bad gateway configuration: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     from quota_service.store import migrate
 
@@ -702,6 +720,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bootstrap", help="the first admin key, written straight into the database"
     )
     bootstrap.add_argument("name", nargs="?", default="bootstrap-admin", help="a label")
+    gateway = commands.add_parser("gateway", help="run kvquota inside a gateway")
+    gateway_commands = gateway.add_subparsers(dest="action", required=True)
+    envoy = gateway_commands.add_parser(
+        "envoy", help="an Envoy external processor (needs the `gateways` extra)"
+    )
+    envoy.add_argument(
+        "--config", help="the gateway's TOML file (default: $KVQUOTA_GATEWAY_CONFIG)"
+    )
     audit = commands.add_parser("audit", help="the audit log of administrative actions")
     audit.add_argument("--principal", help="only this principal, e.g. apiKeys/0123456789abcdef")
     audit.add_argument("--method", help="only this method, e.g. DeleteTenant")
@@ -725,6 +751,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _migrate(settings, args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "gateway":
+        return _gateway_envoy(args)
     commands_over_grpc = {
         "instance": _register_instance,
         "reclaim": _reclaim,

@@ -56,9 +56,14 @@ def engine_python() -> Path:
 
 
 def start_vllm(
-    python: Path, model: Path, ports: tuple[int, int, int], log_path: Path
+    python: Path,
+    model: Path,
+    ports: tuple[int, int, int],
+    log_path: Path,
+    with_tokenizer: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """Serve `model` with KV events on (http, events, replay) ports; returns once healthy."""
+    """Serve `model` with KV events on (http, events, replay) ports; returns once healthy.
+    Without its tokenizer prompts are token ids; with it, chat is served too."""
     http_port, events_port, replay_port = ports
     kv_events = {
         "enable_kv_cache_events": True,
@@ -95,7 +100,7 @@ def start_vllm(
             # On the CPU this is the share of host memory vLLM may take.
             "--gpu-memory-utilization",
             "0.3",
-            "--skip-tokenizer-init",
+            *(() if with_tokenizer else ("--skip-tokenizer-init",)),
             "--port",
             str(http_port),
             "--kv-events-config",
