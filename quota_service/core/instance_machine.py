@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -333,6 +333,8 @@ class InstanceMachine:
         self.pins: dict[tuple[str, str], PinRecord] = {}
         # The wait queue in dispatch order: (-priority, start tag, arrival) keys, kept sorted.
         self._queue: list[tuple[int, float, int, tuple[str, str]]] = []
+        # Queued requests per priority class, so that "how many wait ahead" costs no scan.
+        self._queued_at: Counter[int] = Counter()
         self._arrivals = 0
         self.virtual_time: dict[int, float] = {}
         self.queued_prompt_tokens = 0
@@ -694,7 +696,7 @@ class InstanceMachine:
 
     def _queued_ahead(self, priority: int) -> int:
         """Requests queued at this priority or higher."""
-        return sum(1 for entry in self._queue if -entry[0] >= priority)
+        return sum(count for queued, count in self._queued_at.items() if queued >= priority)
 
     def _charge_fair_share(self, record: ReservationRecord, here: TenantHere, now: float) -> None:
         """Every admission is charged to its tenant's fair clock, queued or not: a tenant whose
@@ -739,9 +741,11 @@ class InstanceMachine:
             else:
                 high = middle
         self._queue.insert(low, entry)
+        self._queued_at[record.params.priority] += 1
 
     def _dequeue(self, record: ReservationRecord) -> None:
         self._queue.remove((-record.params.priority, record.tags.start, record.arrival, record.key))
+        self._queued_at[record.params.priority] -= 1
         here = self.tenants[record.key[0]]
         here.queued -= 1
         self.queued_prompt_tokens -= record.params.prompt_tokens
