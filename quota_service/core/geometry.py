@@ -30,6 +30,7 @@ __all__ = [
     "capacity_tokens",
     "dtype_bytes",
     "geometry_from_hf_config",
+    "output_kv_tokens",
     "parse_dtype",
     "tokens_in_flight",
 ]
@@ -317,19 +318,27 @@ def _check_request(prompt_tokens: int, max_output_tokens: int, n: int) -> None:
     _check_int("n", n, 1, ValueError)
 
 
+def output_kv_tokens(max_output_tokens: int) -> int:
+    """Output tokens whose KV a sequence can come to hold: all but the last. vLLM computes a
+    token's KV in the step after it was sampled, and a request that sampled its last token is
+    finished in that step (`allocate_slots` in vllm/v1/core/kv_cache_manager.py asks slots only
+    for the tokens it computes). With no output at all the prompt alone is computed."""
+    return max(max_output_tokens, 1) - 1
+
+
 def blocks_for_request(prompt_tokens: int, max_output_tokens: int, n: int, block_size: int) -> int:
-    """Worst-case blocks for a request that samples ``n`` sequences from one prompt.
+    """Worst-case blocks vLLM gives a request that samples ``n`` sequences from one prompt.
 
     The prompt's full blocks are shared by all ``n`` sequences (prefix sharing); each
-    sequence owns its partial prompt block plus its output:
-    ``p // bs + n * ceil((p % bs + max_out) / bs)``. With n == 1 this equals
-    ``blocks_for_tokens(p + max_out, bs)``, and it never decreases as n grows.
-    Preconditions (ValueError otherwise): p >= 1, max_out >= 0, n >= 1, bs >= 1.
+    sequence owns its partial prompt block plus the output tokens it computes
+    (``output_kv_tokens``): ``p // bs + n * ceil((p % bs + max(max_out, 1) - 1) / bs)``. With
+    n == 1 this is ``blocks_for_tokens(p + max(max_out, 1) - 1, bs)``, and it never decreases
+    as n grows. Preconditions (ValueError otherwise): p >= 1, max_out >= 0, n >= 1, bs >= 1.
     """
     _check_request(prompt_tokens, max_output_tokens, n)
     _check_int("block_size", block_size, 1, ValueError)
     shared, partial = divmod(prompt_tokens, block_size)
-    return shared + n * blocks_for_tokens(partial + max_output_tokens, block_size)
+    return shared + n * blocks_for_tokens(partial + output_kv_tokens(max_output_tokens), block_size)
 
 
 def tokens_in_flight(prompt_tokens: int, max_output_tokens: int, n: int) -> int:

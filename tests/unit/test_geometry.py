@@ -424,6 +424,10 @@ def test_blocks_for_tokens_rejects_invalid(tokens: int, block_size: int) -> None
         (4096, 0, 1, 16, 256),
         (4096, 0, 8, 16, 256),  # exact multiple, no output: only shared blocks
         (1, 0, 3, 16, 3),
+        # vLLM never computes the last output token's KV: 1,024 + 1 tokens fit 64 blocks.
+        (1024, 1, 1, 16, 64),
+        (1024, 17, 1, 16, 65),
+        (1023, 1, 2, 16, 63 + 2),
     ],
 )
 def test_blocks_for_request(
@@ -458,12 +462,13 @@ block_sizes = st.integers(min_value=1, max_value=256)
 
 @given(prompts, outputs, block_sizes)
 def test_single_sequence_request_is_plain_ceiling(p: int, m: int, bs: int) -> None:
-    assert blocks_for_request(p, m, 1, bs) == blocks_for_tokens(p + m, bs)
+    assert blocks_for_request(p, m, 1, bs) == blocks_for_tokens(p + max(m, 1) - 1, bs)
 
 
 @given(prompts, outputs, fanouts, block_sizes)
 def test_fanout_costs_between_one_and_n_unshared_sequences(p: int, m: int, n: int, bs: int) -> None:
     blocks = blocks_for_request(p, m, n, bs)
-    assert blocks_for_request(p, m, 1, bs) <= blocks <= n * blocks_for_tokens(p + m, bs)
-    # Every token in flight has a slot: shared prompt blocks plus per-sequence tails.
-    assert blocks * bs >= (p // bs) * bs + n * (p % bs + m)
+    computed = p + max(m, 1) - 1
+    assert blocks_for_request(p, m, 1, bs) <= blocks <= n * blocks_for_tokens(computed, bs)
+    # Every token the engine computes has a slot: shared prompt blocks plus per-sequence tails.
+    assert blocks * bs >= (p // bs) * bs + n * (computed - p // bs * bs)
