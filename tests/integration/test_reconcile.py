@@ -122,6 +122,28 @@ async def test_a_block_the_engine_stored_twice_stays_until_both_copies_went(
     await assert_invariants(engine)
 
 
+async def test_an_evicted_copy_is_the_unreferenced_one_of_its_hash(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """An exact repeat fills its prompt's last block again (vLLM never hits the last token), so
+    engine and ledger both hold that hash twice: the cached copy and the repeat's. The engine
+    evicting the cached copy frees the ledger's cached one, and is no drift: the repeat's block
+    is referenced in the engine too, so it was not the copy evicted."""
+    ledger, reconciler, hashes = await prompt_admitted(engine, settings)
+    await reconciler.apply("gpu-0", 0, batch(BlockStored(hashes, None, tuple(PROMPT), BS, "GPU")))
+    await ledger.end("acme", "a", EndReason.RELEASED, 1)
+    repeat, _ = await ledger.admit(
+        replace(request("b", len(PROMPT), 1), prompt_token_ids=tuple(PROMPT))
+    )
+    assert repeat.prefix_hit_blocks == 3
+    refilled = BlockStored(hashes[3:], hashes[2], tuple(PROMPT[3 * BS :]), BS, "GPU")
+    await reconciler.apply("gpu-0", 1, batch(refilled))
+    assert await reconciler.apply("gpu-0", 2, batch(BlockRemoved(hashes[3:], "GPU"))) == (1, 0)
+    now = await states(engine)
+    assert {now[h.block_id] for h in repeat.block_table} == {("IN_USE", True)}
+    await assert_invariants(engine)
+
+
 async def test_an_engine_restart_ends_its_reservations(
     engine: AsyncEngine, settings: Settings
 ) -> None:
