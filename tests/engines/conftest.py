@@ -303,79 +303,90 @@ def _wait_until(ready: Callable[[], bool], process: subprocess.Popen[bytes], wha
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="session")
-def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
+@contextlib.contextmanager
+def lmcache_at(work: Path, l2: dict[str, object]) -> Iterator[Lmcache]:
+    """A coordinator and one MP server (DRAM L1, the L2 adapter `l2`) on loopback, stopped
+    afterwards."""
     if not LMCACHE_PYTHON.exists():
         pytest.fail(f"{LMCACHE_PYTHON} is missing: run `make test-engines`, which builds it")
     lmcache_cli = [str(LMCACHE_PYTHON), "-m", "lmcache.cli.main"]
-    work = tmp_path_factory.mktemp("lmcache")
     coordinator_port, rpc_port, http_port, metrics_port = _free_ports(4)
     coordinator_url = f"http://127.0.0.1:{coordinator_port}"
     coordinator = _start(
         [*lmcache_cli, "coordinator", "--host", "127.0.0.1", "--port", str(coordinator_port)],
         work / "coordinator.log",
     )
-    _wait_until(
-        lambda: httpx.get(f"{coordinator_url}/healthz", timeout=2).status_code == 200,
-        coordinator,
-        "the LMCache coordinator",
-    )
-    l2 = {"type": "fs", "base_path": str(work / "l2")}
-    server = _start(
-        [
-            *lmcache_cli,
-            "server",
-            "--instance-id",
-            LMCACHE_INSTANCE,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(rpc_port),
-            "--http-host",
-            "127.0.0.1",
-            "--http-port",
-            str(http_port),
-            "--chunk-size",
-            "256",
-            "--l1-size-gb",
-            str(LMCACHE_L1_BYTES / (1 << 30)),
-            "--eviction-policy",
-            "LRU",
-            "--l2-adapter",
-            json.dumps(l2),
-            "--coordinator-url",
+    processes = [coordinator]
+    try:
+        _wait_until(
+            lambda: httpx.get(f"{coordinator_url}/healthz", timeout=2).status_code == 200,
+            coordinator,
+            "the LMCache coordinator",
+        )
+        server = _start(
+            [
+                *lmcache_cli,
+                "server",
+                "--instance-id",
+                LMCACHE_INSTANCE,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(rpc_port),
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                str(http_port),
+                "--chunk-size",
+                "256",
+                "--l1-size-gb",
+                str(LMCACHE_L1_BYTES / (1 << 30)),
+                "--eviction-policy",
+                "LRU",
+                "--l2-adapter",
+                json.dumps(l2),
+                "--coordinator-url",
+                coordinator_url,
+                "--coordinator-advertise-ip",
+                "127.0.0.1",
+                "--coordinator-event-reporting",
+                "--coordinator-heartbeat-interval",
+                "1",
+                "--coordinator-event-flush-interval",
+                "0.2",
+                "--prometheus-port",
+                str(metrics_port),
+            ],
+            work / "server.log",
+        )
+        processes.insert(0, server)
+
+        def registered() -> bool:
+            """Registered, and its L1's capacity declared (a batch that follows registration)."""
+            usage = httpx.get(f"{coordinator_url}/instances/{LMCACHE_INSTANCE}/usage", timeout=2)
+            if usage.status_code != 200:
+                return False
+            modules = usage.json()["modules"]
+            return any(m["tier"] == "l1" and m["capacity_bytes"] > 0 for m in modules)
+
+        _wait_until(registered, server, "the LMCache MP server")
+        yield Lmcache(
             coordinator_url,
-            "--coordinator-advertise-ip",
-            "127.0.0.1",
-            "--coordinator-event-reporting",
-            "--coordinator-heartbeat-interval",
-            "1",
-            "--coordinator-event-flush-interval",
-            "0.2",
-            "--prometheus-port",
-            str(metrics_port),
-        ],
-        work / "server.log",
-    )
+            LMCACHE_INSTANCE,
+            LMCACHE_MODEL,
+            f"tcp://127.0.0.1:{rpc_port}",
+            LMCACHE_PYTHON,
+        )
+    finally:
+        for process in processes:
+            stop_vllm(process, signal.SIGINT)  # the same group stop: SIGINT lets them deregister
 
-    def registered() -> bool:
-        """Registered, and its L1's capacity declared (a batch that follows registration)."""
-        usage = httpx.get(f"{coordinator_url}/instances/{LMCACHE_INSTANCE}/usage", timeout=2)
-        if usage.status_code != 200:
-            return False
-        modules = usage.json()["modules"]
-        return any(m["tier"] == "l1" and m["capacity_bytes"] > 0 for m in modules)
 
-    _wait_until(registered, server, "the LMCache MP server")
-    yield Lmcache(
-        coordinator_url,
-        LMCACHE_INSTANCE,
-        LMCACHE_MODEL,
-        f"tcp://127.0.0.1:{rpc_port}",
-        LMCACHE_PYTHON,
-    )
-    for process in (server, coordinator):
-        stop_vllm(process, signal.SIGINT)  # the same group stop: SIGINT lets them deregister
+@pytest.fixture(scope="session")
+def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
+    work = tmp_path_factory.mktemp("lmcache")
+    with lmcache_at(work, {"type": "fs", "base_path": str(work / "l2")}) as running:
+        yield running
 
 
 class ChunkWriter:
