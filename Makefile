@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-unit test-engines test-gateways stress stress-short lint format proto bench clean
+.PHONY: help venv run test test-unit test-engines test-gateways bench-fidelity stress stress-short lint format proto bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -80,6 +80,13 @@ $(GATEWAYS_STAMP): pyproject.toml
 test-gateways: $(STAMP) $(ENGINES_STAMP) $(GATEWAYS_STAMP) ## Envoy and the LiteLLM proxy with kvquota in front of real vLLM on the CPU (builds .venv-engines and .venv-gateways)
 	KVQUOTA_ENGINES_PYTHON=$(ENGINES)/bin/python KVQUOTA_GATEWAYS_BIN=$(GATEWAYS)/bin \
 		$(call PYTEST,--timeout 300 tests/gateways)
+
+# The drift benchmark (bench/fidelity.py) is the contract test tests/engines/test_fidelity.py run
+# for longer, writing its figures; `make test-engines` runs it for one round of the load.
+FIDELITY_SECONDS ?= 180
+bench-fidelity: $(STAMP) $(ENGINES_STAMP) ## The ledger beside a real vLLM under a mixed load for FIDELITY_SECONDS (docs/benchmarks-fidelity.md; builds .venv-engines)
+	KVQUOTA_ENGINES_PYTHON=$(ENGINES)/bin/python KVQUOTA_FIDELITY_SECONDS=$(FIDELITY_SECONDS) \
+		KVQUOTA_FIDELITY_REPORT=docs/benchmarks-fidelity.md $(call PYTEST,tests/engines/test_fidelity.py)
 
 # The long form (docs/reliability.md): STRESS_SECONDS=600. Each run has its own PostgreSQL.
 STRESS_SECONDS ?= 600

@@ -21,6 +21,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
+from quota_service.core.geometry import blocks_for_request
 
 T = TypeVar("T")
 
@@ -42,7 +43,7 @@ class Shape:
 
     @property
     def blocks(self) -> int:
-        return math.ceil((self.prompt_tokens + self.output_tokens) / BLOCK_SIZE)
+        return blocks_for_request(self.prompt_tokens, self.output_tokens, 1, BLOCK_SIZE)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

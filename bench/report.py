@@ -188,6 +188,11 @@ def markdown(document: dict[str, Any], analysis: str) -> str:
         "python -m bench.suite --quick --docs ''         # the smoke form the tests run",
         "```",
         "",
+        "How far the ledger drifts from a real vLLM under a mixed load (blocks and prefix hits "
+        "per request, cached sets after each phase) is measured by `make bench-fidelity`: "
+        "[benchmarks-fidelity.md](benchmarks-fidelity.md). The instance state machine beside "
+        "vLLM's KVCacheManager: [benchmarks-state-machine.md](benchmarks-state-machine.md).",
+        "",
         "PostgreSQL is `KVQUOTA_DATABASE_URL`'s server, else 127.0.0.1:5432, else an embedded "
         "one. The suite makes a throwaway database, migrates it, starts `kvquota serve` "
         "process(es) on it and drives them over gRPC from its own process (the load generator); "

@@ -263,9 +263,15 @@ def _plan(args: argparse.Namespace) -> int:
         config = json.loads(Path(args.config).read_text())
         dtype = geometry.parse_dtype(args.dtype) if args.dtype else None
         kv = geometry.geometry_from_hf_config(config, dtype)
-        budget = geometry.MemoryBudget(
-            args.gpu_memory, args.weights, args.overhead, args.utilization
-        )
+        budget: geometry.KvBudget
+        if args.kv_cache_memory is not None:
+            budget = geometry.KvCacheBytes(args.kv_cache_memory)
+        elif args.gpu_memory is None or args.weights is None:
+            raise geometry.GeometryError("give --gpu-memory and --weights, or --kv-cache-memory")
+        else:
+            budget = geometry.MemoryBudget(
+                args.gpu_memory, args.weights, args.overhead, args.utilization
+            )
         plan = capacity.plan_capacity(
             kv,
             budget,
@@ -275,6 +281,7 @@ def _plan(args: argparse.Namespace) -> int:
             args.request_seconds,
             args.ttft,
             args.prefill_rate,
+            dtype,
         )
     except (OSError, ValueError) as exc:  # GeometryError and bad JSON are ValueErrors
         print(f"kvquota plan: {exc}", file=sys.stderr)
@@ -288,7 +295,8 @@ def _plan(args: argparse.Namespace) -> int:
             {"figure": "KV bytes per block", "value": format_size(plan.bytes_per_block)},
             {"figure": "KV cache", "value": format_size(plan.kv_bytes)},
             {"figure": "tokens", "value": plan.tokens},
-            {"figure": "blocks", "value": plan.blocks},
+            {"figure": "blocks (vLLM's num_gpu_blocks)", "value": plan.blocks},
+            {"figure": "blocks for requests (less the null block)", "value": plan.usable_blocks},
             {
                 "figure": "concurrency needed (Little's law)",
                 "value": "-" if plan.needed_concurrency is None else plan.needed_concurrency,
@@ -307,12 +315,7 @@ def _plan(args: argparse.Namespace) -> int:
         ]
     )
     print()
-    flags = (
-        f"--num-gpu-blocks-override {plan.num_gpu_blocks_override} "
-        f"--max-num-seqs {plan.max_num_seqs} "
-        f"--max-num-batched-tokens {plan.max_num_batched_tokens}"
-    )
-    print(f"vLLM: {flags}")
+    print(f"vLLM: vllm serve MODEL {' '.join(plan.vllm_args)}")
     if plan.max_num_queued_tokens is not None:
         print(f"kvquota instance: max_num_queued_tokens {plan.max_num_queued_tokens}")
     return 0
@@ -669,12 +672,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     reclaim.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan = commands.add_parser("plan", help="plan an engine's KV capacity from a model config")
     plan.add_argument("--config", required=True, help="the model's Hugging Face config.json")
-    plan.add_argument("--gpu-memory", required=True, type=parse_size, help="e.g. 24GiB")
-    plan.add_argument("--weights", required=True, type=parse_size, help="model weights, e.g. 16GiB")
+    plan.add_argument("--gpu-memory", type=parse_size, help="e.g. 24GiB")
+    plan.add_argument("--weights", type=parse_size, help="model weights, e.g. 16GiB")
     plan.add_argument("--overhead", type=parse_size, default=0, help="activations etc., e.g. 2GiB")
-    plan.add_argument("--utilization", type=float, default=1.0, help="gpu_memory_utilization")
-    plan.add_argument("--dtype", help="KV dtype (default: the config's)")
-    plan.add_argument("--block-size", type=int, default=16)
+    plan.add_argument(
+        "--utilization",
+        type=float,
+        default=geometry.VLLM_GPU_MEMORY_UTILIZATION,
+        help="gpu_memory_utilization (default: vLLM's, %(default)s)",
+    )
+    plan.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        help="the KV cache's size outright, as vLLM's --kv-cache-memory-bytes (instead of "
+        "--gpu-memory, --weights, --overhead and --utilization)",
+    )
+    plan.add_argument("--dtype", help="KV dtype (default: what vLLM's auto makes of the config's)")
+    plan.add_argument(
+        "--block-size",
+        type=int,
+        default=geometry.VLLM_BLOCK_SIZE,
+        help="tokens per block (default: vLLM's on a GPU, %(default)s)",
+    )
     plan.add_argument(
         "--context", type=int, nargs="+", default=[2048, 8192, 32768], help="context lengths"
     )

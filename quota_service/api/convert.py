@@ -34,9 +34,6 @@ from quota_service.core.model import (
 )
 from quota_service.core.reclaim import ReclaimJob, Tier
 
-# vLLM's default gpu_memory_utilization (ENGINES.md).
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
-
 _DTYPES = {
     pb.KV_DTYPE_FP32: geometry.KvDtype.FP32,
     pb.KV_DTYPE_FP16: geometry.KvDtype.FP16,
@@ -354,7 +351,7 @@ def memory_budget(
             total_bytes=message.total_bytes,
             weights_bytes=message.weights_bytes,
             overhead_bytes=message.overhead_bytes,
-            utilization=message.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+            utilization=message.gpu_memory_utilization or geometry.VLLM_GPU_MEMORY_UTILIZATION,
         )
     except geometry.GeometryError as exc:
         violations.append(FieldViolation("memory_budget", str(exc)))

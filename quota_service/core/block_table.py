@@ -1,9 +1,9 @@
 """Block tables: which blocks a request needs, in order, and which of them a cached prefix covers.
 
 A reservation's table lists its full prompt blocks first (shared by its n sequences), then each
-sequence's private tail (the partial last prompt block plus the output). With prompt token ids,
-the full prompt blocks carry vLLM's chained hashes, so identical prefixes under the same salt
-land on the same blocks; without them every block is private.
+sequence's private tail (the partial last prompt block plus the output the engine computes).
+With prompt token ids, the full prompt blocks carry vLLM's chained hashes, so identical prefixes
+under the same salt land on the same blocks; without them every block is private.
 """
 
 from __future__ import annotations
@@ -71,12 +71,16 @@ def layout(
     algo: HashAlgo,
 ) -> TableLayout:
     full = prompt_tokens // block_size
-    tail = geometry.blocks_for_tokens(prompt_tokens % block_size + max_output_tokens, block_size)
+    # The last output token never gets a slot in vLLM (geometry.output_kv_tokens): a prompt of
+    # 64 full blocks and one output token holds 64 blocks in the engine, not 65.
+    tail = geometry.blocks_for_tokens(
+        prompt_tokens % block_size + geometry.output_kv_tokens(max_output_tokens), block_size
+    )
     hashes = (
         block_hashes(prompt_token_ids, block_size, cache_salt, algo) if prompt_token_ids else []
     )
     assert len(hashes) in (0, full)
-    # Total agrees with geometry.blocks_for_request by construction: floor(p/bs) + n*ceil(...).
+    # Total agrees with geometry.blocks_for_request by construction.
     return TableLayout(full, tail, n, tuple(hashes), (prompt_tokens - 1) // block_size)
 
 

@@ -2,7 +2,10 @@
 
 Everything here is pure integer arithmetic over validated inputs. All byte and token
 counts are exact ``int`` values; the only float is ``MemoryBudget.utilization``, and it
-is applied once (and floored) so every downstream figure stays integral.
+is applied once, exactly as vLLM applies it, so every downstream figure stays integral.
+
+Where vLLM decides something the plan depends on (a default, a rounding, a dtype), the rule here
+is vLLM's, and the comment names the place in vLLM's source (vllm 0.32) it comes from.
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "VLLM_BLOCK_SIZE",
+    "VLLM_GPU_MEMORY_UTILIZATION",
     "GeometryError",
+    "KvBudget",
+    "KvCacheBytes",
     "KvDtype",
     "KvGeometry",
     "MemoryBudget",
@@ -23,9 +30,17 @@ __all__ = [
     "capacity_tokens",
     "dtype_bytes",
     "geometry_from_hf_config",
+    "output_kv_tokens",
     "parse_dtype",
     "tokens_in_flight",
 ]
+
+
+# vLLM's `CacheConfig.gpu_memory_utilization` default (vllm/config/cache.py).
+VLLM_GPU_MEMORY_UTILIZATION = 0.92
+# vLLM's `CacheConfig.DEFAULT_BLOCK_SIZE` (vllm/config/cache.py): what a GPU engine uses when
+# `--block-size` is not given (its CPU backend picks 128 instead, vllm/platforms/cpu.py).
+VLLM_BLOCK_SIZE = 16
 
 
 class GeometryError(ValueError):
@@ -149,6 +164,10 @@ def _config_int(config: Mapping[str, object], key: str) -> int:
 
 
 def _config_dtype(*configs: Mapping[str, object]) -> KvDtype:
+    """The KV dtype vLLM's `--dtype auto` and `--kv-cache-dtype auto` give this config on a GPU
+    with bfloat16 (Ampere and later): the config's dtype, except that float32 models are run in
+    bfloat16 (`_resolve_auto_dtype` in vllm/config/model.py, "Downcast for float32 models"), as
+    is a config that names no dtype (transformers' default is float32)."""
     for config in configs:
         # Older transformers write "torch_dtype"; newer ones write "dtype".
         for key in ("torch_dtype", "dtype"):
@@ -157,7 +176,8 @@ def _config_dtype(*configs: Mapping[str, object]) -> KvDtype:
                 continue
             if not isinstance(value, str):
                 raise GeometryError(f"{key}: must be a string, got {value!r}")
-            return parse_dtype(value)
+            dtype = parse_dtype(value)
+            return KvDtype.BF16 if dtype is KvDtype.FP32 else dtype
     return KvDtype.BF16
 
 
@@ -169,8 +189,9 @@ def geometry_from_hf_config(
     Multimodal configs that keep the language model under ``text_config`` are read from
     there when ``num_hidden_layers`` is absent at the top level. A config with a non-null
     ``kv_lora_rank`` is MLA (DeepSeek-V2/V3): one latent head of width
-    ``kv_lora_rank + qk_rope_head_dim``. The dtype is ``dtype`` if given, else the
-    config's ``torch_dtype``/``dtype`` (text config first, then top level), else BF16.
+    ``kv_lora_rank + qk_rope_head_dim``. The dtype is ``dtype`` if given, else what vLLM's
+    ``auto`` makes of the config's ``torch_dtype``/``dtype`` (text config first, then top level):
+    that dtype, with float32 and no dtype at all both meaning BF16.
     Missing, non-integer or non-positive required keys raise GeometryError naming the key.
     """
     source = config
@@ -205,14 +226,14 @@ class MemoryBudget:
 
     Invariants (GeometryError otherwise): ``total_bytes`` > 0, ``weights_bytes`` >= 0,
     ``overhead_bytes`` >= 0 (activations, CUDA graphs, fragmentation), and
-    0 < ``utilization`` <= 1 (vLLM's ``gpu_memory_utilization``). Construction does not
-    check that anything is left for the KV cache; ``kv_bytes`` does.
+    0 < ``utilization`` <= 1 (vLLM's ``gpu_memory_utilization``, its default unless given).
+    Construction does not check that anything is left for the KV cache; ``kv_bytes`` does.
     """
 
     total_bytes: int
     weights_bytes: int
     overhead_bytes: int = 0
-    utilization: float = 1.0
+    utilization: float = VLLM_GPU_MEMORY_UTILIZATION
 
     def __post_init__(self) -> None:
         _check_int("total_bytes", self.total_bytes, 1, GeometryError)
@@ -226,8 +247,13 @@ class MemoryBudget:
             raise GeometryError(f"utilization: must be in (0, 1], got {utilization}")
 
     def kv_bytes(self) -> int:
-        """Bytes available to the KV cache; always > 0 or GeometryError."""
-        usable = math.floor(self.total_bytes * self.utilization)
+        """Bytes available to the KV cache; always > 0 or GeometryError.
+
+        As vLLM's GPU worker has it: the memory it may take is ceil(total x utilization)
+        (`request_memory` in vllm/v1/worker/utils.py), and the KV cache gets what is left of that
+        after weights and the profiled peak (`determine_available_memory` in gpu_worker.py).
+        """
+        usable = math.ceil(self.total_bytes * self.utilization)
         kv = usable - self.weights_bytes - self.overhead_bytes
         if kv <= 0:
             raise GeometryError(
@@ -238,13 +264,33 @@ class MemoryBudget:
         return kv
 
 
-def capacity_tokens(geometry: KvGeometry, budget: MemoryBudget) -> int:
+@dataclass(frozen=True, slots=True)
+class KvCacheBytes:
+    """A KV cache of exactly ``kv_cache_bytes`` (>= 1): vLLM's ``--kv-cache-memory-bytes``, which
+    sizes the cache without profiling and ignores ``gpu_memory_utilization``."""
+
+    kv_cache_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_int("kv_cache_bytes", self.kv_cache_bytes, 1, GeometryError)
+
+    def kv_bytes(self) -> int:
+        return self.kv_cache_bytes
+
+
+# Memory for the KV cache: what is left of a device's budget, or a size given outright.
+KvBudget = MemoryBudget | KvCacheBytes
+
+
+def capacity_tokens(geometry: KvGeometry, budget: KvBudget) -> int:
     """Whole tokens the budget's KV memory holds; may be 0 if one token does not fit."""
     return budget.kv_bytes() // geometry.bytes_per_token
 
 
-def capacity_blocks(geometry: KvGeometry, budget: MemoryBudget, block_size: int) -> int:
-    """Whole blocks (rounded down) the budget's KV memory holds; always >= 1.
+def capacity_blocks(geometry: KvGeometry, budget: KvBudget, block_size: int) -> int:
+    """Whole blocks (rounded down) the budget's KV memory holds; always >= 1. This is vLLM's
+    ``available_memory // bytes_per_block`` (`get_kv_cache_config_from_groups` in
+    vllm/v1/core/kv_cache_utils.py), of which block 0 becomes its null block.
 
     Raises GeometryError if not even one block fits.
     """
@@ -272,19 +318,27 @@ def _check_request(prompt_tokens: int, max_output_tokens: int, n: int) -> None:
     _check_int("n", n, 1, ValueError)
 
 
+def output_kv_tokens(max_output_tokens: int) -> int:
+    """Output tokens whose KV a sequence can come to hold: all but the last. vLLM computes a
+    token's KV in the step after it was sampled, and a request that sampled its last token is
+    finished in that step (`allocate_slots` in vllm/v1/core/kv_cache_manager.py asks slots only
+    for the tokens it computes). With no output at all the prompt alone is computed."""
+    return max(max_output_tokens, 1) - 1
+
+
 def blocks_for_request(prompt_tokens: int, max_output_tokens: int, n: int, block_size: int) -> int:
-    """Worst-case blocks for a request that samples ``n`` sequences from one prompt.
+    """Worst-case blocks vLLM gives a request that samples ``n`` sequences from one prompt.
 
     The prompt's full blocks are shared by all ``n`` sequences (prefix sharing); each
-    sequence owns its partial prompt block plus its output:
-    ``p // bs + n * ceil((p % bs + max_out) / bs)``. With n == 1 this equals
-    ``blocks_for_tokens(p + max_out, bs)``, and it never decreases as n grows.
-    Preconditions (ValueError otherwise): p >= 1, max_out >= 0, n >= 1, bs >= 1.
+    sequence owns its partial prompt block plus the output tokens it computes
+    (``output_kv_tokens``): ``p // bs + n * ceil((p % bs + max(max_out, 1) - 1) / bs)``. With
+    n == 1 this is ``blocks_for_tokens(p + max(max_out, 1) - 1, bs)``, and it never decreases
+    as n grows. Preconditions (ValueError otherwise): p >= 1, max_out >= 0, n >= 1, bs >= 1.
     """
     _check_request(prompt_tokens, max_output_tokens, n)
     _check_int("block_size", block_size, 1, ValueError)
     shared, partial = divmod(prompt_tokens, block_size)
-    return shared + n * blocks_for_tokens(partial + max_output_tokens, block_size)
+    return shared + n * blocks_for_tokens(partial + output_kv_tokens(max_output_tokens), block_size)
 
 
 def tokens_in_flight(prompt_tokens: int, max_output_tokens: int, n: int) -> int:

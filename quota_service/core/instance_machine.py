@@ -38,7 +38,7 @@ from quota_service.core.block_pool import BlockPool, SlotContents
 from quota_service.core.block_table import BlockHandle, CachedBlock, EntryLookup
 from quota_service.core.errors import KvQuotaError, invalid_request, not_found
 from quota_service.core.hashing import block_hashes
-from quota_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from quota_service.core.kv_events import AllBlocksCleared, BlockStored, EventBatch
 from quota_service.core.model import (
     AdmitParams,
     EndReason,
@@ -1082,30 +1082,46 @@ class InstanceMachine:
     # The engine.
 
     def apply_engine_events(self, batch: EventBatch) -> EngineReport:
-        """Follow what the engine reports it holds (GPU events only): a stored block counts one
-        more copy; a slot whose last copy the engine evicted is freed if nothing references it,
-        else counted as drift; a cleared cache frees every cached slot."""
+        """Follow what the engine reports it holds (GPU events only). Neither the engine nor the
+        ledger de-duplicates identical blocks, and an event names a hash, not a block, so each
+        event's copies of a hash land on one slot: a stored copy on the slot with the fewest
+        copies (a referenced one first, then the lowest id); an evicted copy comes off an
+        unreferenced slot first (the engine evicts only those), one with counted copies before
+        one without. A slot whose last copy went is freed if nothing references it, else it is
+        drift. A cleared cache frees every cached slot."""
         freed = drift = 0
         pool = self.pool
         for event in batch.events:
-            if getattr(event, "medium", "GPU") not in (None, "GPU"):
-                continue
-            if isinstance(event, BlockStored):
-                for key in event.block_hashes:
-                    for block in pool.holding_key(key):
-                        pool.add_copies(block, 1)
-            elif isinstance(event, BlockRemoved):
-                for key in event.block_hashes:
-                    for block in pool.holding_key(key):
-                        if pool.remove_copies(block, 1):
-                            continue
-                        if pool.ref_count(block) == 0:
-                            pool.drop_contents(block)
-                            freed += 1
-                        else:
-                            drift += 1
-            elif isinstance(event, AllBlocksCleared):
+            if isinstance(event, AllBlocksCleared):
                 freed += self.free_cached(pool.capacity)
+                continue
+            if event.medium not in (None, "GPU"):
+                continue
+            for key, copies in Counter(event.block_hashes).items():
+                slots = pool.holding_key(key)
+                if isinstance(event, BlockStored):
+                    if slots:
+                        chosen = min(
+                            slots, key=lambda b: (pool.engine_copies(b), pool.ref_count(b) == 0, b)
+                        )
+                        pool.add_copies(chosen, copies)
+                    continue
+                candidates = [
+                    b for b in slots if pool.engine_copies(b) > 0 or pool.ref_count(b) == 0
+                ]
+                if not candidates:
+                    continue
+                chosen = min(
+                    candidates,
+                    key=lambda b: (pool.ref_count(b) > 0, pool.engine_copies(b) == 0, b),
+                )
+                if pool.remove_copies(chosen, copies):
+                    continue
+                if pool.ref_count(chosen) == 0:
+                    pool.drop_contents(chosen)
+                    freed += 1
+                else:
+                    drift += 1
         self.drift_blocks += drift
         return EngineReport(freed, drift)
 

@@ -355,7 +355,8 @@ class ReclaimTally:
 
 
 # The tiers a job can execute; a plan with steps of another can be made (dry_run), not run:
-# no engine kvquota drives can compress (LMCache's MP mode has no call for it).
+# kvquota does not drive compression yet (LMCache's MP mode has no call for it; see
+# engine/lmcache.py `Capabilities`).
 EXECUTABLE_TIERS = frozenset({Tier.FREE, Tier.OFFLOAD, Tier.EVICT})
 
 

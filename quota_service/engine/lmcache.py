@@ -45,8 +45,10 @@ class CpuTierUsage:
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What an instance's CPU tier can do. LMCache's MP mode has no compression call (its L2
-    serde settings are not exposed), so `can_compress` is False until one exists."""
+    """What an instance's CPU tier can do. LMCache's MP mode has no compression call; an L2
+    adapter with a compressing serde holds chunks in fewer bytes, and deleting chosen chunks
+    from L1 leaves them only there (tests/engines/test_lmcache_compress.py), but kvquota does
+    not drive that yet, so `can_compress` is False."""
 
     chunk_size: int
     l1: CpuTierUsage

@@ -1,12 +1,14 @@
 """Reconciliation: the ledger follows what the engine reports it holds.
 
-- BlockStored: the engine holds a copy of these contents; the ledger's blocks with those hashes
-  are confirmed and count one more copy (the engine does not de-duplicate identical blocks).
-  Blocks the ledger does not know, such as full output blocks, are the engine's own.
-- BlockRemoved: the engine evicted a copy. Once a ledger block's last copy went, it is freed and
-  tombstoned (ENGINE_EVICTED) if nothing references it; if the ledger still references it, that
-  is drift, counted on the instance and left alone (the reservation holding it still owns its
-  budget).
+- BlockStored: the engine holds a copy of these contents. Neither the engine nor the ledger
+  de-duplicates identical blocks, and an event names a hash, not a block: the copy is counted
+  on one ledger block with that hash, the one with the fewest copies (a block being filled now
+  has none). Blocks the ledger does not know, such as full output blocks, are the engine's own.
+- BlockRemoved: the engine evicted a copy, and it evicts only blocks nothing references, so the
+  copy is taken off an unreferenced ledger block with that hash when there is one. Once a ledger
+  block's last copy went, it is freed and tombstoned (ENGINE_EVICTED) if nothing references
+  it; if the ledger still references it, that is drift, counted on the instance and left alone
+  (the reservation holding it still owns its budget).
 - AllBlocksCleared, and any resynchronisation: the engine holds no copies; every cached,
   unreferenced block is freed (ENGINE_CLEARED); after an engine restart the live reservations on
   it end (ENGINE_RESTARTED), since the engine lost their work.
@@ -41,19 +43,37 @@ _COPIES = (
     "(SELECT h, count(*)::int AS copies FROM unnest(CAST(:hashes AS bigint[])) AS h GROUP BY h)"
 )
 
+# The one ledger block per hash that a stored copy lands on: fewest copies first, referenced
+# (being filled now) before cached.
 _STORED = text(
     f"""
-    UPDATE blocks b SET engine_confirmed_at = now(), engine_copies = b.engine_copies + e.copies
-    FROM {_COPIES} e
-    WHERE b.instance = :instance AND b.event_hash = e.h
+    WITH pick AS (
+        SELECT DISTINCT ON (b.event_hash) b.block_id, e.copies
+        FROM blocks b JOIN {_COPIES} e ON b.event_hash = e.h
+        WHERE b.instance = :instance
+        ORDER BY b.event_hash, b.engine_copies, b.ref_count = 0, b.block_id
+    )
+    UPDATE blocks b SET engine_confirmed_at = now(), engine_copies = b.engine_copies + p.copies
+    FROM pick p
+    WHERE b.instance = :instance AND b.block_id = p.block_id
     """
 )
 
+# The one ledger block per hash that an evicted copy is taken from: unreferenced ones first
+# (the engine evicts only those), counted copies before uncounted. A referenced block the engine
+# never reported is not the copy it evicted. Returns the blocks whose last copy went.
 _REMOVED = text(
     f"""
-    UPDATE blocks b SET engine_copies = greatest(b.engine_copies - e.copies, 0)
-    FROM {_COPIES} e
-    WHERE b.instance = :instance AND b.event_hash = e.h
+    WITH pick AS (
+        SELECT DISTINCT ON (b.event_hash) b.block_id, e.copies
+        FROM blocks b JOIN {_COPIES} e ON b.event_hash = e.h
+        WHERE b.instance = :instance AND (b.engine_copies > 0 OR b.ref_count = 0)
+        ORDER BY b.event_hash, b.ref_count > 0, b.engine_copies = 0, b.block_id
+    )
+    UPDATE blocks b SET engine_copies = greatest(b.engine_copies - p.copies, 0)
+    FROM pick p
+    WHERE b.instance = :instance AND b.block_id = p.block_id
+    RETURNING b.block_id, b.engine_copies
     """
 )
 
@@ -61,8 +81,7 @@ _REMOVED = text(
 _REMOVE = text(
     blocks.drop_contents(
         "SELECT block_id, state, content_hash FROM blocks "
-        "WHERE instance = :instance AND event_hash = ANY (CAST(:hashes AS bigint[])) "
-        "AND engine_copies = 0",
+        "WHERE instance = :instance AND block_id = ANY (CAST(:dropped AS integer[]))",
         "ENGINE_EVICTED",
     )
 )
@@ -143,9 +162,12 @@ class Reconciler:
                     await conn.execute(_STORED, self._hashes(instance, event.block_hashes))
                 elif isinstance(event, BlockRemoved):
                     hashes = self._hashes(instance, event.block_hashes)
-                    await conn.execute(_REMOVED, hashes)
-                    row = (await conn.execute(_REMOVE, hashes)).one()
-                    freed, drift = freed + row.freed, drift + row.drift
+                    left = await conn.execute(_REMOVED, hashes)
+                    dropped = [r.block_id for r in left if r.engine_copies == 0]
+                    if dropped:
+                        victims = {"instance": instance, "dropped": dropped}
+                        row = (await conn.execute(_REMOVE, victims)).one()
+                        freed, drift = freed + row.freed, drift + row.drift
             await conn.execute(_APPLIED, {"instance": instance, "seq": seq})
             return freed, drift
 

@@ -141,7 +141,8 @@ async def exported_by_a_server_at_work(database_url: str, settings: Settings) ->
 
             await until(following)
             await gateway.Admit(admit("cached", 32, 1, prompt_token_ids=list(range(32))))
-            await gateway.Admit(admit("big", 4 * 16, 1))  # 3 + 5 blocks: the instance is full
+            # 2 + 6 blocks (one output token never gets a slot): the instance is full.
+            await gateway.Admit(admit("big", 6 * 16, 1))
             await refused(gateway.Admit(admit("late", 16, 1, wait_timeout=seconds(0.1))))
             await refused(gateway.Admit(admit("bad", 0, 1)))
             name = "tenants/acme/reservations/cached"

@@ -99,7 +99,8 @@ async def offboarded_tenant(engine: AsyncEngine, settings: Settings) -> tuple[Le
         await books.update_tenant(tenant, {"namespace": "pub"})
 
     def prompt(request_id: str, ids: list[int], tenant: str = "big") -> AdmitRequest:
-        return replace(request(request_id, len(ids), 1, tenant=tenant), prompt_token_ids=tuple(ids))
+        # Two output tokens: the first gets a slot (vLLM never computes the last one's KV).
+        return replace(request(request_id, len(ids), 2, tenant=tenant), prompt_token_ids=tuple(ids))
 
     # A pin of its own, and a request on top of the pinned prefix.
     await pins.pin("tenants/big", "system", "gpu-0", tokens(1, 3))

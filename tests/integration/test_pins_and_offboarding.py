@@ -42,8 +42,9 @@ def tokens(seed: int, blocks: int, extra: int = 0) -> list[int]:
     return [seed * 1_000_000 + i for i in range(blocks * BS + extra)]
 
 
+# Two output tokens: the first gets a slot in the tail (vLLM never computes the last one's KV).
 def with_tokens(
-    request_id: str, ids: list[int], tenant: str = "acme", output: int = 1
+    request_id: str, ids: list[int], tenant: str = "acme", output: int = 2
 ) -> AdmitRequest:
     return replace(
         request(request_id, len(ids), output, tenant=tenant), prompt_token_ids=tuple(ids)

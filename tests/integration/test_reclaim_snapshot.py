@@ -38,7 +38,8 @@ async def test_the_snapshot_is_the_pool_and_the_plan_counts_only_what_comes_back
     ledger = Ledger(engine, settings.admission_limits)
 
     async def admit(tenant: str, rid: str, tokens: tuple[int, ...]) -> None:
-        base = request(rid, len(tokens), 1, tenant=tenant)
+        # Two output tokens: the first gets a slot (vLLM never computes the last one's KV).
+        base = request(rid, len(tokens), 2, tenant=tenant)
         await ledger.admit(replace(base, prompt_token_ids=tokens))
 
     await Pins(engine, settings.admission_limits).pin(

@@ -62,7 +62,8 @@ async def test_events_confirm_evict_and_count_drift(
         0,
         2,
     )
-    assert (await counters(engine))["instance:gpu-0"]["blocks_in_use"] == 5
+    # The prompt's four blocks (its one output token never gets a slot).
+    assert (await counters(engine))["instance:gpu-0"]["blocks_in_use"] == 4
     # Released, they are cached; when the engine evicts them they are freed and tombstoned.
     await ledger.end("acme", "a", EndReason.RELEASED, 1)
     assert await reconciler.apply("gpu-0", 2, batch(BlockRemoved(tuple(hashes[2:]), "GPU"))) == (
@@ -79,7 +80,7 @@ async def test_events_confirm_evict_and_count_drift(
         drift = (
             await conn.execute(text("SELECT drift_blocks, last_event_seq FROM instances"))
         ).one()
-    assert reasons == ["ENGINE_EVICTED", "ENGINE_EVICTED", "FREED"]
+    assert reasons == ["ENGINE_EVICTED", "ENGINE_EVICTED"]
     assert tuple(drift) == (2, 2)
     # Another medium's events are not about this pool.
     assert await reconciler.apply("gpu-0", 3, batch(BlockRemoved(tuple(hashes[:2]), "CPU"))) == (
@@ -118,6 +119,28 @@ async def test_a_block_the_engine_stored_twice_stays_until_both_copies_went(
     async with engine.connect() as conn:
         copies = await conn.execute(text("SELECT sum(engine_copies) FROM blocks"))
         assert copies.scalar_one() == 0
+    await assert_invariants(engine)
+
+
+async def test_an_evicted_copy_is_the_unreferenced_one_of_its_hash(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """An exact repeat fills its prompt's last block again (vLLM never hits the last token), so
+    engine and ledger both hold that hash twice: the cached copy and the repeat's. The engine
+    evicting the cached copy frees the ledger's cached one, and is no drift: the repeat's block
+    is referenced in the engine too, so it was not the copy evicted."""
+    ledger, reconciler, hashes = await prompt_admitted(engine, settings)
+    await reconciler.apply("gpu-0", 0, batch(BlockStored(hashes, None, tuple(PROMPT), BS, "GPU")))
+    await ledger.end("acme", "a", EndReason.RELEASED, 1)
+    repeat, _ = await ledger.admit(
+        replace(request("b", len(PROMPT), 1), prompt_token_ids=tuple(PROMPT))
+    )
+    assert repeat.prefix_hit_blocks == 3
+    refilled = BlockStored(hashes[3:], hashes[2], tuple(PROMPT[3 * BS :]), BS, "GPU")
+    await reconciler.apply("gpu-0", 1, batch(refilled))
+    assert await reconciler.apply("gpu-0", 2, batch(BlockRemoved(hashes[3:], "GPU"))) == (1, 0)
+    now = await states(engine)
+    assert {now[h.block_id] for h in repeat.block_table} == {("IN_USE", True)}
     await assert_invariants(engine)
 
 

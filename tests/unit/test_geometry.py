@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from quota_service.core.geometry import (
     GeometryError,
+    KvCacheBytes,
     KvDtype,
     KvGeometry,
     MemoryBudget,
@@ -256,6 +257,14 @@ def test_dtype_from_newer_dtype_key_and_default() -> None:
     assert geometry_from_hf_config({**config, "torch_dtype": None}).dtype is KvDtype.BF16
 
 
+def test_a_float32_model_is_cached_in_bfloat16_as_vllm_runs_it() -> None:
+    """vLLM's `auto` dtype downcasts float32 models (`_resolve_auto_dtype`); asked for float32
+    outright, the KV cache is float32."""
+    config = {**LLAMA3_8B_CONFIG, "torch_dtype": "float32"}
+    assert geometry_from_hf_config(config).dtype is KvDtype.BF16
+    assert geometry_from_hf_config(config, KvDtype.FP32).dtype is KvDtype.FP32
+
+
 def test_bad_config_dtype_raises() -> None:
     with pytest.raises(GeometryError, match="dtype"):
         geometry_from_hf_config({**LLAMA3_8B_CONFIG, "torch_dtype": "float64"})
@@ -307,15 +316,32 @@ def test_non_integer_optional_key_is_named() -> None:
 
 
 def test_24gib_card_holds_49152_tokens() -> None:
-    budget = MemoryBudget(total_bytes=24 * GiB, weights_bytes=16 * GiB, overhead_bytes=2 * GiB)
+    budget = MemoryBudget(24 * GiB, 16 * GiB, 2 * GiB, utilization=1.0)
     assert budget.kv_bytes() == 6 * GiB
     assert capacity_tokens(LLAMA_8B, budget) == 49152
     assert capacity_blocks(LLAMA_8B, budget, 16) == 49152 // 16
 
 
-def test_utilization_is_applied_to_total_and_floored() -> None:
+def test_utilization_is_applied_to_total_and_rounded_up_as_vllm_does() -> None:
     budget = MemoryBudget(total_bytes=1001, weights_bytes=100, utilization=0.5)
-    assert budget.kv_bytes() == math.floor(1001 * 0.5) - 100 == 400
+    assert budget.kv_bytes() == math.ceil(1001 * 0.5) - 100 == 401
+
+
+def test_vllms_default_utilization_applies_unless_given() -> None:
+    """The issue's example: Llama-3-8B on 80 GiB with 16 GiB of weights. At utilization 1.0
+    the cache would hold 32,768 blocks; vLLM's default 0.92 leaves ceil(80 GiB x 0.92) - 16 GiB
+    for 29,491 blocks of 2 MiB."""
+    budget = MemoryBudget(total_bytes=80 * GiB, weights_bytes=16 * GiB)
+    assert budget.utilization == 0.92
+    assert capacity_blocks(LLAMA_8B, budget, 16) == 29491
+    whole = MemoryBudget(80 * GiB, 16 * GiB, utilization=1.0)
+    assert capacity_blocks(LLAMA_8B, whole, 16) == 32768
+
+
+def test_a_kv_cache_given_in_bytes_is_the_budget() -> None:
+    assert capacity_blocks(LLAMA_8B, KvCacheBytes(5 * (2 << 20) - 1), 16) == 4
+    with pytest.raises(GeometryError, match="kv_cache_bytes"):
+        KvCacheBytes(0)
 
 
 def test_budget_with_nothing_left_raises() -> None:
@@ -354,7 +380,7 @@ def test_budget_rejects_invalid_fields(kwargs: dict[str, object], field: str) ->
 
 def test_capacity_blocks_rounds_down() -> None:
     block = LLAMA_8B.bytes_per_block(16)
-    budget = MemoryBudget(total_bytes=4 * block - 1, weights_bytes=0)
+    budget = MemoryBudget(total_bytes=4 * block - 1, weights_bytes=0, utilization=1.0)
     assert capacity_blocks(LLAMA_8B, budget, 16) == 3
     assert capacity_tokens(LLAMA_8B, budget) == 4 * 16 - 1
 
@@ -398,6 +424,10 @@ def test_blocks_for_tokens_rejects_invalid(tokens: int, block_size: int) -> None
         (4096, 0, 1, 16, 256),
         (4096, 0, 8, 16, 256),  # exact multiple, no output: only shared blocks
         (1, 0, 3, 16, 3),
+        # vLLM never computes the last output token's KV: 1,024 + 1 tokens fit 64 blocks.
+        (1024, 1, 1, 16, 64),
+        (1024, 17, 1, 16, 65),
+        (1023, 1, 2, 16, 63 + 2),
     ],
 )
 def test_blocks_for_request(
@@ -432,12 +462,13 @@ block_sizes = st.integers(min_value=1, max_value=256)
 
 @given(prompts, outputs, block_sizes)
 def test_single_sequence_request_is_plain_ceiling(p: int, m: int, bs: int) -> None:
-    assert blocks_for_request(p, m, 1, bs) == blocks_for_tokens(p + m, bs)
+    assert blocks_for_request(p, m, 1, bs) == blocks_for_tokens(p + max(m, 1) - 1, bs)
 
 
 @given(prompts, outputs, fanouts, block_sizes)
 def test_fanout_costs_between_one_and_n_unshared_sequences(p: int, m: int, n: int, bs: int) -> None:
     blocks = blocks_for_request(p, m, n, bs)
-    assert blocks_for_request(p, m, 1, bs) <= blocks <= n * blocks_for_tokens(p + m, bs)
-    # Every token in flight has a slot: shared prompt blocks plus per-sequence tails.
-    assert blocks * bs >= (p // bs) * bs + n * (p % bs + m)
+    computed = p + max(m, 1) - 1
+    assert blocks_for_request(p, m, 1, bs) <= blocks <= n * blocks_for_tokens(computed, bs)
+    # Every token the engine computes has a slot: shared prompt blocks plus per-sequence tails.
+    assert blocks * bs >= (p // bs) * bs + n * (computed - p // bs * bs)

@@ -348,3 +348,28 @@ def test_a_shadow_tenant_over_its_quota_is_admitted_and_told_why_it_would_not_ha
     assert m.get("a", "r2").snapshot().shadow_refusal == "TENANT_QUOTA_EXCEEDED"
     recount(m)
     check_recovery(m)
+
+
+def test_a_copy_lands_on_one_slot_of_its_hash_and_an_eviction_comes_off_an_unreferenced_one() -> (
+    None
+):
+    """An exact repeat puts its last prompt block's hash on a second slot, as vLLM does: the
+    engine's stored copy belongs to the new slot, and the copy it evicts later is the one
+    nothing references, so neither is drift."""
+    m = machine(blocks=8)
+    prompt = tuple(range(32))
+    keys = [event_hash(h) for h in block_hashes(prompt, 16, "salt-a")]
+    admit(m, "r1", 32, 16, ids=prompt)  # slots 0, 1 hashed; 2 the tail
+    m.apply_engine_events(
+        EventBatch(NOW, (BlockStored(tuple(keys), None, prompt, 16, "GPU"),), None)
+    )
+    admit(m, "r2", 32, 16, ids=prompt)  # hits 0; the last prompt block again at 3
+    again = BlockStored((keys[1],), keys[0], prompt[16:], 16, "GPU")
+    m.apply_engine_events(EventBatch(NOW, (again,), None))
+    assert (m.pool.engine_copies(1), m.pool.engine_copies(3)) == (1, 1)
+    m.end("a", "r1", EndReason.RELEASED, NOW)  # slot 1 is cached now, 3 still in use
+    report = m.apply_engine_events(EventBatch(NOW, (BlockRemoved((keys[1],), "GPU"),), None))
+    assert (report.freed, report.drift) == (1, 0)
+    assert m.pool.state(1) == "FREE" and m.pool.engine_copies(3) == 1
+    recount(m)
+    check_recovery(m)

@@ -1,0 +1,62 @@
+"""The drift benchmark as a contract test: the ledger books what a real vLLM holds, request by
+request, under a mixed load (bench/fidelity.py). It runs one round of the load here (about a
+minute); `make bench-fidelity` runs it for minutes (KVQUOTA_FIDELITY_SECONDS) and writes the
+figures to docs/benchmarks-fidelity.md (KVQUOTA_FIDELITY_REPORT)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from bench.fidelity import Endpoints, FidelityRun, write
+from bench.harness import machine
+from quota_service.jobs.cpu_tier import CpuTierMirror
+from quota_service.jobs.reclaim import ReclaimExecutor
+from quota_service.jobs.termination import Termination
+from quota_service.store.cpu_tier import CpuTierBooks
+from quota_service.store.reclaim import ReclaimJobs
+from quota_service.store.reconcile import Reconciler
+from tests.engines.test_follow_live import followed_engine
+
+
+@pytest.mark.timeout(1200)  # vLLM's start, then a round (or KVQUOTA_FIDELITY_SECONDS) of load
+async def test_the_ledger_books_what_vllm_holds(
+    engine_python: Path, tiny_model: Path, tmp_path: Path, engine: AsyncEngine, database_url: str
+) -> None:
+    seconds = float(os.environ.get("KVQUOTA_FIDELITY_SECONDS", "0"))  # 0: one round
+    async with followed_engine(
+        engine_python, tiny_model, tmp_path / "vllm.log", engine, database_url
+    ) as followed:
+        live, ledger = followed.live, followed.ledger
+        termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
+        jobs = ReclaimJobs(engine)
+        where = Endpoints("live", "acme", live.model, live.base_url, live.events, live.replay)
+        run = FidelityRun(
+            where,
+            engine,
+            ledger,
+            Reconciler(engine, ledger),
+            termination,
+            ReclaimExecutor(jobs, termination, CpuTierMirror(CpuTierBooks(engine))),
+            jobs,
+        )
+        try:
+            report = await run.run(seconds)
+        finally:
+            await termination.close()
+    if out := os.environ.get("KVQUOTA_FIDELITY_REPORT"):
+        described = machine(database_url)
+        write(report, f"{described['cpu']}, {described['cores']} cores", Path(out))
+    before_reclaim = [r for r in report.requests if not r.phase.startswith("repeats after")]
+    assert [r for r in before_reclaim if not r.agrees] == []
+    # Until a reservation takes more blocks than the engine will (a cut request reserves its
+    # whole output at admission and may evict cached blocks vLLM keeps), once the ledger applied
+    # every event the cached sets are equal.
+    first_cut = next(i for i, p in enumerate(report.phases) if p.phase.endswith("cancel and abort"))
+    settled = report.phases[:first_cut]
+    assert all(p.caught_up and p.only_in_ledger == p.only_in_engine == 0 for p in settled), settled
+    assert (report.drift_blocks, report.resyncs) == (0, 0)
+    assert report.evictions_followed > 0  # the pool was small enough that the engine evicted
