@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
+
 import httpx
 
 from kvquota.client import AsyncKvquotaClient
 from kvquota.v1 import resources_pb2 as pb
-from tests.engines.conftest import MAX_MODEL_LEN
+from tests.engines.conftest import MAX_MODEL_LEN, stop_vllm
 from tests.gateways.calls import (
     blocks_in_use,
     chat,
@@ -18,8 +22,9 @@ from tests.gateways.calls import (
     stream_chat,
     until_engine_idle,
 )
-from tests.gateways.conftest import Stack
+from tests.gateways.conftest import Stack, gateway_config, start_litellm
 from tests.gateways.test_envoy import LONG, LONG_TOKENS, admit_directly, cancel
+from tests.integration.grpc_helpers import free_port
 
 ACME = {"authorization": "Bearer acme-key"}
 CALL_ID = "x-litellm-call-id"
@@ -98,3 +103,32 @@ async def test_a_whole_answer_is_released_and_an_upstream_error_cancelled(
     held = await ended(kvquota, "acme", refused.headers[CALL_ID])
     assert held.end_reason == pb.END_REASON_CANCELLED
     assert await reservation(kvquota, "acme", refused.headers[CALL_ID]) == held
+
+
+async def test_a_proxy_killed_mid_stream_leaves_the_lease_to_free_the_blocks(
+    stack: Stack, kvquota: AsyncKvquotaClient, gateways_bin: Path
+) -> None:
+    """Its own proxy, so the session's stays up."""
+    work = stack.logs / "killed-litellm"
+    work.mkdir(exist_ok=True)
+    # The adapters share one configuration; its external processor's address is unused here.
+    config = gateway_config(work, stack.kvquota, stack.engine, f"127.0.0.1:{free_port()}")
+    proxy, url = start_litellm(gateways_bin, work, config, stack.engine, work / "litellm.log")
+    try:
+        generated = metric(await engine_metrics(stack.engine), "vllm:generation_tokens_total")
+        body = chat(prompt_text(), model=stack.engine.model, **LONG)
+        cut = await stream_chat(
+            url,
+            ACME,
+            body,
+            stop_after_events=3,
+            then=lambda: os.killpg(proxy.pid, signal.SIGKILL),
+        )
+        held = await ended(kvquota, "acme", cut.headers[CALL_ID])
+        assert held.end_reason == pb.END_REASON_LEASE_EXPIRED
+        after = await until_engine_idle(stack.engine)
+        # vLLM sees its client go with the proxy, and stops the generation.
+        assert metric(after, "vllm:generation_tokens_total") - generated < LONG_TOKENS
+        assert await blocks_in_use(kvquota) == 0
+    finally:
+        stop_vllm(proxy)
