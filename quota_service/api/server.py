@@ -286,6 +286,7 @@ async def serve(settings: Settings, database_url: str) -> None:
     if running.metrics_port is not None:
         metrics = f"{settings.metrics_listen.rsplit(':', 1)[0]}:{running.metrics_port}"
         print(f"kvquota serving metrics on http://{metrics}/metrics", flush=True)
+    print("kvquota: Ctrl-C or SIGTERM stops it, after in-flight calls finish", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -23,6 +23,11 @@ def start(data_dir: Path) -> str:
         warnings.simplefilter("ignore")
         import pgserver
 
+    # pgserver narrates every command it runs at INFO; a new user needs none of it unless
+    # KVQUOTA_LOG_LEVEL=DEBUG asks for everything.
+    narrator = logging.getLogger("pgserver")
+    if not narrator.isEnabledFor(logging.DEBUG):
+        narrator.setLevel(logging.WARNING)
     pgdata = (data_dir / "pgdata").resolve()
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     server = pgserver.get_server(pgdata, cleanup_mode="stop")
