@@ -177,12 +177,6 @@ class BlockPool:
             block = self._next[block]
         return order
 
-    def hashed_slots(self) -> Iterable[int]:
-        """Every slot that holds a hash (cached or referenced)."""
-        yield from self._by_key.values()
-        for more in self._more_by_key.values():
-            yield from more
-
     # Transitions.
 
     def reference_all(self, blocks: Iterable[int], pinned: bool) -> None:

@@ -18,8 +18,8 @@ live reservations (for its retry delay).
 
 from __future__ import annotations
 
-import math
 from array import array
+from bisect import insort
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -502,7 +502,7 @@ class InstanceMachine:
         # Requests already waiting go first: nobody jumps the queue, however small.
         if isinstance(verdict, Grant) and ahead == 0:
             record = ReservationRecord(request, verdict.blocks, verdict.tokens, 0.0)
-            self._charge_fair_share(record, here, now)
+            self._charge_fair_share(record, here)
             self._grant(record, verdict, hit_blocks, table, here, now)
             return record
         shortfall = (
@@ -667,21 +667,17 @@ class InstanceMachine:
         else:
             mean_hold = self.mean_hold_seconds
             live = [r for r in self.reservations.values() if r.on_gpu]
-        moment = _time(now)
-        assert moment is not None
         holdings = [
             Holding(
                 admission.expected_end(
-                    _required(_time(r.admitted_at)),
-                    _required(_time(r.lease_expires_at)),
-                    mean_hold,
+                    _moment(r.admitted_at), _moment(r.lease_expires_at), mean_hold
                 ),
                 r.reserved_blocks,
                 r.tokens,
             )
             for r in live
         ]
-        delay = admission.retry_delay(shortfall, holdings, moment, self.limits)
+        delay = admission.retry_delay(shortfall, holdings, _moment(now), self.limits)
         if ahead:
             by_queue = queueing.queue_delay(ahead, mean_hold, len(live), self.limits)
             delay = max(delay, by_queue) if by_queue is not None else delay
@@ -698,10 +694,14 @@ class InstanceMachine:
         """Requests queued at this priority or higher."""
         return sum(count for queued, count in self._queued_at.items() if queued >= priority)
 
-    def _charge_fair_share(self, record: ReservationRecord, here: TenantHere, now: float) -> None:
+    def _charge_fair_share(self, record: ReservationRecord, here: TenantHere) -> None:
         """Every admission is charged to its tenant's fair clock, queued or not: a tenant whose
         requests are admitted straight away must not find its next queued one at the front."""
         self._tag(record, here)
+        self._advance_virtual_time(record)
+
+    def _advance_virtual_time(self, record: ReservationRecord) -> None:
+        """The class's virtual time is the start tag of the request admitted last."""
         priority = record.params.priority
         self.virtual_time[priority] = max(self.virtual_time.get(priority, 0.0), record.tags.start)
 
@@ -732,19 +732,11 @@ class InstanceMachine:
         self._touch(record)
 
     def _queue_insert(self, record: ReservationRecord) -> None:
-        entry = (-record.params.priority, record.tags.start, record.arrival, record.key)
-        low, high = 0, len(self._queue)
-        while low < high:
-            middle = (low + high) // 2
-            if self._queue[middle] < entry:
-                low = middle + 1
-            else:
-                high = middle
-        self._queue.insert(low, entry)
+        insort(self._queue, _queue_entry(record))
         self._queued_at[record.params.priority] += 1
 
     def _dequeue(self, record: ReservationRecord) -> None:
-        self._queue.remove((-record.params.priority, record.tags.start, record.arrival, record.key))
+        self._queue.remove(_queue_entry(record))
         self._queued_at[record.params.priority] -= 1
         here = self.tenants[record.key[0]]
         here.queued -= 1
@@ -781,19 +773,11 @@ class InstanceMachine:
             except KvQuotaError:
                 # Suspended, draining, or a quota cut below it: it waits (or times out) in place.
                 continue
-            waited = now - record.queued_at
-            decision: admission.AdmissionPlan | Shortfall = (
-                verdict
-                if isinstance(verdict, Shortfall)
-                else admission.AdmissionPlan(verdict.blocks, verdict.tokens, 0.0)
-            )
-            step = rules.step(p.priority, record.tags, decision, waited)
+            step = rules.step(p.priority, record.tags, verdict, now - record.queued_at)
             if step is queueing.Step.ADMIT:
                 assert isinstance(verdict, Grant)
                 self._dequeue(record)
-                self.virtual_time[p.priority] = max(
-                    self.virtual_time.get(p.priority, 0.0), record.tags.start
-                )
+                self._advance_virtual_time(record)
                 if record.offloaded_bytes is not None:
                     record.offloaded_bytes = None
                     record.suspended_at = None
@@ -982,7 +966,7 @@ class InstanceMachine:
         if isinstance(verdict, Grant) and ahead == 0:
             record.offloaded_bytes = None
             record.suspended_at = None
-            self._charge_fair_share(record, here, now)
+            self._charge_fair_share(record, here)
             self._grant(record, verdict, [], table, here, now)
             return record
         if wait_seconds <= 0:
@@ -1158,6 +1142,11 @@ class InstanceMachine:
         self.changes.reservations[record.key] = record
 
 
+def _queue_entry(record: ReservationRecord) -> tuple[int, float, int, tuple[str, str]]:
+    """Its key in the queue's dispatch order: priority (highest first), start tag, arrival."""
+    return -record.params.priority, record.tags.start, record.arrival, record.key
+
+
 def _count(held: dict[int, int], blocks: Sequence[int]) -> None:
     """One entry more per block (a table names each block once)."""
     if held.keys().isdisjoint(blocks):
@@ -1183,7 +1172,7 @@ def _unhold(held: dict[int, int], blocks: Sequence[int]) -> None:
 
 
 def _ewma(mean: float | None, observed: float) -> float:
-    if mean is None or math.isnan(mean):
+    if mean is None:
         return observed
     return (1 - HOLD_EWMA_ALPHA) * mean + HOLD_EWMA_ALPHA * observed
 
@@ -1192,6 +1181,7 @@ def _time(seconds: float | None) -> datetime | None:
     return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
 
 
-def _required(value: datetime | None) -> datetime:
-    assert value is not None
-    return value
+def _moment(seconds: float | None) -> datetime:
+    """A time that is always set where it is read (a live reservation's admission, say)."""
+    assert seconds is not None
+    return datetime.fromtimestamp(seconds, UTC)

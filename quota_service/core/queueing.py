@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from quota_service.core.admission import AdmissionLimits, AdmissionPlan, Shortfall
+from quota_service.core.admission import AdmissionLimits, AdmissionPlan, Grant, Shortfall
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.reasons import Reason
 
@@ -132,11 +132,11 @@ class DispatchPass:
         self,
         priority: int,
         tags: FairTags,
-        decision: AdmissionPlan | Shortfall,
+        decision: AdmissionPlan | Grant | Shortfall,
         waited_seconds: float,
     ) -> Step:
         barrier = self.barriers.get(priority)
-        if isinstance(decision, AdmissionPlan):
+        if not isinstance(decision, Shortfall):  # it fits
             return Step.ADMIT if barrier is None or tags.start < barrier else Step.PASS
         if decision.scope == "tenant":
             return Step.SKIP

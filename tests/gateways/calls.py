@@ -16,8 +16,12 @@ import httpx
 
 from kvquota.client import AsyncKvquotaClient
 from kvquota.v1 import admin_pb2, admission_pb2, resources_pb2
-from tests.engines.conftest import Engine
+from tests.engines.conftest import MAX_MODEL_LEN, Engine
 from tests.gateways.conftest import INSTANCE
+
+# A generation long enough to outlast its being cut off: it never stops early by itself.
+LONG_TOKENS = MAX_MODEL_LEN // 2
+LONG: dict[str, object] = {"max_tokens": LONG_TOKENS, "ignore_eos": True}
 
 
 def prompt_text() -> str:
@@ -137,3 +141,26 @@ async def until_engine_idle(engine: Engine, seconds: float = 30) -> str:
             return text
         await asyncio.sleep(0.1)
     raise AssertionError("vLLM still runs a request")
+
+
+async def cut_long_stream(
+    engine: Engine,
+    kvquota: AsyncKvquotaClient,
+    url: str,
+    headers: dict[str, str],
+    request_id: Callable[[Streamed], str],
+    end_reason: int,
+    then: Callable[[], object] | None = None,
+) -> None:
+    """Stream a long generation of tenant acme and cut it after three events: the client goes
+    away, or `then` kills a gateway process. The reservation must end with `end_reason`, the
+    engine stop the generation early, and no block stay in use."""
+    generated = metric(await engine_metrics(engine), "vllm:generation_tokens_total")
+    body = chat(prompt_text(), model=engine.model, **LONG)
+    cut = await stream_chat(url, headers, body, stop_after_events=3, then=then)
+    held = await ended(kvquota, "acme", request_id(cut))
+    assert held.end_reason == end_reason
+    after = await until_engine_idle(engine)
+    # Stopped, not finished: it would have generated all its tokens (ignore_eos).
+    assert metric(after, "vllm:generation_tokens_total") - generated < LONG_TOKENS
+    assert await blocks_in_use(kvquota) == 0

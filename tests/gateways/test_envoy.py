@@ -14,15 +14,15 @@ from kvquota.v1 import admission_pb2
 from kvquota.v1 import resources_pb2 as pb
 from tests.engines.conftest import MAX_MODEL_LEN, stop_vllm
 from tests.gateways.calls import (
-    blocks_in_use,
+    Streamed,
     chat,
+    cut_long_stream,
     ended,
     engine_metrics,
     metric,
     prompt_text,
     reservation,
     stream_chat,
-    until_engine_idle,
 )
 from tests.gateways.conftest import (
     INSTANCE,
@@ -38,8 +38,11 @@ from tests.integration.grpc_helpers import free_port
 ACME = {"x-api-key": "acme-key"}
 GLOBEX = {"x-api-key": "globex-key"}
 # Long enough to be running when the client or the gateway goes away.
-LONG_TOKENS = MAX_MODEL_LEN // 2
-LONG: dict[str, object] = {"max_tokens": LONG_TOKENS, "ignore_eos": True}
+
+
+def first_request_id(streamed: Streamed) -> str:
+    """The request id vLLM ran a stream under, from its first event."""
+    return request_id_of(streamed.events[0]["id"])
 
 
 def request_id_of(response_id: str) -> str:
@@ -146,15 +149,9 @@ async def test_refusals_are_answered_by_the_gateway_and_never_reach_vllm(
 async def test_a_client_that_goes_away_cancels_and_vllm_aborts(
     stack: Stack, kvquota: AsyncKvquotaClient
 ) -> None:
-    generated = metric(await engine_metrics(stack.engine), "vllm:generation_tokens_total")
-    body = chat(prompt_text(), model=stack.engine.model, **LONG)
-    gone = await stream_chat(stack.envoy_url, ACME, body, stop_after_events=3)
-    held = await ended(kvquota, "acme", request_id_of(gone.events[0]["id"]))
-    assert held.end_reason == pb.END_REASON_CANCELLED
-    after = await until_engine_idle(stack.engine)
-    # Stopped, not finished: it would have generated all its tokens (ignore_eos).
-    assert metric(after, "vllm:generation_tokens_total") - generated < LONG_TOKENS
-    assert await blocks_in_use(kvquota) == 0
+    await cut_long_stream(
+        stack.engine, kvquota, stack.envoy_url, ACME, first_request_id, pb.END_REASON_CANCELLED
+    )
 
 
 async def test_a_whole_answer_is_released_and_an_upstream_error_cancelled(
@@ -195,20 +192,15 @@ async def test_a_processor_killed_mid_stream_leaves_the_lease_to_free_the_blocks
     envoy_config = envoy_yaml(work, envoy_port, stack.engine, ext_proc_port)
     envoy = start_envoy(gateways_bin, envoy_config, envoy_port, work / "envoy.log")
     try:
-        generated = metric(await engine_metrics(stack.engine), "vllm:generation_tokens_total")
-        body = chat(prompt_text(), model=stack.engine.model, **LONG)
-        cut = await stream_chat(
+        await cut_long_stream(
+            stack.engine,
+            kvquota,
             f"http://127.0.0.1:{envoy_port}",
             ACME,
-            body,
-            stop_after_events=3,
+            first_request_id,
+            pb.END_REASON_LEASE_EXPIRED,
             then=lambda: os.killpg(processor.pid, signal.SIGKILL),
         )
-        held = await ended(kvquota, "acme", request_id_of(cut.events[0]["id"]))
-        assert held.end_reason == pb.END_REASON_LEASE_EXPIRED
-        after = await until_engine_idle(stack.engine)
-        assert metric(after, "vllm:generation_tokens_total") - generated < LONG_TOKENS
-        assert await blocks_in_use(kvquota) == 0
     finally:
         stop_vllm(envoy)
         stop_vllm(processor)
