@@ -33,13 +33,15 @@ NO_SCOPE = -1
 
 @dataclass(frozen=True, slots=True)
 class SlotContents:
-    """A slot that holds anything, as the record keeps it."""
+    """A slot that holds a hash, as the record keeps it."""
 
     block: int
     generation: int
-    digest: bytes | None
+    digest: bytes
     scope: int
     engine_copies: int
+    # When it last joined the LRU list: cached slots are evicted lowest first.
+    lru_seq: int = 0
 
 
 class BlockPool:
@@ -69,6 +71,13 @@ class BlockPool:
         sentinel = capacity
         self._next = array("i", [sentinel]) * (capacity + 1)
         self._prev = array("i", [sentinel]) * (capacity + 1)
+        # Each slot's place in that order as a number, so that the record can keep the order
+        # as one value per slot that changed (not as a list rewritten on every release).
+        self._lru_seq = array("q", bytes(8 * capacity))
+        self._lru_clock = 0
+        # Slots whose recorded contents (hash, generation, copies, LRU place) changed since the
+        # journal last took them (`drain_dirty`).
+        self._dirty: set[int] = set()
         self._free_chunks = [
             (1 << min(_CHUNK_BITS, capacity - start)) - 1
             for start in range(0, capacity, _CHUNK_BITS)
@@ -202,6 +211,7 @@ class BlockPool:
         """`unreference` each, in order (callers give a table's entries tail first)."""
         refs, pins, scopes = self._refs, self._pins, self._scope
         nxt, prev, sentinel = self._next, self._prev, self.capacity
+        lru_seq, dirty = self._lru_seq, self._dirty
         for block in blocks:
             count = refs[block]
             if count > 1 and count != pins[block] and count - 1 != pins[block] - pinned:
@@ -221,6 +231,9 @@ class BlockPool:
                     nxt[block] = sentinel
                     prev[sentinel] = block
                     self.cached_count += 1
+                    self._lru_clock += 1
+                    lru_seq[block] = self._lru_clock
+                    dirty.add(block)
             else:
                 self.unreference(block, pinned)
 
@@ -282,6 +295,7 @@ class BlockPool:
             if digest is not None:
                 scopes[block] = scope
                 self._index(block, digest)
+                self._dirty.add(block)
             chosen.append(block)
         return chosen
 
@@ -296,15 +310,27 @@ class BlockPool:
         self._copies[block] = 0
         self._generation[block] += 1
         self._mark_free(block)
+        self._dirty.add(block)
 
     def add_copies(self, block: int, copies: int) -> None:
         self._copies[block] += copies
+        self._dirty.add(block)
 
     def remove_copies(self, block: int, copies: int) -> int:
         """Copies left after the engine evicted `copies` of them (never below zero)."""
         left = max(self._copies[block] - copies, 0)
         self._copies[block] = left
+        self._dirty.add(block)
         return left
+
+    def drain_dirty(self) -> tuple[list[SlotContents], list[int]]:
+        """What the record must learn since the last call: the slots that hold contents now
+        (as `contents` gives them) and the slots whose contents were dropped."""
+        dirty, self._dirty = sorted(self._dirty), set()
+        scopes = self._scope
+        held = [self._contents(b) for b in dirty if scopes[b] != NO_SCOPE]
+        dropped = [b for b in dirty if scopes[b] == NO_SCOPE]
+        return held, dropped
 
     @classmethod
     def rebuild(
@@ -312,45 +338,57 @@ class BlockPool:
         capacity: int,
         generation_floor: int,
         contents: Iterable[SlotContents],
-        references: Iterable[tuple[int, bool]],
+        references: Iterable[tuple[int, int, bool]],
     ) -> BlockPool:
-        """Recovery: the pool a record describes. `contents` are the slots holding anything
-        (cached ones in LRU order, the next to be evicted first); `references` the live table
-        entries and pins naming them (slot, pinned). Every other slot is free, with a generation
-        of `generation_floor`: above any handle issued before, so all of those are stale."""
+        """Recovery: the pool a record describes. `contents` are the slots holding a hash, in
+        any order (cached ones go back in the order of their `lru_seq`); `references` the live
+        table entries and pins, as (slot, generation, pinned): a referenced slot without a hash
+        takes its generation from them. Every other slot is free, with a generation of
+        `generation_floor`: above any handle issued before, so all of those are stale."""
         pool = cls(capacity, generation_floor)
-        restored = []
+        hashed = []
         for slot in contents:
-            pool._pop_free_slot(slot.block)
-            pool._generation[slot.block] = slot.generation
-            pool._copies[slot.block] = slot.engine_copies
-            if slot.digest is not None:
-                pool._scope[slot.block] = slot.scope
-                pool._index(slot.block, slot.digest)
-            restored.append(slot.block)
-        for block, pinned in references:
-            pool._refs[block] += 1
-            pool._pins[block] += pinned
-        for block in restored:
-            refs = pool._refs[block]
-            if refs == 0:
-                assert pool._scope[block] != NO_SCOPE, f"slot {block}: neither held nor cached"
-                pool._append_lru(block)
-                pool.cached_count += 1
-            elif refs == pool._pins[block]:
-                pool.pinned_only_count += 1
+            block = slot.block
+            pool._pop_free_slot(block)
+            pool._generation[block] = slot.generation
+            pool._copies[block] = slot.engine_copies
+            pool._lru_seq[block] = slot.lru_seq
+            pool._scope[block] = slot.scope
+            pool._index(block, slot.digest)
+            hashed.append(block)
+        refs, pins, scopes = pool._refs, pool._pins, pool._scope
+        referenced = set()
+        for block, generation, pinned in references:
+            if not refs[block] and scopes[block] == NO_SCOPE:
+                pool._pop_free_slot(block)
+                pool._generation[block] = generation
+            refs[block] += 1
+            pins[block] += pinned
+            referenced.add(block)
+        pool.pinned_only_count = sum(1 for b in referenced if refs[b] == pins[b])
+        cached = [b for b in hashed if not refs[b]]
+        lru_seq = pool._lru_seq
+        cached.sort(key=lru_seq.__getitem__)
+        for block in cached:
+            pool._link_tail(block)
+        pool.cached_count = len(cached)
+        pool._lru_clock = max((lru_seq[b] for b in hashed), default=0)
         return pool
 
     def contents(self) -> list[SlotContents]:
-        """What `rebuild` needs of the slots: every slot holding anything, cached ones last and
-        in LRU order."""
-        held = [b for b in range(self.capacity) if self._refs[b]]
-        return [self._contents(b) for b in [*held, *self.lru_order()]]
+        """What `rebuild` needs of the slots besides the tables: every slot holding a hash."""
+        scopes = self._scope
+        return [self._contents(b) for b in range(self.capacity) if scopes[b] != NO_SCOPE]
 
     def _contents(self, block: int) -> SlotContents:
-        scope = self._scope[block]
+        start = block * DIGEST_BYTES
         return SlotContents(
-            block, self._generation[block], self.content_hash(block), scope, self._copies[block]
+            block,
+            self._generation[block],
+            bytes(self._digests[start : start + DIGEST_BYTES]),
+            self._scope[block],
+            self._copies[block],
+            self._lru_seq[block],
         )
 
     # Mechanics.
@@ -382,6 +420,12 @@ class BlockPool:
             del self._more_by_key[key]
 
     def _append_lru(self, block: int) -> None:
+        self._lru_clock += 1
+        self._lru_seq[block] = self._lru_clock
+        self._dirty.add(block)
+        self._link_tail(block)
+
+    def _link_tail(self, block: int) -> None:
         sentinel = self.capacity
         tail = self._prev[sentinel]
         self._next[tail] = block
@@ -424,3 +468,14 @@ class BlockPool:
         if not bits:
             self._free_nonempty ^= 1 << chunk
         self.free_count -= 1
+
+
+def record_slot_changes(
+    recorded: dict[int, SlotContents], held: Iterable[SlotContents], dropped: Iterable[int]
+) -> None:
+    """Bring a record of slot contents (slot: contents) up to date with what `drain_dirty`
+    gave, in order: a checkpoint followed by its deltas is the pool's contents now."""
+    for slot in held:
+        recorded[slot.block] = slot
+    for block in dropped:
+        recorded.pop(block, None)

@@ -113,12 +113,15 @@ class HeldTable:
     def live_blocks(self) -> list[int]:
         return [b for b, gone in zip(self.blocks, self.released, strict=True) if not gone]
 
-    def handles(self) -> tuple[BlockHandle, ...]:
-        return tuple(
-            BlockHandle(b, g)
+    def live_handles(self) -> list[tuple[int, int]]:
+        return [
+            (b, g)
             for b, g, gone in zip(self.blocks, self.generations, self.released, strict=True)
             if not gone
-        )
+        ]
+
+    def handles(self) -> tuple[BlockHandle, ...]:
+        return tuple(BlockHandle(b, g) for b, g in self.live_handles())
 
 
 class ReservationRecord:
@@ -305,10 +308,13 @@ class EngineReport:
 
 @dataclass(slots=True)
 class Changes:
-    """What operations changed since the journal last took them: whole records to write."""
+    """What operations changed since the journal last took them: whole records to write, and
+    the slots whose recorded contents changed (`BlockPool.drain_dirty`)."""
 
     reservations: dict[tuple[str, str], ReservationRecord] = field(default_factory=dict)
     pins: dict[tuple[str, str], PinRecord | None] = field(default_factory=dict)
+    slots: list[SlotContents] = field(default_factory=list)
+    dropped_slots: list[int] = field(default_factory=list)
 
 
 class InstanceMachine:
@@ -382,7 +388,7 @@ class InstanceMachine:
         pins = [p.copy() for p in image.pins]
         tables = [r.table for r in reservations if r.table is not None]
         tables += [p.table for p in pins]
-        references = [(b, t.pinned) for t in tables for b in t.live_blocks()]
+        references = [(b, g, t.pinned) for t in tables for b, g in t.live_handles()]
         machine.pool = BlockPool.rebuild(
             spec.capacity_blocks, generation_floor, image.slots, references
         )
@@ -421,6 +427,7 @@ class InstanceMachine:
 
     def drain_changes(self) -> Changes:
         taken, self.changes = self.changes, Changes()
+        taken.slots, taken.dropped_slots = self.pool.drain_dirty()
         return taken
 
     # Reads.

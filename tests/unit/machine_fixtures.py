@@ -4,8 +4,10 @@ of everything the machine keeps incrementally (DESIGN.md invariants 1-4)."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 from quota_service.config import Settings
+from quota_service.core.block_pool import SlotContents
 from quota_service.core.instance_machine import HeldTable, InstanceMachine, TenantSettings
 from quota_service.core.model import InstanceSpec, QueueBounds, TenantQuota, TenantState
 
@@ -73,12 +75,18 @@ def recount(machine: InstanceMachine) -> None:
         assert here.tokens == tokens[name], f"tenant {name}: tokens in flight"
 
 
-def check_recovery(live: InstanceMachine) -> None:
+def check_recovery(live: InstanceMachine, recorded: dict[int, SlotContents] | None = None) -> None:
     """A new owner rebuilding the machine from its image must hold exactly what the live one
-    holds; free slots only need generations above any the live one issued."""
+    holds; free slots only need generations above any the live one issued. With `recorded`
+    (slot contents kept from the machine's changes, as the journal keeps them), the image's
+    slots are those, and they must be the pool's contents."""
+    image = live.image()
+    if recorded is not None:
+        assert recorded == {slot.block: slot for slot in image.slots}
+        image = replace(image, slots=tuple(recorded.values()))
     floor = max(live.pool.generation(b) for b in range(live.pool.capacity)) + 1
     settings = [here.settings for here in live.tenants.values()]
-    fresh = InstanceMachine.recover(live.spec, live.limits, settings, live.image(), floor)
+    fresh = InstanceMachine.recover(live.spec, live.limits, settings, image, floor)
     old, new = live.pool, fresh.pool
     for block in range(old.capacity):
         state = old.state(block)

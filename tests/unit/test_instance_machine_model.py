@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from quota_service.core.admission import AdmitRequest
+from quota_service.core.block_pool import SlotContents, record_slot_changes
 from quota_service.core.block_table import BlockHandle
 from quota_service.core.instance_machine import Elsewhere, InstanceMachine, TenantSettings
 from quota_service.core.model import AdmitParams, EndReason, InstanceSpec, TenantState
@@ -42,6 +43,8 @@ class MachinesVersusModel(LedgerRules):
             name: InstanceMachine(InstanceSpec(name, "m", None, BS, blocks, 8192), limits)
             for name, blocks in INSTANCES.items()
         }
+        # Each machine's slot contents as the journal records them, from its changes.
+        self.recorded: dict[str, dict[int, SlotContents]] = {name: {} for name in INSTANCES}
 
     def build_fleet(self) -> tuple[dict[str, str], str]:
         salts = {name: f"salt-{name}" for name in TENANTS}
@@ -140,7 +143,9 @@ class MachinesVersusModel(LedgerRules):
                 for b in range(pool.capacity)
             ]
             recount(machine)
-            check_recovery(machine)
+            changes = machine.drain_changes()
+            record_slot_changes(self.recorded[name], changes.slots, changes.dropped_slots)
+            check_recovery(machine, self.recorded[name])
         tenants: list[TenantRow] = []
         for tenant in sorted(TENANTS):
             holdings = [m.tenants[tenant] for m in self.machines.values()]
