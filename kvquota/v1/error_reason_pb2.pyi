@@ -122,6 +122,11 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The caller's key may not call this method on this resource."""
     INTERNAL: _ErrorReason.ValueType  # 35
     """A fault of kvquota's own; the message says nothing more, the server's log does."""
+    INSTANCE_MOVING: _ErrorReason.ValueType  # 36
+    """The instance is changing owners: the replica serving it from memory lost its lease, a
+    newer owner took it, or its journal could not be written. Nothing unacknowledged was kept;
+    retry shortly (any replica), with the same request id.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Why kvquota refused a call: the `reason` of the ErrorInfo every error carries, with
@@ -227,6 +232,11 @@ PERMISSION_DENIED: ErrorReason.ValueType  # 34
 """The caller's key may not call this method on this resource."""
 INTERNAL: ErrorReason.ValueType  # 35
 """A fault of kvquota's own; the message says nothing more, the server's log does."""
+INSTANCE_MOVING: ErrorReason.ValueType  # 36
+"""The instance is changing owners: the replica serving it from memory lost its lease, a
+newer owner took it, or its journal could not be written. Nothing unacknowledged was kept;
+retry shortly (any replica), with the same request id.
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 @_typing.final

@@ -323,6 +323,11 @@ class BlockPool:
         self._dirty.add(block)
         return left
 
+    @property
+    def dirty(self) -> bool:
+        """Whether any slot's recorded contents changed since `drain_dirty`."""
+        return bool(self._dirty)
+
     def drain_dirty(self) -> tuple[list[SlotContents], list[int]]:
         """What the record must learn since the last call: the slots that hold contents now
         (as `contents` gives them) and the slots whose contents were dropped."""

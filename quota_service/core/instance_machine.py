@@ -425,6 +425,11 @@ class InstanceMachine:
         else:
             here.settings = settings
 
+    def changes_pending(self) -> bool:
+        """Whether anything changed since the journal last took the changes."""
+        changes = self.changes
+        return bool(changes.reservations or changes.pins or self.pool.dirty)
+
     def drain_changes(self) -> Changes:
         taken, self.changes = self.changes, Changes()
         taken.slots, taken.dropped_slots = self.pool.drain_dirty()
@@ -597,6 +602,8 @@ class InstanceMachine:
     ) -> None:
         """Reference the cached prefix, allocate the rest, and make the reservation live."""
         record.table = self._take(hit_blocks, table, here, here.settings.scope, pinned=False)
+        # The prompt was needed to hash it; the record keeps its digest only.
+        record.prompt_token_ids = ()
         record.state = ReservationState.ADMITTED
         record.reserved_blocks = grant.blocks
         record.tokens = grant.tokens

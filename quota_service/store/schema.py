@@ -253,6 +253,13 @@ class ReservationRow(Base):
     # reclaim moved it to the CPU tier, the bytes it holds there (its GPU blocks are gone).
     suspended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     offloaded_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # Its block table as its instance's owner journals it (one row per reservation, never one
+    # per block): slot ids and generations in table order, and the positions given back early.
+    block_ids: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    block_generations: Mapped[list[int] | None] = mapped_column(ARRAY(BigInteger))
+    released_positions: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    # Arrival order in its instance's wait queue (ties of the fair-queueing tags).
+    queue_arrival: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         CheckConstraint("state IN ('QUEUED', 'ADMITTED', 'ENDED')", name="state"),
@@ -429,11 +436,68 @@ class PinRow(Base):
     state: Mapped[str] = mapped_column(String(16), server_default="ACTIVE")
     created_at: Mapped[CreatedAt]
     removed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The slots it holds, as its instance's owner journals them.
+    block_ids: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    block_generations: Mapped[list[int] | None] = mapped_column(ARRAY(BigInteger))
 
     __table_args__ = (
         CheckConstraint("state IN ('ACTIVE', 'REMOVED')", name="state"),
         Index("uq_pins_owner_pin_id", "owner", "pin_id", unique=True),
     )
+
+
+class InstanceOwnerRow(Base):
+    """Who serves an instance from memory, under which epoch, and the journal's position: every
+    batch's transaction moves `batch` on with `WHERE epoch = :mine`, so a deposed owner's batch
+    changes nothing. `clocks` holds the machine's small scalars (fair-queueing virtual times,
+    tenants' finish tags and mean holding times, drift), merged per batch."""
+
+    __tablename__ = "instance_owners"
+
+    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(200))
+    address: Mapped[str] = mapped_column(String(200), server_default="")
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    batch: Mapped[Count]
+    clocks: Mapped[dict[str, object]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+
+
+class PoolCheckpointRow(Base):
+    """An instance's slot contents (the slots holding a hash) as of a batch, one array per
+    field; the deltas after it complete the picture."""
+
+    __tablename__ = "pool_checkpoints"
+
+    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
+    batch: Mapped[int] = mapped_column(BigInteger)
+    scopes: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    slots: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    generations: Mapped[list[int]] = mapped_column(ARRAY(BigInteger))
+    # 32 bytes per slot, in the order of `slots`.
+    digests: Mapped[bytes] = mapped_column(LargeBinary)
+    scope_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    engine_copies: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    lru_seqs: Mapped[list[int]] = mapped_column(ARRAY(BigInteger))
+    written_at: Mapped[CreatedAt]
+
+
+class PoolDeltaRow(Base):
+    """What one batch changed of an instance's slot contents: the slots that hold a hash now
+    (as a checkpoint lists them) and the slots whose contents were dropped."""
+
+    __tablename__ = "pool_deltas"
+
+    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
+    batch: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    scopes: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    slots: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    generations: Mapped[list[int]] = mapped_column(ARRAY(BigInteger))
+    digests: Mapped[bytes] = mapped_column(LargeBinary)
+    scope_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    engine_copies: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    lru_seqs: Mapped[list[int]] = mapped_column(ARRAY(BigInteger))
+    dropped: Mapped[list[int]] = mapped_column(ARRAY(Integer))
 
 
 class CpuTierPinRow(Base):

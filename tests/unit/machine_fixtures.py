@@ -77,9 +77,8 @@ def recount(machine: InstanceMachine) -> None:
 
 def check_recovery(live: InstanceMachine, recorded: dict[int, SlotContents] | None = None) -> None:
     """A new owner rebuilding the machine from its image must hold exactly what the live one
-    holds; free slots only need generations above any the live one issued. With `recorded`
-    (slot contents kept from the machine's changes, as the journal keeps them), the image's
-    slots are those, and they must be the pool's contents."""
+    holds. With `recorded` (slot contents kept from the machine's changes, as the journal keeps
+    them), the image's slots are those, and they must be the pool's contents."""
     image = live.image()
     if recorded is not None:
         assert recorded == {slot.block: slot for slot in image.slots}
@@ -87,6 +86,12 @@ def check_recovery(live: InstanceMachine, recorded: dict[int, SlotContents] | No
     floor = max(live.pool.generation(b) for b in range(live.pool.capacity)) + 1
     settings = [here.settings for here in live.tenants.values()]
     fresh = InstanceMachine.recover(live.spec, live.limits, settings, image, floor)
+    assert_same_machine(live, fresh)
+
+
+def assert_same_machine(live: InstanceMachine, fresh: InstanceMachine) -> None:
+    """`fresh`, rebuilt from a record of `live`, holds exactly what `live` holds; its free slots
+    only need generations above any `live` issued."""
     old, new = live.pool, fresh.pool
     for block in range(old.capacity):
         state = old.state(block)
@@ -119,4 +124,10 @@ def check_recovery(live: InstanceMachine, recorded: dict[int, SlotContents] | No
     }
     assert [r.key for r in fresh.queued()] == [r.key for r in live.queued()]
     assert fresh.virtual_time == live.virtual_time
+    assert (fresh.mean_hold_seconds, fresh.drift_blocks) == (
+        live.mean_hold_seconds,
+        live.drift_blocks,
+    )
+    for name, here in live.tenants.items():
+        assert fresh.tenants[name].mean_hold_seconds == here.mean_hold_seconds, name
     recount(fresh)

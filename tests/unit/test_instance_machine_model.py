@@ -45,10 +45,13 @@ class MachinesVersusModel(LedgerRules):
         }
         # Each machine's slot contents as the journal records them, from its changes.
         self.recorded: dict[str, dict[int, SlotContents]] = {name: {} for name in INSTANCES}
+        # Tenants' own salts and the namespace's, as the fleet was built with them.
+        self.salts: dict[str, str] = {}
+        self.namespace_salt = ""
 
     def build_fleet(self) -> tuple[dict[str, str], str]:
-        salts = {name: f"salt-{name}" for name in TENANTS}
-        namespace_salt = f"salt-{NAMESPACE}"
+        self.salts = salts = {name: f"salt-{name}" for name in TENANTS}
+        self.namespace_salt = namespace_salt = f"salt-{NAMESPACE}"
         for name, quota in TENANTS.items():
             salt, scope = (
                 (namespace_salt, f"namespaces/{NAMESPACE}")
@@ -107,7 +110,7 @@ class MachinesVersusModel(LedgerRules):
             settings = machine.tenants[tenant].settings
             salt, scope = settings.salt, settings.scope
         else:
-            salt, scope = f"salt-{owner_id}", owner
+            salt, scope = self.namespace_salt, owner
         elsewhere = self._elsewhere(tenant, instance)
         machine.pin(owner, pin_id, tokens, salt, scope, tenant, NOW, elsewhere)
 
@@ -121,9 +124,15 @@ class MachinesVersusModel(LedgerRules):
         for machine in self.machines.values():
             machine.offboard(tenant, NOW)
         own = replace(
-            settings, state=TenantState.DELETED, salt=f"salt-{tenant}", scope=f"tenants/{tenant}"
+            settings, state=TenantState.DELETED, salt=self.salts[tenant], scope=f"tenants/{tenant}"
         )
         self._publish(own)
+
+    def check_record(self, name: str, machine: InstanceMachine) -> None:
+        """What the journal would keep of the machine rebuilds it exactly."""
+        changes = machine.drain_changes()
+        record_slot_changes(self.recorded[name], changes.slots, changes.dropped_slots)
+        check_recovery(machine, self.recorded[name])
 
     def observed(self) -> tuple[list[SlotRow], list[TenantRow]]:
         slots: list[SlotRow] = []
@@ -143,9 +152,7 @@ class MachinesVersusModel(LedgerRules):
                 for b in range(pool.capacity)
             ]
             recount(machine)
-            changes = machine.drain_changes()
-            record_slot_changes(self.recorded[name], changes.slots, changes.dropped_slots)
-            check_recovery(machine, self.recorded[name])
+            self.check_record(name, machine)
         tenants: list[TenantRow] = []
         for tenant in sorted(TENANTS):
             holdings = [m.tenants[tenant] for m in self.machines.values()]

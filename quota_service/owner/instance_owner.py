@@ -1,0 +1,180 @@
+"""One instance served from memory: its state machine, applied one operation at a time in
+arrival order, and its journal written in group commits.
+
+An operation runs synchronously on the machine the moment it arrives (no `await` inside it, so
+operations never interleave); its answer is held until the batch it joined is committed. While
+one batch is being written, the operations that arrive join the next, which is written as soon
+as the first commits: under load, many operations share one transaction. Nothing is answered
+before it is durable, and nothing is answered from state that is not: a read, or a refusal,
+waits for the batch that holds what it saw.
+
+When a commit fails (PostgreSQL unreachable, or a newer owner took the instance) the machine may
+hold operations the record does not: the owner stops serving at once, every waiting caller gets
+UNAVAILABLE with a retry delay, and the instance is rebuilt from the record before it serves
+again (`Owners`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from quota_service.core.admission import AdmissionLimits
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.instance_machine import InstanceMachine
+from quota_service.core.queueing import QueuePolicy
+from quota_service.core.reasons import Reason
+from quota_service.store.catalog import Catalog
+from quota_service.store.journal import (
+    BatchRows,
+    Deposed,
+    Journal,
+    batch_rows,
+    totals_of,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# What a caller of a failed batch is told to wait before retrying: the time a new owner takes
+# to rebuild the instance, about.
+RETRY_AFTER_FAILED_COMMIT_SECONDS = 0.2
+
+
+@dataclass(slots=True)
+class JournalStats:
+    """How the group commit is doing, for metrics and benchmarks."""
+
+    batches: int = 0
+    operations: int = 0
+
+
+def owner_unavailable(instance: str, why: str) -> KvQuotaError:
+    return KvQuotaError(
+        Reason.INSTANCE_MOVING,
+        f"instances/{instance} is being taken over ({why}); retry shortly",
+        retry_delay_seconds=RETRY_AFTER_FAILED_COMMIT_SECONDS,
+    )
+
+
+class InstanceOwner:
+    """The machine of one instance and its journal, for the replica that owns it."""
+
+    def __init__(
+        self,
+        machine: InstanceMachine,
+        journal: Journal,
+        epoch: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.machine = machine
+        self.instance = machine.spec.instance
+        self.epoch = epoch
+        self.stats = JournalStats()
+        self._journal = journal
+        self._clock = clock
+        # Each tenant's totals on this instance as the record has them (recovery starts from
+        # the machine it rebuilt, which is what the record says).
+        self._written = {name: totals_of(machine, name) for name in machine.tenants}
+        # The batch operations join now, and the one being written (None: none).
+        self._open: asyncio.Future[None] | None = None
+        self._open_operations = 0
+        self._writing: asyncio.Future[None] | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self.failure: str | None = None
+
+    async def apply(self, operation: Callable[[InstanceMachine, float], T]) -> T:
+        """Run `operation(machine, now)` now and answer once what it did, or saw, is durable.
+        A KvQuotaError it raises changed nothing; it is raised after the same wait."""
+        if self.failure is not None:
+            raise owner_unavailable(self.instance, self.failure)
+        refusal: KvQuotaError | None = None
+        try:
+            result = operation(self.machine, self._clock())
+        except KvQuotaError as exc:
+            refusal = exc
+        await self._durable()
+        if refusal is not None:
+            raise refusal
+        return result
+
+    async def _durable(self) -> None:
+        """Wait until the machine's state as it is now is committed."""
+        if self.machine.changes_pending():
+            if self._open is None:
+                self._open = asyncio.get_running_loop().create_future()
+            self._open_operations += 1
+            batch = self._open
+            if self._writer is None:
+                self._writer = asyncio.create_task(self._write_batches())
+        elif self._open is not None:
+            batch = self._open
+        elif self._writing is not None:
+            batch = self._writing
+        else:
+            return
+        # Shielded: a caller that gives up must not cancel the batch others wait for.
+        await asyncio.shield(batch)
+
+    async def _write_batches(self) -> None:
+        try:
+            while self._open is not None:
+                self._writing, self._open = self._open, None
+                operations, self._open_operations = self._open_operations, 0
+                rows = self._take_batch()
+                try:
+                    await self._journal.write(self.instance, self.epoch, rows)
+                except Exception as exc:  # any failure: the record and memory may differ
+                    self._fail(exc)
+                    return
+                self.stats.batches += 1
+                self.stats.operations += operations
+                self._writing.set_result(None)
+                self._writing = None
+        finally:
+            self._writer = None
+
+    def _take_batch(self) -> BatchRows:
+        return batch_rows(self.machine, self.machine.drain_changes(), self._written)
+
+    def _fail(self, exc: BaseException) -> None:
+        why = "a newer owner took it" if isinstance(exc, Deposed) else "its journal failed"
+        log.warning("instances/%s: %s (%s); it is no longer served here", self.instance, why, exc)
+        self.failure = why
+        error = owner_unavailable(self.instance, why)
+        for batch in (self._writing, self._open):
+            if batch is not None and not batch.done():
+                batch.set_exception(error)
+                # Callers that gave up leave nobody to read it.
+                batch.exception()
+        self._writing = self._open = None
+
+
+async def take_over(
+    journal: Journal,
+    catalog: Catalog,
+    instance: str,
+    limits: AdmissionLimits,
+    queue_policy: QueuePolicy,
+    owner: str,
+    address: str = "",
+) -> InstanceOwner:
+    """Claim an instance under a new epoch and rebuild its machine from the record."""
+    found = await catalog.get_instance(instance)
+    tenants = await journal.tenants()
+    recorded = await journal.load(instance, owner, address)
+    machine = InstanceMachine.recover(
+        found.spec,
+        limits,
+        tenants,
+        recorded.image,
+        recorded.generation_floor,
+        queue_policy,
+        found.state,
+    )
+    return InstanceOwner(machine, journal, recorded.epoch)

@@ -1,0 +1,531 @@
+"""The instance journal: what an instance's owner writes of its in-memory machine, one
+transaction per batch of operations, and what a new owner reads back to rebuild it.
+
+Rows per operation, never per block: a reservation or a pin is one row whose block table is
+arrays; the slots whose contents changed in a batch are one `pool_deltas` row; the machine's small
+scalars (fair clocks, holding times, drift) are merged into the owner's row; tenants' fleet-wide
+totals move by what the batch changed of them. Every batch first moves the owner's row on
+`WHERE epoch = :mine`, so a deposed owner commits nothing (`Deposed`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from quota_service.core.admission import AdmitRequest
+from quota_service.core.block_pool import SlotContents, record_slot_changes
+from quota_service.core.hashing import DIGEST_BYTES
+from quota_service.core.instance_machine import (
+    Changes,
+    HeldTable,
+    InstanceImage,
+    InstanceMachine,
+    PinRecord,
+    ReservationRecord,
+    TenantClocks,
+    TenantSettings,
+)
+from quota_service.core.model import (
+    AdmitParams,
+    EndReason,
+    ReservationState,
+    TenantQuota,
+    TenantState,
+)
+from quota_service.core.queueing import FairTags
+
+# Generations a new owner's free slots start at: its epoch times this, above any generation the
+# instance issued before (a slot would need 2**40 drops within one epoch to reach the next).
+GENERATIONS_PER_EPOCH = 1 << 40
+
+
+class Deposed(Exception):
+    """A newer owner holds the instance: this owner's batch was not committed."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantTotals:
+    """What a tenant holds on one instance, as its fleet-wide totals count it."""
+
+    blocks: int = 0
+    tokens: int = 0
+    pinned: int = 0
+    queued: int = 0
+
+    def minus(self, other: TenantTotals) -> TenantTotals:
+        return TenantTotals(
+            self.blocks - other.blocks,
+            self.tokens - other.tokens,
+            self.pinned - other.pinned,
+            self.queued - other.queued,
+        )
+
+
+NO_TOTALS = TenantTotals()
+
+
+def totals_of(machine: InstanceMachine, tenant: str) -> TenantTotals:
+    here = machine.tenants.get(tenant)
+    if here is None:
+        return NO_TOTALS
+    return TenantTotals(len(here.held), here.tokens, len(here.pinned), here.queued)
+
+
+@dataclass(slots=True)
+class BatchRows:
+    """One batch as rows, taken from the machine in one synchronous step (the records go on
+    changing while the batch is written)."""
+
+    reservations: list[dict[str, Any]] = field(default_factory=list)
+    pins: list[dict[str, Any]] = field(default_factory=list)
+    removed_pins: list[dict[str, Any]] = field(default_factory=list)
+    delta: dict[str, Any] | None = None
+    clocks: dict[str, Any] = field(default_factory=dict)
+    totals: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def operations(self) -> int:
+        return len(self.reservations) + len(self.pins) + len(self.removed_pins)
+
+
+def batch_rows(
+    machine: InstanceMachine, changes: Changes, written: dict[str, TenantTotals]
+) -> BatchRows:
+    """The rows of a batch. `written` holds each tenant's totals on this instance as last
+    written; it is brought up to date for the tenants the batch touched."""
+    instance = machine.spec.instance
+    rows = BatchRows()
+    touched: set[str] = set()
+    for record in changes.reservations.values():
+        rows.reservations.append(_reservation_row(instance, record))
+        touched.add(record.key[0])
+    for (owner, pin_id), pin in changes.pins.items():
+        if pin is None:
+            rows.removed_pins.append({"owner": owner, "pin_id": pin_id})
+        else:
+            rows.pins.append(_pin_row(instance, pin))
+        collection, owner_id = owner.split("/", 1)
+        if collection == "tenants":
+            touched.add(owner_id)
+    if changes.slots or changes.dropped_slots:
+        rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changes.slots)}
+        rows.delta["dropped"] = changes.dropped_slots
+    rows.clocks = {
+        "virtual_time": {str(p): t for p, t in machine.virtual_time.items()},
+        "mean_hold_seconds": machine.mean_hold_seconds,
+        "drift_blocks": machine.drift_blocks,
+    }
+    for tenant in sorted(touched):
+        here = machine.tenants[tenant]
+        rows.clocks[f"tenants/{tenant}"] = {
+            "last_finish": {str(p): t for p, t in here.last_finish.items()},
+            "mean_hold_seconds": here.mean_hold_seconds,
+        }
+        now = totals_of(machine, tenant)
+        moved = now.minus(written.get(tenant, NO_TOTALS))
+        written[tenant] = now
+        if moved != NO_TOTALS:
+            rows.totals.append(
+                {
+                    "tenant": tenant,
+                    "blocks": moved.blocks,
+                    "tokens": moved.tokens,
+                    "pinned": moved.pinned,
+                    "queued": moved.queued,
+                }
+            )
+    return rows
+
+
+def _slot_arrays(scopes: Sequence[str], slots: Sequence[SlotContents]) -> dict[str, Any]:
+    return {
+        "scopes": list(scopes),
+        "slots": [s.block for s in slots],
+        "generations": [s.generation for s in slots],
+        "digests": b"".join(s.digest for s in slots),
+        "scope_ids": [s.scope for s in slots],
+        "engine_copies": [s.engine_copies for s in slots],
+        "lru_seqs": [s.lru_seq for s in slots],
+    }
+
+
+def _at(seconds: float | None) -> datetime | None:
+    return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
+
+
+def _seconds(at: datetime | None) -> float | None:
+    return None if at is None else at.timestamp()
+
+
+def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]:
+    p = record.params
+    table = record.table
+    queued = record.state is ReservationState.QUEUED
+    return {
+        "tenant": p.tenant,
+        "request_id": p.request_id,
+        "instance": instance,
+        "prompt_tokens": p.prompt_tokens,
+        "max_output_tokens": p.max_output_tokens,
+        "n": p.n,
+        "priority": p.priority,
+        "state": record.state.value,
+        "reserved_blocks": record.reserved_blocks,
+        "reserved_tokens": record.tokens,
+        "prefix_hit_blocks": record.prefix_hit_blocks,
+        "lease_ttl_seconds": record.lease_ttl_seconds,
+        "lease_expires_at": _at(record.lease_expires_at),
+        "admitted_at": _at(record.admitted_at),
+        "ended_at": _at(record.ended_at),
+        "end_reason": record.end_reason.value if record.end_reason is not None else None,
+        "output_tokens": record.output_tokens,
+        "queued_at": _at(record.queued_at),
+        "wait_deadline": _at(record.wait_deadline),
+        "virtual_start": record.tags.start,
+        "virtual_finish": record.tags.finish,
+        "prompt_token_ids": list(record.prompt_token_ids) if queued else None,
+        "prompt_digest": record.prompt_digest,
+        "shadow_refusal": record.shadow_refusal,
+        "suspended_at": _at(record.suspended_at),
+        "offloaded_bytes": record.offloaded_bytes,
+        "block_ids": list(table.blocks) if table is not None else None,
+        "block_generations": list(table.generations) if table is not None else None,
+        "released_positions": (
+            [i for i, gone in enumerate(table.released) if gone] if table is not None else None
+        ),
+        "queue_arrival": record.arrival,
+    }
+
+
+def _pin_row(instance: str, pin: PinRecord) -> dict[str, Any]:
+    return {
+        "owner": pin.owner,
+        "pin_id": pin.pin_id,
+        "tenant": pin.tenant,
+        "instance": instance,
+        "prompt_tokens": pin.prompt_tokens,
+        "pinned_blocks": len(pin.table.blocks),
+        "prefix_hash": pin.prefix,
+        "created_at": _at(pin.created_at),
+        "block_ids": list(pin.table.blocks),
+        "block_generations": list(pin.table.generations),
+    }
+
+
+_RESERVATION_COLUMNS = (
+    "tenant",
+    "request_id",
+    "instance",
+    "prompt_tokens",
+    "max_output_tokens",
+    "n",
+    "priority",
+    "state",
+    "reserved_blocks",
+    "reserved_tokens",
+    "prefix_hit_blocks",
+    "lease_ttl_seconds",
+    "lease_expires_at",
+    "admitted_at",
+    "ended_at",
+    "end_reason",
+    "output_tokens",
+    "queued_at",
+    "wait_deadline",
+    "virtual_start",
+    "virtual_finish",
+    "prompt_token_ids",
+    "prompt_digest",
+    "shadow_refusal",
+    "suspended_at",
+    "offloaded_bytes",
+    "block_ids",
+    "block_generations",
+    "released_positions",
+    "queue_arrival",
+)
+_UPSERT_RESERVATION = text(
+    f"INSERT INTO reservations ({', '.join(_RESERVATION_COLUMNS)}) "
+    f"VALUES ({', '.join(':' + c for c in _RESERVATION_COLUMNS)}) "
+    "ON CONFLICT (tenant, request_id) DO UPDATE SET "
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c in _RESERVATION_COLUMNS[2:])
+)
+_UPSERT_PIN = text(
+    "INSERT INTO pins (owner, pin_id, tenant, instance, prompt_tokens, pinned_blocks, "
+    "prefix_hash, created_at, block_ids, block_generations, state, removed_at) "
+    "VALUES (:owner, :pin_id, :tenant, :instance, :prompt_tokens, :pinned_blocks, :prefix_hash, "
+    ":created_at, :block_ids, :block_generations, 'ACTIVE', NULL) "
+    "ON CONFLICT (owner, pin_id) DO UPDATE SET tenant = EXCLUDED.tenant, "
+    "instance = EXCLUDED.instance, prompt_tokens = EXCLUDED.prompt_tokens, "
+    "pinned_blocks = EXCLUDED.pinned_blocks, prefix_hash = EXCLUDED.prefix_hash, "
+    "created_at = EXCLUDED.created_at, block_ids = EXCLUDED.block_ids, "
+    "block_generations = EXCLUDED.block_generations, state = 'ACTIVE', removed_at = NULL"
+)
+_REMOVE_PIN = text(
+    "UPDATE pins SET state = 'REMOVED', removed_at = now(), block_ids = NULL, "
+    "block_generations = NULL WHERE owner = :owner AND pin_id = :pin_id AND state = 'ACTIVE'"
+)
+_NEXT_BATCH = text(
+    "UPDATE instance_owners SET batch = batch + 1, clocks = clocks || CAST(:clocks AS jsonb) "
+    "WHERE instance = :instance AND epoch = :epoch RETURNING batch"
+)
+_INSERT_DELTA = text(
+    "INSERT INTO pool_deltas (instance, batch, scopes, slots, generations, digests, scope_ids, "
+    "engine_copies, lru_seqs, dropped) VALUES (:instance, :batch, :scopes, :slots, "
+    ":generations, :digests, :scope_ids, :engine_copies, :lru_seqs, :dropped)"
+)
+_MOVE_TOTALS = text(
+    "UPDATE tenants SET blocks_in_use = blocks_in_use + :blocks, "
+    "tokens_in_flight = tokens_in_flight + :tokens, pinned_blocks = pinned_blocks + :pinned, "
+    "queued_requests = queued_requests + :queued WHERE tenant = :tenant"
+)
+_CLAIM = text(
+    "INSERT INTO instance_owners (instance, owner, address, epoch) "
+    "VALUES (:instance, :owner, :address, 1) "
+    "ON CONFLICT (instance) DO UPDATE SET owner = EXCLUDED.owner, "
+    "address = EXCLUDED.address, epoch = instance_owners.epoch + 1 "
+    "RETURNING epoch, batch, clocks"
+)
+_WRITE_CHECKPOINT = text(
+    "INSERT INTO pool_checkpoints (instance, batch, scopes, slots, generations, digests, "
+    "scope_ids, engine_copies, lru_seqs) VALUES (:instance, :batch, :scopes, :slots, "
+    ":generations, :digests, :scope_ids, :engine_copies, :lru_seqs) "
+    "ON CONFLICT (instance) DO UPDATE SET batch = EXCLUDED.batch, scopes = EXCLUDED.scopes, "
+    "slots = EXCLUDED.slots, generations = EXCLUDED.generations, digests = EXCLUDED.digests, "
+    "scope_ids = EXCLUDED.scope_ids, engine_copies = EXCLUDED.engine_copies, "
+    "lru_seqs = EXCLUDED.lru_seqs, written_at = now()"
+)
+_DELETE_COVERED_DELTAS = text(
+    "DELETE FROM pool_deltas WHERE instance = :instance AND batch <= :batch"
+)
+_OWNER = text("SELECT epoch, batch, clocks FROM instance_owners WHERE instance = :instance")
+_OWNER = text("SELECT epoch, batch, clocks FROM instance_owners WHERE instance = :instance")
+_CHECKPOINT = text(
+    "SELECT batch, scopes, slots, generations, digests, scope_ids, engine_copies, lru_seqs "
+    "FROM pool_checkpoints WHERE instance = :instance"
+)
+_DELTAS = text(
+    "SELECT batch, scopes, slots, generations, digests, scope_ids, engine_copies, lru_seqs, "
+    "dropped FROM pool_deltas WHERE instance = :instance AND batch > :after ORDER BY batch"
+)
+_LIVE_RESERVATIONS = text(
+    "SELECT * FROM reservations WHERE instance = :instance AND state IN ('QUEUED', 'ADMITTED')"
+)
+_ACTIVE_PINS = text("SELECT * FROM pins WHERE instance = :instance AND state = 'ACTIVE'")
+_TENANT_SETTINGS = text(
+    "SELECT t.tenant, t.state, t.weight, t.shadow_mode, t.max_blocks, t.max_tokens_in_flight, "
+    "t.max_queued_requests, t.max_pinned_blocks, t.max_cpu_tier_bytes, "
+    "coalesce(n.cache_salt, t.cache_salt) AS salt, "
+    "CASE WHEN t.namespace IS NULL THEN 'tenants/' || t.tenant "
+    "ELSE 'namespaces/' || t.namespace END AS scope "
+    "FROM tenants t LEFT JOIN namespaces n ON n.namespace = t.namespace"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedInstance:
+    """What the record holds of an instance: enough to rebuild its machine."""
+
+    epoch: int
+    batch: int
+    image: InstanceImage
+
+    @property
+    def generation_floor(self) -> int:
+        return self.epoch * GENERATIONS_PER_EPOCH
+
+
+def tenant_settings_from_row(row: RowMapping) -> TenantSettings:
+    quota = TenantQuota(**{name: row[name] for name in TenantQuota.__dataclass_fields__})
+    return TenantSettings(
+        row["tenant"],
+        TenantState(row["state"]),
+        quota,
+        row["weight"],
+        row["salt"],
+        row["scope"],
+        row["shadow_mode"],
+    )
+
+
+class Journal:
+    """Reads and writes of the instance journal. Writes are the owner's alone."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    async def write(self, instance: str, epoch: int, rows: BatchRows) -> int:
+        """Commit one batch; returns its number. Raises Deposed when a newer owner exists."""
+        async with self._engine.begin() as conn:
+            batch = await self._next_batch(conn, instance, epoch, rows.clocks)
+            if rows.reservations:
+                await conn.execute(_UPSERT_RESERVATION, rows.reservations)
+            if rows.pins:
+                await conn.execute(_UPSERT_PIN, rows.pins)
+            if rows.removed_pins:
+                await conn.execute(_REMOVE_PIN, rows.removed_pins)
+            if rows.delta is not None:
+                await conn.execute(_INSERT_DELTA, {**rows.delta, "batch": batch})
+            if rows.totals:
+                await conn.execute(_MOVE_TOTALS, rows.totals)
+            return batch
+
+    async def write_checkpoint(
+        self, instance: str, epoch: int, scopes: Sequence[str], slots: Sequence[SlotContents]
+    ) -> int:
+        """Record the pool's contents whole, as of now, and drop the deltas it covers. The
+        caller takes `slots` between two batches, so it covers every batch before."""
+        async with self._engine.begin() as conn:
+            batch = await self._next_batch(conn, instance, epoch, {})
+            params = {"instance": instance, "batch": batch, **_slot_arrays(scopes, slots)}
+            await conn.execute(_WRITE_CHECKPOINT, params)
+            await conn.execute(_DELETE_COVERED_DELTAS, {"instance": instance, "batch": batch})
+            return batch
+
+    @staticmethod
+    async def _next_batch(
+        conn: AsyncConnection, instance: str, epoch: int, clocks: Mapping[str, Any]
+    ) -> int:
+        params = {"instance": instance, "epoch": epoch, "clocks": json.dumps(clocks)}
+        batch = (await conn.execute(_NEXT_BATCH, params)).scalar()
+        if batch is None:
+            raise Deposed(instance)
+        return int(batch)
+
+    async def tenants(self) -> list[TenantSettings]:
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(_TENANT_SETTINGS)).mappings().all()
+        return [tenant_settings_from_row(r) for r in rows]
+
+    async def load(self, instance: str, owner: str, address: str) -> RecordedInstance:
+        """Claim the instance under a new epoch and read what its machine is rebuilt from, in
+        one transaction: a batch of the previous owner either committed before this or fails
+        after it (its epoch is gone)."""
+        params = {"instance": instance, "owner": owner, "address": address}
+        async with self._engine.begin() as conn:
+            claimed = (await conn.execute(_CLAIM, params)).mappings().one()
+            return await _recorded(conn, instance, dict(claimed))
+
+    async def read(self, instance: str) -> RecordedInstance:
+        """What the record holds of an instance now, without claiming it (for checks)."""
+        async with self._engine.begin() as conn:
+            owner = (await conn.execute(_OWNER, {"instance": instance})).mappings().first()
+            found = dict(owner) if owner is not None else {"epoch": 0, "batch": 0, "clocks": {}}
+            return await _recorded(conn, instance, found)
+
+
+async def _recorded(
+    conn: AsyncConnection, instance: str, owner: Mapping[str, Any]
+) -> RecordedInstance:
+    recorded: dict[int, SlotContents] = {}
+    scopes: list[str] = []
+    after = -1
+    for row in (await conn.execute(_CHECKPOINT, {"instance": instance})).mappings():
+        scopes = list(row["scopes"])
+        record_slot_changes(recorded, _slots_from_row(row), ())
+        after = row["batch"]
+    deltas = await conn.execute(_DELTAS, {"instance": instance, "after": after})
+    for row in deltas.mappings():
+        scopes = list(row["scopes"])
+        record_slot_changes(recorded, _slots_from_row(row), row["dropped"])
+    live = await conn.execute(_LIVE_RESERVATIONS, {"instance": instance})
+    reservations = tuple(_record_from_row(r) for r in live.mappings())
+    pins = await conn.execute(_ACTIVE_PINS, {"instance": instance})
+    pin_records = tuple(_pin_from_row(r) for r in pins.mappings())
+    clocks = owner["clocks"]
+    image = InstanceImage(
+        tuple(recorded.values()),
+        tuple(scopes),
+        reservations,
+        pin_records,
+        {int(p): t for p, t in clocks.get("virtual_time", {}).items()},
+        {
+            name.split("/", 1)[1]: TenantClocks(
+                {int(p): t for p, t in value["last_finish"].items()}, value["mean_hold_seconds"]
+            )
+            for name, value in clocks.items()
+            if name.startswith("tenants/")
+        },
+        clocks.get("mean_hold_seconds"),
+        clocks.get("drift_blocks", 0),
+    )
+    return RecordedInstance(int(owner["epoch"]), int(owner["batch"]), image)
+
+
+def _slots_from_row(row: RowMapping) -> Iterable[SlotContents]:
+    digests = bytes(row["digests"])
+    for i, (block, generation, scope, copies, lru_seq) in enumerate(
+        zip(
+            row["slots"],
+            row["generations"],
+            row["scope_ids"],
+            row["engine_copies"],
+            row["lru_seqs"],
+            strict=True,
+        )
+    ):
+        digest = digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]
+        yield SlotContents(block, generation, digest, scope, copies, lru_seq)
+
+
+def _record_from_row(row: RowMapping) -> ReservationRecord:
+    params = AdmitParams(
+        row["tenant"],
+        row["request_id"],
+        row["instance"],
+        row["prompt_tokens"],
+        row["max_output_tokens"],
+        row["n"],
+        row["priority"],
+    )
+    token_ids = tuple(row["prompt_token_ids"] or ())
+    ttl = row["lease_ttl_seconds"]
+    record = ReservationRecord(
+        AdmitRequest(params, token_ids, 0.0, ttl),
+        row["reserved_blocks"],
+        row["reserved_tokens"],
+        ttl,
+    )
+    record.prompt_digest = row["prompt_digest"]
+    record.state = ReservationState(row["state"])
+    record.end_reason = EndReason(row["end_reason"]) if row["end_reason"] else None
+    if row["block_ids"] is not None:
+        table = HeldTable(row["block_ids"], row["block_generations"], pinned=False)
+        for position in row["released_positions"] or ():
+            table.released[position] = 1
+        table.live_entries -= len(row["released_positions"] or ())
+        record.table = table
+    record.prefix_hit_blocks = row["prefix_hit_blocks"]
+    record.lease_expires_at = _seconds(row["lease_expires_at"])
+    record.admitted_at = _seconds(row["admitted_at"])
+    record.ended_at = _seconds(row["ended_at"])
+    record.output_tokens = row["output_tokens"]
+    record.queued_at = _seconds(row["queued_at"])
+    record.wait_deadline = _seconds(row["wait_deadline"])
+    record.tags = FairTags(row["virtual_start"] or 0.0, row["virtual_finish"] or 0.0)
+    record.arrival = row["queue_arrival"] or 0
+    record.suspended_at = _seconds(row["suspended_at"])
+    record.offloaded_bytes = row["offloaded_bytes"]
+    record.shadow_refusal = row["shadow_refusal"]
+    return record
+
+
+def _pin_from_row(row: RowMapping) -> PinRecord:
+    table = HeldTable(row["block_ids"], row["block_generations"], pinned=True)
+    return PinRecord(
+        row["owner"],
+        row["pin_id"],
+        row["tenant"],
+        bytes(row["prefix_hash"]),
+        row["prompt_tokens"],
+        table,
+        row["created_at"].timestamp(),
+    )

@@ -1,0 +1,168 @@
+"""An instance served from memory by its owner, journaled to PostgreSQL in group commits: answers
+wait for their batch's commit, concurrent operations share commits, a failed or fenced commit
+answers nothing as done and stops the owner, and a new owner rebuilds exactly what was
+acknowledged."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.instance_machine import InstanceMachine
+from quota_service.core.model import EndReason, ReservationState
+from quota_service.core.queueing import QueuePolicy
+from quota_service.core.reasons import Reason
+from quota_service.owner.instance_owner import InstanceOwner, take_over
+from quota_service.store.catalog import Catalog
+from quota_service.store.journal import BatchRows, Journal
+from tests.integration.ledger_fixtures import add_instance, add_tenant, request
+from tests.unit.machine_fixtures import assert_same_machine, recount
+
+LIMITS = Settings().admission_limits
+
+
+async def owner_of(engine: AsyncEngine, journal: Journal, name: str = "replica-a") -> InstanceOwner:
+    return await take_over(journal, Catalog(engine), "gpu-0", LIMITS, QueuePolicy(), name)
+
+
+@pytest.fixture
+async def journal(engine: AsyncEngine) -> Journal:
+    await add_instance(engine, blocks=512)
+    await add_tenant(engine, "acme")
+    return Journal(engine)
+
+
+async def admit(owner: InstanceOwner, request_id: str, prompt: int = 100) -> ReservationState:
+    wanted = request(request_id, prompt, 20)
+    return await owner.apply(lambda m, now: m.admit(wanted, now).state)
+
+
+async def release(owner: InstanceOwner, request_id: str) -> ReservationState:
+    return await owner.apply(
+        lambda m, now: m.end("acme", request_id, EndReason.RELEASED, now).state
+    )
+
+
+async def rebuilt(engine: AsyncEngine, journal: Journal, live: InstanceMachine) -> None:
+    """A new owner, rebuilt from the record, holds what `live` holds."""
+    fresh = await owner_of(engine, journal, "replica-b")
+    recount(fresh.machine)
+    assert_same_machine(live, fresh.machine)
+
+
+async def test_concurrent_operations_share_commits(engine: AsyncEngine, journal: Journal) -> None:
+    owner = await owner_of(engine, journal)
+
+    async def pair(i: int) -> None:
+        assert await admit(owner, f"r{i}") is ReservationState.ADMITTED
+        assert await release(owner, f"r{i}") is ReservationState.ENDED
+
+    await asyncio.gather(*(pair(i) for i in range(64)))
+    assert owner.stats.operations == 128
+    assert owner.stats.batches < owner.stats.operations / 4
+    async with engine.connect() as conn:
+        ended = await conn.execute(text("SELECT count(*) FROM reservations WHERE state = 'ENDED'"))
+        assert ended.scalar_one() == 64
+    await rebuilt(engine, journal, owner.machine)
+
+
+class HeldJournal(Journal):
+    """A journal whose writes wait until the test lets them through."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(engine)
+        self.gate = asyncio.Event()
+        self.writing = asyncio.Event()
+
+    async def write(self, instance: str, epoch: int, rows: BatchRows) -> int:
+        self.writing.set()
+        await self.gate.wait()
+        return await super().write(instance, epoch, rows)
+
+
+async def test_answers_wait_for_the_commit_of_what_they_saw(engine: AsyncEngine) -> None:
+    await add_instance(engine)
+    await add_tenant(engine, "acme")
+    journal = HeldJournal(engine)
+    owner = await owner_of(engine, journal)
+    admitting = asyncio.create_task(admit(owner, "r1"))
+    await journal.writing.wait()
+    # A read and a refusal that saw r1 wait for its batch too.
+    reading = asyncio.create_task(owner.apply(lambda m, now: m.get("acme", "r1").state))
+    too_big = request("r2", 8000, 8000)
+    refusing = asyncio.create_task(owner.apply(lambda m, now: m.admit(too_big, now)))
+    await asyncio.sleep(0.05)
+    assert not (admitting.done() or reading.done() or refusing.done())
+    journal.gate.set()
+    assert await admitting is ReservationState.ADMITTED
+    assert await reading is ReservationState.ADMITTED
+    with pytest.raises(KvQuotaError):
+        await refusing
+    # With nothing in flight, a read is answered at once.
+    assert await owner.apply(lambda m, now: m.get("acme", "r1").state) is ReservationState.ADMITTED
+
+
+class FailingJournal(Journal):
+    async def write(self, instance: str, epoch: int, rows: BatchRows) -> int:
+        raise ConnectionError("PostgreSQL went away")
+
+
+async def test_a_failed_commit_acknowledges_nothing_and_stops_the_owner(
+    engine: AsyncEngine, journal: Journal
+) -> None:
+    owner = await owner_of(engine, journal)
+    assert await admit(owner, "kept") is ReservationState.ADMITTED
+    failing = await owner_of(engine, FailingJournal(engine), "replica-b")
+    outcomes = await asyncio.gather(
+        *(admit(failing, f"lost-{i}") for i in range(5)), return_exceptions=True
+    )
+    for outcome in outcomes:
+        assert isinstance(outcome, KvQuotaError) and outcome.reason is Reason.INSTANCE_MOVING
+        assert outcome.retry_delay_seconds
+    # The first owner was deposed when replica-b claimed the instance: its next write fails.
+    with pytest.raises(KvQuotaError) as stopped:
+        await admit(owner, "late")
+    assert stopped.value.reason is Reason.INSTANCE_MOVING
+    with pytest.raises(KvQuotaError):
+        await failing.apply(lambda m, now: m.get("acme", "kept"))
+    async with engine.connect() as conn:
+        rows = await conn.execute(text("SELECT request_id FROM reservations"))
+        assert [r for (r,) in rows] == ["kept"]
+
+
+async def test_a_deposed_owner_commits_nothing(engine: AsyncEngine, journal: Journal) -> None:
+    old = await owner_of(engine, journal)
+    assert await admit(old, "before") is ReservationState.ADMITTED
+    new = await owner_of(engine, journal, "replica-b")
+    with pytest.raises(KvQuotaError) as deposed:
+        await admit(old, "after")
+    assert deposed.value.reason is Reason.INSTANCE_MOVING
+    assert old.failure is not None
+    # The new owner has what was acknowledged, and never heard of what was not.
+    assert await new.apply(lambda m, now: m.get("acme", "before").state) is (
+        ReservationState.ADMITTED
+    )
+    with pytest.raises(KvQuotaError) as missing:
+        await new.apply(lambda m, now: m.get("acme", "after"))
+    assert missing.value.reason is Reason.RESERVATION_NOT_FOUND
+
+
+async def test_a_new_owner_rebuilds_the_pool_and_stales_old_handles(
+    engine: AsyncEngine, journal: Journal
+) -> None:
+    owner = await owner_of(engine, journal)
+    for i in range(6):
+        await admit(owner, f"r{i}", prompt=200)
+    for i in range(0, 6, 2):
+        await release(owner, f"r{i}")
+    await rebuilt(engine, journal, owner.machine)
+    new = await owner_of(engine, journal, "replica-c")
+    free = [b for b in range(512) if new.machine.pool.state(b) == "FREE"]
+    assert min(new.machine.pool.generation(b) for b in free) > max(
+        owner.machine.pool.generation(b) for b in range(512)
+    )
