@@ -114,6 +114,26 @@ LEFT JOIN (
 ) AS t ON t.tenant = h.tenant AND t.instance = h.instance
 """
 
+# Every batch of an owner starts here: it moves the batch on only under the owner's epoch and
+# otherwise fails the transaction (SQLSTATE KQ001), so that a whole batch can be sent in one
+# round trip and a deposed owner's batch still commits nothing.
+NEXT_BATCH = """
+CREATE FUNCTION journal_next_batch(p_instance text, p_epoch bigint, p_clocks jsonb)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    moved bigint;
+BEGIN
+    UPDATE instance_owners SET batch = batch + 1, clocks = clocks || p_clocks
+    WHERE instance = p_instance AND epoch = p_epoch RETURNING batch INTO moved;
+    IF moved IS NULL THEN
+        RAISE EXCEPTION 'instance % has an owner newer than epoch %', p_instance, p_epoch
+            USING ERRCODE = 'KQ001';
+    END IF;
+    RETURN moved;
+END
+$$
+"""
+
 VIEWS = (
     ("journal_slot_contents", SLOT_CONTENTS),
     ("journal_slot_references", SLOT_REFERENCES),
@@ -181,9 +201,11 @@ def upgrade() -> None:
     )
     for _, statement in VIEWS:
         op.execute(statement)
+    op.execute(NEXT_BATCH)
 
 
 def downgrade() -> None:
+    op.execute("DROP FUNCTION journal_next_batch(text, bigint, jsonb)")
     for name, _ in reversed(VIEWS):
         op.execute(f"DROP VIEW {name}")
     op.drop_table("pool_deltas")

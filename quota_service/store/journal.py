@@ -11,11 +11,13 @@ totals move by what the batch changed of them. Every batch first moves the owner
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 from sqlalchemy import text
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -252,40 +254,62 @@ _RESERVATION_COLUMNS = (
     "released_positions",
     "queue_arrival",
 )
-_UPSERT_RESERVATION = text(
+# A batch is written through the driver in one pipeline (one round trip for all of it), so
+# these statements use its placeholders. The first moves the owner's row on under its epoch or
+# fails the transaction; the ones after take the batch number from that row.
+_NEXT_BATCH = "SELECT journal_next_batch(%(instance)s, %(epoch)s, %(clocks)s::jsonb)"
+# What journal_next_batch (migration 0020) fails with when the epoch is not the owner's.
+DEPOSED_SQLSTATE = "KQ001"
+_UPSERT_RESERVATION = (
     f"INSERT INTO reservations ({', '.join(_RESERVATION_COLUMNS)}) "
-    f"VALUES ({', '.join(':' + c for c in _RESERVATION_COLUMNS)}) "
+    f"VALUES ({', '.join(f'%({c})s' for c in _RESERVATION_COLUMNS)}) "
     "ON CONFLICT (tenant, request_id) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in _RESERVATION_COLUMNS[2:])
 )
-_UPSERT_PIN = text(
+_UPSERT_PIN = (
     "INSERT INTO pins (owner, pin_id, tenant, instance, prompt_tokens, pinned_blocks, "
     "prefix_hash, created_at, block_ids, block_generations, state, removed_at) "
-    "VALUES (:owner, :pin_id, :tenant, :instance, :prompt_tokens, :pinned_blocks, :prefix_hash, "
-    ":created_at, :block_ids, :block_generations, 'ACTIVE', NULL) "
+    "VALUES (%(owner)s, %(pin_id)s, %(tenant)s, %(instance)s, %(prompt_tokens)s, "
+    "%(pinned_blocks)s, %(prefix_hash)s, %(created_at)s, %(block_ids)s, "
+    "%(block_generations)s, 'ACTIVE', NULL) "
     "ON CONFLICT (owner, pin_id) DO UPDATE SET tenant = EXCLUDED.tenant, "
     "instance = EXCLUDED.instance, prompt_tokens = EXCLUDED.prompt_tokens, "
     "pinned_blocks = EXCLUDED.pinned_blocks, prefix_hash = EXCLUDED.prefix_hash, "
     "created_at = EXCLUDED.created_at, block_ids = EXCLUDED.block_ids, "
     "block_generations = EXCLUDED.block_generations, state = 'ACTIVE', removed_at = NULL"
 )
-_REMOVE_PIN = text(
+_REMOVE_PIN = (
     "UPDATE pins SET state = 'REMOVED', removed_at = now(), block_ids = NULL, "
-    "block_generations = NULL WHERE owner = :owner AND pin_id = :pin_id AND state = 'ACTIVE'"
+    "block_generations = NULL "
+    "WHERE owner = %(owner)s AND pin_id = %(pin_id)s AND state = 'ACTIVE'"
 )
-_NEXT_BATCH = text(
-    "UPDATE instance_owners SET batch = batch + 1, clocks = clocks || CAST(:clocks AS jsonb) "
-    "WHERE instance = :instance AND epoch = :epoch RETURNING batch"
+_SLOT_ARRAYS = (
+    "%(scopes)s::text[], %(slots)s::int[], %(generations)s::bigint[], %(digests)s::bytea, "
+    "%(scope_ids)s::int[], %(engine_copies)s::int[], %(lru_seqs)s::bigint[]"
 )
-_INSERT_DELTA = text(
+_INSERT_DELTA = (
     "INSERT INTO pool_deltas (instance, batch, scopes, slots, generations, digests, scope_ids, "
-    "engine_copies, lru_seqs, dropped) VALUES (:instance, :batch, :scopes, :slots, "
-    ":generations, :digests, :scope_ids, :engine_copies, :lru_seqs, :dropped)"
+    f"engine_copies, lru_seqs, dropped) SELECT instance, batch, {_SLOT_ARRAYS}, "
+    "%(dropped)s::int[] FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s"
 )
-_MOVE_TOTALS = text(
-    "UPDATE tenants SET blocks_in_use = blocks_in_use + :blocks, "
-    "tokens_in_flight = tokens_in_flight + :tokens, pinned_blocks = pinned_blocks + :pinned, "
-    "queued_requests = queued_requests + :queued WHERE tenant = :tenant"
+_MOVE_TOTALS = (
+    "UPDATE tenants SET blocks_in_use = blocks_in_use + %(blocks)s, "
+    "tokens_in_flight = tokens_in_flight + %(tokens)s, "
+    "pinned_blocks = pinned_blocks + %(pinned)s, "
+    "queued_requests = queued_requests + %(queued)s WHERE tenant = %(tenant)s"
+)
+_WRITE_CHECKPOINT = (
+    "INSERT INTO pool_checkpoints (instance, batch, scopes, slots, generations, digests, "
+    f"scope_ids, engine_copies, lru_seqs) SELECT instance, batch, {_SLOT_ARRAYS} "
+    "FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s "
+    "ON CONFLICT (instance) DO UPDATE SET batch = EXCLUDED.batch, scopes = EXCLUDED.scopes, "
+    "slots = EXCLUDED.slots, generations = EXCLUDED.generations, digests = EXCLUDED.digests, "
+    "scope_ids = EXCLUDED.scope_ids, engine_copies = EXCLUDED.engine_copies, "
+    "lru_seqs = EXCLUDED.lru_seqs, written_at = now()"
+)
+_DELETE_COVERED_DELTAS = (
+    "DELETE FROM pool_deltas d USING instance_owners o WHERE d.instance = %(instance)s "
+    "AND o.instance = d.instance AND o.epoch = %(epoch)s AND d.batch <= o.batch"
 )
 _CLAIM = text(
     "INSERT INTO instance_owners (instance, owner, address, epoch) "
@@ -293,18 +317,6 @@ _CLAIM = text(
     "ON CONFLICT (instance) DO UPDATE SET owner = EXCLUDED.owner, "
     "address = EXCLUDED.address, epoch = instance_owners.epoch + 1 "
     "RETURNING epoch, batch, clocks"
-)
-_WRITE_CHECKPOINT = text(
-    "INSERT INTO pool_checkpoints (instance, batch, scopes, slots, generations, digests, "
-    "scope_ids, engine_copies, lru_seqs) VALUES (:instance, :batch, :scopes, :slots, "
-    ":generations, :digests, :scope_ids, :engine_copies, :lru_seqs) "
-    "ON CONFLICT (instance) DO UPDATE SET batch = EXCLUDED.batch, scopes = EXCLUDED.scopes, "
-    "slots = EXCLUDED.slots, generations = EXCLUDED.generations, digests = EXCLUDED.digests, "
-    "scope_ids = EXCLUDED.scope_ids, engine_copies = EXCLUDED.engine_copies, "
-    "lru_seqs = EXCLUDED.lru_seqs, written_at = now()"
-)
-_DELETE_COVERED_DELTAS = text(
-    "DELETE FROM pool_deltas WHERE instance = :instance AND batch <= :batch"
 )
 _OWNER = text("SELECT epoch, batch, clocks FROM instance_owners WHERE instance = :instance")
 _OWNER = text("SELECT epoch, batch, clocks FROM instance_owners WHERE instance = :instance")
@@ -364,41 +376,46 @@ class Journal:
 
     async def write(self, instance: str, epoch: int, rows: BatchRows) -> int:
         """Commit one batch; returns its number. Raises Deposed when a newer owner exists."""
-        async with self._engine.begin() as conn:
-            batch = await self._next_batch(conn, instance, epoch, rows.clocks)
-            if rows.reservations:
-                await conn.execute(_UPSERT_RESERVATION, rows.reservations)
-            if rows.pins:
-                await conn.execute(_UPSERT_PIN, rows.pins)
-            if rows.removed_pins:
-                await conn.execute(_REMOVE_PIN, rows.removed_pins)
-            if rows.delta is not None:
-                await conn.execute(_INSERT_DELTA, {**rows.delta, "batch": batch})
-            if rows.totals:
-                await conn.execute(_MOVE_TOTALS, rows.totals)
-            return batch
+        fenced = {"instance": instance, "epoch": epoch}
+        clocks = json.dumps(rows.clocks)
+        async with self._engine.connect() as conn, _fenced(conn, instance) as driver:
+            # All of it in one round trip: the pipeline sends BEGIN, the statements and COMMIT
+            # together, and a failed fence fails the rest.
+            async with driver.pipeline(), driver.transaction():
+                fence = driver.cursor()
+                await fence.execute(_NEXT_BATCH, {**fenced, "clocks": clocks})
+                cursor = driver.cursor()
+                if rows.reservations:
+                    await cursor.executemany(_UPSERT_RESERVATION, rows.reservations)
+                if rows.pins:
+                    await cursor.executemany(_UPSERT_PIN, rows.pins)
+                if rows.removed_pins:
+                    await cursor.executemany(_REMOVE_PIN, rows.removed_pins)
+                if rows.delta is not None:
+                    await cursor.execute(_INSERT_DELTA, {**rows.delta, **fenced})
+                if rows.totals:
+                    await cursor.executemany(_MOVE_TOTALS, rows.totals)
+            moved = await fence.fetchone()
+        assert moved is not None
+        return int(moved[0])
 
     async def write_checkpoint(
         self, instance: str, epoch: int, scopes: Sequence[str], slots: Sequence[SlotContents]
     ) -> int:
         """Record the pool's contents whole, as of now, and drop the deltas it covers. The
         caller takes `slots` between two batches, so it covers every batch before."""
-        async with self._engine.begin() as conn:
-            batch = await self._next_batch(conn, instance, epoch, {})
-            params = {"instance": instance, "batch": batch, **_slot_arrays(scopes, slots)}
-            await conn.execute(_WRITE_CHECKPOINT, params)
-            await conn.execute(_DELETE_COVERED_DELTAS, {"instance": instance, "batch": batch})
-            return batch
-
-    @staticmethod
-    async def _next_batch(
-        conn: AsyncConnection, instance: str, epoch: int, clocks: Mapping[str, Any]
-    ) -> int:
-        params = {"instance": instance, "epoch": epoch, "clocks": json.dumps(clocks)}
-        batch = (await conn.execute(_NEXT_BATCH, params)).scalar()
-        if batch is None:
-            raise Deposed(instance)
-        return int(batch)
+        fenced = {"instance": instance, "epoch": epoch}
+        async with self._engine.connect() as conn, _fenced(conn, instance) as driver:
+            async with driver.pipeline(), driver.transaction():
+                fence = driver.cursor()
+                await fence.execute(_NEXT_BATCH, {**fenced, "clocks": "{}"})
+                cursor = driver.cursor()
+                arrays = _slot_arrays(scopes, slots)
+                await cursor.execute(_WRITE_CHECKPOINT, {**arrays, **fenced})
+                await cursor.execute(_DELETE_COVERED_DELTAS, fenced)
+            moved = await fence.fetchone()
+        assert moved is not None
+        return int(moved[0])
 
     async def tenants(self) -> list[TenantSettings]:
         async with self._engine.connect() as conn:
@@ -458,6 +475,23 @@ async def _recorded(
         clocks.get("drift_blocks", 0),
     )
     return RecordedInstance(int(owner["epoch"]), int(owner["batch"]), image)
+
+
+@asynccontextmanager
+async def _fenced(
+    conn: AsyncConnection, instance: str
+) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """The driver's own connection under SQLAlchemy's, for pipelined writes; the fence's
+    failure (a newer owner) comes out as Deposed."""
+    raw = await conn.get_raw_connection()
+    driver = raw.driver_connection
+    assert isinstance(driver, psycopg.AsyncConnection)
+    try:
+        yield driver
+    except psycopg.Error as exc:
+        if exc.sqlstate == DEPOSED_SQLSTATE:
+            raise Deposed(instance) from exc
+        raise
 
 
 def _slots_from_row(row: RowMapping) -> Iterable[SlotContents]:

@@ -150,6 +150,9 @@ async def test_a_deposed_owner_commits_nothing(engine: AsyncEngine, journal: Jou
     with pytest.raises(KvQuotaError) as missing:
         await new.apply(lambda m, now: m.get("acme", "after"))
     assert missing.value.reason is Reason.RESERVATION_NOT_FOUND
+    async with engine.connect() as conn:
+        rows = await conn.execute(text("SELECT request_id FROM reservations"))
+        assert [r for (r,) in rows] == ["before"]
 
 
 async def test_a_new_owner_rebuilds_the_pool_and_stales_old_handles(
