@@ -21,6 +21,9 @@ from quota_service.logs import FORMATS
 ENV_PREFIX = "KVQUOTA_"
 
 
+HOT_PATHS = ("ledger", "memory")
+
+
 class SettingsError(ValueError):
     """A setting is missing, unknown or out of range; the message names it."""
 
@@ -87,6 +90,10 @@ class Settings:
     log_level: str = "INFO"
     # "json" (one object per line, with the request id) or "text".
     log_format: str = "json"
+    # Where reservations are decided: "ledger" (the per-block tables, every operation its own
+    # transaction) or "memory" (each instance's state machine in this replica, journaled in
+    # group commits). "memory" serves the admission path while the rest moves onto it.
+    hot_path: str = "ledger"
 
     def __post_init__(self) -> None:
         positive = (
@@ -153,6 +160,8 @@ class Settings:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()}: no such file: {path}")
+        if self.hot_path not in HOT_PATHS:
+            raise SettingsError(f"{ENV_PREFIX}HOT_PATH must be one of " + ", ".join(HOT_PATHS))
         if self.log_format not in FORMATS:
             raise SettingsError(f"{ENV_PREFIX}LOG_FORMAT must be one of " + ", ".join(FORMATS))
         if self.log_level.upper() not in logging.getLevelNamesMapping():

@@ -93,4 +93,6 @@ def settings() -> Settings:
         metrics_listen="127.0.0.1:0",
         reaper_interval_seconds=0.2,
         auth_required=False,
+        # While the hot path moves into memory, the suite can be run against either.
+        hot_path=os.environ.get("KVQUOTA_HOT_PATH", "ledger"),
     )

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
@@ -40,6 +42,7 @@ from quota_service.jobs.metrics import LedgerMetrics, PoolMetrics, ServiceMetric
 from quota_service.jobs.policy import ReclaimPolicy
 from quota_service.jobs.reclaim import ReclaimExecutor
 from quota_service.jobs.termination import Termination
+from quota_service.owner.owners import OwnedCatalog, OwnedLedger, Owners
 from quota_service.store import migrate
 from quota_service.store.access import ApiKeys, AuditLog
 from quota_service.store.catalog import Catalog
@@ -121,6 +124,22 @@ class RunningServer:
         await self._engine.dispose()
 
 
+def _hot_path(settings: Settings, engine: AsyncEngine, waiters: Waiters) -> tuple[Ledger, Catalog]:
+    """The ledger the hot path uses (settings.hot_path), and the catalog that keeps it told of
+    tenants' changes."""
+    if settings.hot_path == "ledger":
+        return Ledger(engine, settings.admission_limits, settings.queue_policy), Catalog(engine)
+    owners = Owners(
+        engine,
+        settings.admission_limits,
+        settings.queue_policy,
+        f"{socket.gethostname()}:{os.getpid()}",
+        on_changed=lambda key: waiters.on_notification("changed", key),
+    )
+    ledger = OwnedLedger(engine, owners, settings.admission_limits, settings.queue_policy)
+    return ledger, OwnedCatalog(engine, owners)
+
+
 async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
     """Every service at once: each needs the ledger. (Ignored once shutting down.)"""
     status = (
@@ -170,8 +189,8 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     engine = connect(database_url, settings.db_pool_size)
     observed = ServiceMetrics()
     observed.registry.register(PoolMetrics(engine))
-    ledger = Ledger(engine, settings.admission_limits, settings.queue_policy)
     waiters = Waiters(settings.queue_poll_seconds)
+    ledger, catalog = _hot_path(settings, engine, waiters)
     dispatcher = Dispatcher(ledger)
     listener = Listener(database_url)
     listener.subscribe(waiters.on_notification)
@@ -201,7 +220,6 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         ledger, settings.engine_abort_timeout_seconds, settings.engine_abort_hard_timeout_seconds
     )
     cpu_tier = CpuTierMirror(CpuTierBooks(engine))
-    catalog = Catalog(engine)
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(
         AdmissionServicer(ledger, waiters, termination, cpu_tier, observed, catalog), server
     )

@@ -36,7 +36,7 @@ from quota_service.core.admission import (
 )
 from quota_service.core.block_pool import BlockPool, SlotContents
 from quota_service.core.block_table import BlockHandle, CachedBlock, EntryLookup
-from quota_service.core.errors import KvQuotaError, invalid_request, not_found
+from quota_service.core.errors import KvQuotaError, invalid_request, not_found, refuse_invalid
 from quota_service.core.hashing import block_hashes
 from quota_service.core.kv_events import AllBlocksCleared, BlockStored, EventBatch
 from quota_service.core.model import (
@@ -480,6 +480,10 @@ class InstanceMachine:
                 return position
         return None
 
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
     def queued(self) -> Iterator[ReservationRecord]:
         """Queued reservations in dispatch order."""
         for entry in self._queue:
@@ -697,6 +701,11 @@ class InstanceMachine:
             delay = max(delay, by_queue) if by_queue is not None else delay
         return admission.shortfall_error(shortfall, delay, tenant or "", self.spec.instance)
 
+    def queue_delay_at(self, priority: int) -> float:
+        """The retry delay for a caller leaving the queue at `priority`: what those still
+        waiting at or above it are expected to take."""
+        return self.queue_delay(self._queued_ahead(priority))
+
     def queue_delay(self, ahead: int) -> float:
         live = sum(1 for r in self.reservations.values() if r.on_gpu)
         delay = queueing.queue_delay(ahead, self.mean_hold_seconds, live, self.limits)
@@ -913,13 +922,19 @@ class InstanceMachine:
 
     # Sessions idle between turns, and the CPU tier.
 
-    def suspend(self, tenant: str, request_id: str, now: float) -> ReservationRecord:
-        """Mark an admitted reservation idle between turns (a reclaim may then offload it)."""
+    def suspend(
+        self, tenant: str, request_id: str, now: float, session_token_ids: Sequence[int] = ()
+    ) -> ReservationRecord:
+        """Mark an admitted reservation idle between turns (a reclaim may then offload it); the
+        session's tokens, when given, say what the CPU tier holds of it. Idempotent."""
         record = self.get(tenant, request_id)
         self._check_admitted(record, now)
+        refuse_invalid(admission.check_session_tokens(record.snapshot(), session_token_ids))
         if record.suspended_at is None:
             record.suspended_at = now
-            self._touch(record)
+        if session_token_ids:
+            record.prompt_token_ids = tuple(session_token_ids)
+        self._touch(record)
         return record
 
     def offload(self, tenant: str, request_id: str, offloaded_bytes: int) -> int | None:

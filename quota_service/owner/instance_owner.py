@@ -87,6 +87,9 @@ class InstanceOwner:
         self._writing: asyncio.Future[None] | None = None
         self._writer: asyncio.Task[None] | None = None
         self.failure: str | None = None
+        # Told "tenant/request_id" of each reservation a committed batch changed (the waiters of
+        # queued Admits and watches wake on it).
+        self.on_committed: Callable[[str], None] | None = None
 
     async def apply(self, operation: Callable[[InstanceMachine, float], T]) -> T:
         """Run `operation(machine, now)` now and answer once what it did, or saw, is durable.
@@ -136,6 +139,9 @@ class InstanceOwner:
                 self.stats.operations += operations
                 self._writing.set_result(None)
                 self._writing = None
+                if self.on_committed is not None:
+                    for row in rows.reservations:
+                        self.on_committed(f"{row['tenant']}/{row['request_id']}")
         finally:
             self._writer = None
 

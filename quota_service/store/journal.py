@@ -92,6 +92,7 @@ class BatchRows:
     delta: dict[str, Any] | None = None
     clocks: dict[str, Any] = field(default_factory=dict)
     totals: list[dict[str, Any]] = field(default_factory=list)
+    pool: dict[str, Any] = field(default_factory=dict)
 
     @property
     def operations(self) -> int:
@@ -120,6 +121,18 @@ def batch_rows(
     if changes.slots or changes.dropped_slots:
         rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changes.slots)}
         rows.delta["dropped"] = changes.dropped_slots
+    counts = machine.pool.counts()
+    rows.pool = {
+        "instance": instance,
+        "free": counts["FREE"],
+        "cached": counts["CACHED"],
+        "in_use": counts["IN_USE"],
+        "pinned": counts["PINNED"],
+        "queued": machine.queue_length,
+        "queued_tokens": machine.queued_prompt_tokens,
+        "mean_hold": machine.mean_hold_seconds,
+        "drift": machine.drift_blocks,
+    }
     rows.clocks = {
         "virtual_time": {str(p): t for p, t in machine.virtual_time.items()},
         "mean_hold_seconds": machine.mean_hold_seconds,
@@ -170,7 +183,6 @@ def _seconds(at: datetime | None) -> float | None:
 def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]:
     p = record.params
     table = record.table
-    queued = record.state is ReservationState.QUEUED
     return {
         "tenant": p.tenant,
         "request_id": p.request_id,
@@ -193,7 +205,8 @@ def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]
         "wait_deadline": _at(record.wait_deadline),
         "virtual_start": record.tags.start,
         "virtual_finish": record.tags.finish,
-        "prompt_token_ids": list(record.prompt_token_ids) if queued else None,
+        # A queued request's prompt, or a suspended session's tokens (the CPU tier's keys).
+        "prompt_token_ids": list(record.prompt_token_ids) or None,
         "prompt_digest": record.prompt_digest,
         "shadow_refusal": record.shadow_refusal,
         "suspended_at": _at(record.suspended_at),
@@ -298,6 +311,13 @@ _MOVE_TOTALS = (
     "pinned_blocks = pinned_blocks + %(pinned)s, "
     "queued_requests = queued_requests + %(queued)s WHERE tenant = %(tenant)s"
 )
+# The instance's counters as the catalog shows them, kept with each batch (one row).
+_POOL_COUNTERS = (
+    "UPDATE instances SET free_blocks = %(free)s, cached_blocks = %(cached)s, "
+    "blocks_in_use = %(in_use)s, pinned_blocks = %(pinned)s, queued_requests = %(queued)s, "
+    "queued_prompt_tokens = %(queued_tokens)s, mean_hold_seconds = %(mean_hold)s, "
+    "drift_blocks = %(drift)s WHERE instance = %(instance)s"
+)
 _WRITE_CHECKPOINT = (
     "INSERT INTO pool_checkpoints (instance, batch, scopes, slots, generations, digests, "
     f"scope_ids, engine_copies, lru_seqs) SELECT instance, batch, {_SLOT_ARRAYS} "
@@ -395,6 +415,7 @@ class Journal:
                     await cursor.execute(_INSERT_DELTA, {**rows.delta, **fenced})
                 if rows.totals:
                     await cursor.executemany(_MOVE_TOTALS, rows.totals)
+                await cursor.execute(_POOL_COUNTERS, rows.pool)
             moved = await fence.fetchone()
         assert moved is not None
         return int(moved[0])

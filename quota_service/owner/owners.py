@@ -1,0 +1,336 @@
+"""The instances one replica serves from memory, and the ledger's calls served by them.
+
+`Owners` takes over each instance on first use (claiming it under a new epoch and rebuilding its
+machine from the record), keeps every machine's view of the tenants current, and says what a
+tenant holds on the other instances for its fleet-wide quota. `OwnedLedger` answers the calls the
+API, the queue waiters, the reaper and engine terminations make of the ledger: operations on a
+reservation go to its instance's owner; reads of many rows (lapsed leases, pending aborts) stay
+reads of the record, which is current for everything acknowledged.
+
+Ownership here is this replica's alone: claiming an instance deposes any previous owner at once.
+Leases that let several replicas share a fleet, and forwarding to the owner, come next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import NoReturn, TypeVar
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.core.admission import AdmissionLimits, AdmitRequest
+from quota_service.core.block_table import BlockHandle
+from quota_service.core.errors import KvQuotaError, not_found
+from quota_service.core.instance_machine import (
+    Elsewhere,
+    InstanceMachine,
+    ReservationRecord,
+    TenantSettings,
+)
+from quota_service.core.model import (
+    EndReason,
+    Instance,
+    Reservation,
+    ReservationState,
+    Tenant,
+    TenantQuota,
+    TenantState,
+)
+from quota_service.core.names import reservation_name
+from quota_service.core.queueing import QueuePolicy
+from quota_service.core.reasons import Reason
+from quota_service.owner.instance_owner import InstanceOwner, take_over
+from quota_service.store.catalog import Catalog
+from quota_service.store.journal import Journal
+from quota_service.store.ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_INSTANCE_OF = text(
+    "SELECT instance FROM reservations WHERE tenant = :tenant AND request_id = :request_id"
+)
+
+
+class Owners:
+    """The instance owners of this replica."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        limits: AdmissionLimits,
+        queue_policy: QueuePolicy,
+        name: str,
+        address: str = "",
+        on_changed: Callable[[str], None] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._journal = Journal(engine)
+        self._catalog = Catalog(engine)
+        self._limits = limits
+        self._queue_policy = queue_policy
+        self._name = name
+        self._address = address
+        self._on_changed = on_changed
+        self._owners: dict[str, InstanceOwner] = {}
+        self._taking: dict[str, asyncio.Lock] = {}
+
+    async def owner(self, instance: str) -> InstanceOwner:
+        """The instance's owner here, taken over first when it has none (or lost it)."""
+        owner = self._owners.get(instance)
+        if owner is not None and owner.failure is None:
+            return owner
+        lock = self._taking.setdefault(instance, asyncio.Lock())
+        async with lock:
+            owner = self._owners.get(instance)
+            if owner is None or owner.failure is not None:
+                owner = await take_over(
+                    self._journal,
+                    self._catalog,
+                    instance,
+                    self._limits,
+                    self._queue_policy,
+                    self._name,
+                    self._address,
+                )
+                owner.on_committed = self._on_changed
+                self._owners[instance] = owner
+                log.info("instances/%s: served from memory (epoch %d)", instance, owner.epoch)
+            return owner
+
+    async def run(self, instance: str, operation: Callable[[InstanceMachine, float], T]) -> T:
+        """Apply an operation on the instance's machine; a tenant the machine has not heard of
+        yet is looked up in the catalog once."""
+        owner = await self.owner(instance)
+        try:
+            return await owner.apply(operation)
+        except KvQuotaError as refused:
+            if refused.reason is not Reason.TENANT_NOT_FOUND:
+                raise
+        await self.refresh_tenants()
+        return await owner.apply(operation)
+
+    async def refresh_tenants(self) -> None:
+        """Every machine learns the catalog's tenants as they are now (quotas, states, salts)."""
+        settings = await self._journal.tenants()
+        for owner in self._owners.values():
+            for one in settings:
+                owner.machine.set_tenant(one)
+
+    def settings(self, instance: str, tenant: str) -> TenantSettings | None:
+        owner = self._owners.get(instance)
+        here = owner.machine.tenants.get(tenant) if owner is not None else None
+        return here.settings if here is not None else None
+
+    def elsewhere(self, tenant: str, instance: str) -> Elsewhere:
+        """What the tenant holds on the other instances (all served here, for now)."""
+        blocks = tokens = pinned = 0
+        for name, owner in self._owners.items():
+            here = owner.machine.tenants.get(tenant)
+            if name == instance or here is None:
+                continue
+            blocks += len(here.held)
+            tokens += here.tokens
+            pinned += len(here.pinned)
+        return Elsewhere(blocks, tokens, pinned)
+
+    async def instance_of(self, tenant: str, request_id: str) -> str | None:
+        """The instance a reservation is on: a machine here that knows it, else the record."""
+        key = (tenant, request_id)
+        for name, owner in self._owners.items():
+            if key in owner.machine.reservations or key in owner.machine.ended:
+                return name
+        async with self._engine.connect() as conn:
+            found = await conn.execute(_INSTANCE_OF, {"tenant": tenant, "request_id": request_id})
+            instance = found.scalar_one_or_none()
+        return None if instance is None else str(instance)
+
+    def served(self) -> list[InstanceOwner]:
+        return [owner for owner in self._owners.values() if owner.failure is None]
+
+
+def _answer(machine: InstanceMachine, record: ReservationRecord) -> Reservation:
+    """The reservation as a caller sees it now (queued ones with their place)."""
+    return record.snapshot(machine.queue_position(record))
+
+
+class OwnedLedger(Ledger):
+    """The ledger's reservation calls, served by the instances' owners."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        owners: Owners,
+        limits: AdmissionLimits,
+        queue: QueuePolicy | None = None,
+    ) -> None:
+        super().__init__(engine, limits, queue)
+        self._owners = owners
+
+    async def _on_reservation(
+        self,
+        tenant: str,
+        request_id: str,
+        operation: Callable[[InstanceMachine, float], T],
+    ) -> T:
+        instance = await self._owners.instance_of(tenant, request_id)
+        if instance is None:
+            raise_not_found(tenant, request_id)
+        return await self._owners.run(instance, operation)
+
+    async def admit(self, request: AdmitRequest) -> tuple[Reservation, str]:
+        p = request.params
+        owners = self._owners
+        instance = await owners.instance_of(p.tenant, p.request_id) or p.instance
+
+        def admit(machine: InstanceMachine, now: float) -> Reservation:
+            elsewhere = owners.elsewhere(p.tenant, instance)
+            return _answer(machine, machine.admit(request, now, elsewhere))
+
+        reservation = await owners.run(instance, admit)
+        settings = owners.settings(instance, p.tenant)
+        assert settings is not None
+        return reservation, settings.salt
+
+    async def get(self, tenant: str, request_id: str) -> Reservation:
+        try:
+            return await self._on_reservation(
+                tenant, request_id, lambda m, now: _answer(m, m.get(tenant, request_id))
+            )
+        except KvQuotaError as missing:
+            if missing.reason is not Reason.RESERVATION_NOT_FOUND:
+                raise
+        # Ended long ago (no machine keeps it): the record has it, if anything does.
+        return await super().get(tenant, request_id)
+
+    async def end(
+        self,
+        tenant: str,
+        request_id: str,
+        reason: EndReason,
+        output_tokens: int | None = None,
+        *,
+        lapsed_only: bool = False,
+    ) -> Reservation:
+        def end(machine: InstanceMachine, now: float) -> Reservation:
+            record = machine.get(tenant, request_id)
+            if lapsed_only and not _lapsed(record, now):
+                return _answer(machine, record)  # a renewal won
+            return _answer(machine, machine.end(tenant, request_id, reason, now, output_tokens))
+
+        return await self._on_reservation(tenant, request_id, end)
+
+    async def stop_waiting(
+        self, tenant: str, request_id: str, reason: EndReason
+    ) -> tuple[Reservation, float]:
+        def stop(machine: InstanceMachine, now: float) -> tuple[Reservation, float]:
+            record = machine.get(tenant, request_id)
+            if record.state is ReservationState.QUEUED:
+                machine.end(tenant, request_id, reason, now)
+            return _answer(machine, record), machine.queue_delay_at(record.params.priority)
+
+        return await self._on_reservation(tenant, request_id, stop)
+
+    async def renew(self, tenant: str, request_id: str, ttl_seconds: float | None) -> Reservation:
+        return await self._on_reservation(
+            tenant,
+            request_id,
+            lambda m, now: _answer(m, m.renew(tenant, request_id, ttl_seconds, now)),
+        )
+
+    async def suspend(
+        self, tenant: str, request_id: str, session_token_ids: Sequence[int]
+    ) -> Reservation:
+        return await self._on_reservation(
+            tenant,
+            request_id,
+            lambda m, now: _answer(m, m.suspend(tenant, request_id, now, session_token_ids)),
+        )
+
+    async def resume(self, tenant: str, request_id: str, wait_seconds: float) -> Reservation:
+        owners = self._owners
+
+        def resume(machine: InstanceMachine, now: float) -> Reservation:
+            elsewhere = owners.elsewhere(tenant, machine.spec.instance)
+            resumed = machine.resume(tenant, request_id, wait_seconds, now, elsewhere)
+            return _answer(machine, resumed)
+
+        return await self._on_reservation(tenant, request_id, resume)
+
+    async def release_blocks(
+        self, tenant: str, request_id: str, handles: Sequence[BlockHandle]
+    ) -> Reservation:
+        return await self._on_reservation(
+            tenant,
+            request_id,
+            lambda m, now: _answer(m, m.release_blocks(tenant, request_id, handles, now)),
+        )
+
+    async def dispatch(self, instance: str) -> int:
+        owners = self._owners
+
+        def dispatch(machine: InstanceMachine, now: float) -> int:
+            elsewhere = {t: owners.elsewhere(t, instance) for t in machine.tenants}
+            return machine.dispatch(now, elsewhere)
+
+        return await owners.run(instance, dispatch)
+
+    async def dispatch_all(self) -> int:
+        return sum([await self.dispatch(o.instance) for o in self._owners.served()])
+
+
+def _lapsed(record: ReservationRecord, now: float) -> bool:
+    if record.state is ReservationState.ADMITTED:
+        return record.lease_expires_at is not None and record.lease_expires_at <= now
+    if record.state is ReservationState.QUEUED:
+        return record.wait_deadline is not None and record.wait_deadline <= now
+    return False
+
+
+def raise_not_found(tenant: str, request_id: str) -> NoReturn:
+    raise not_found(Reason.RESERVATION_NOT_FOUND, reservation_name(tenant, request_id))
+
+
+class OwnedCatalog(Catalog):
+    """The catalog, with every change of a tenant or an instance's state told to the machines
+    here before the caller is answered (a suspended tenant admits nothing from then on)."""
+
+    def __init__(self, engine: AsyncEngine, owners: Owners) -> None:
+        super().__init__(engine)
+        self._owners = owners
+
+    async def create_tenant(
+        self,
+        tenant: str,
+        display_name: str,
+        weight: int,
+        quota: TenantQuota,
+        shadow_mode: bool = False,
+    ) -> Tenant:
+        created = await super().create_tenant(tenant, display_name, weight, quota, shadow_mode)
+        await self._owners.refresh_tenants()
+        return created
+
+    async def update_tenant(self, tenant: str, changes: dict[str, object]) -> Tenant:
+        updated = await super().update_tenant(tenant, changes)
+        await self._owners.refresh_tenants()
+        return updated
+
+    async def set_tenant_state(self, tenant: str, state: TenantState) -> Tenant:
+        updated = await super().set_tenant_state(tenant, state)
+        await self._owners.refresh_tenants()
+        return updated
+
+    async def rotate_salt(self, collection: str, owner_id: str) -> None:
+        await super().rotate_salt(collection, owner_id)
+        await self._owners.refresh_tenants()
+
+    async def drain_instance(self, instance: str) -> Instance:
+        drained = await super().drain_instance(instance)
+        owner = await self._owners.owner(instance)
+        owner.machine.state = drained.state
+        return drained
