@@ -30,7 +30,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc
-from quota_service.cli import table_lines
+from quota_service.cli.formatting import table_lines
 from quota_service.core import access, catalog
 from quota_service.core.access import Role
 from quota_service.core.model import EngineEndpoints, TenantQuota
