@@ -11,6 +11,7 @@ import grpc
 from quota_service import logs
 from quota_service.cli import (
     audit,
+    check,
     gateway,
     instance,
     keys,
@@ -25,7 +26,19 @@ from quota_service.cli.command import Run
 from quota_service.config import SettingsError, load_settings
 
 # In the order `kvquota --help` lists them.
-COMMAND_MODULES = (serve, listing, top, instance, reclaim, plan, usage, keys, gateway, audit)
+COMMAND_MODULES = (
+    serve,
+    listing,
+    top,
+    instance,
+    reclaim,
+    plan,
+    usage,
+    keys,
+    gateway,
+    audit,
+    check,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
