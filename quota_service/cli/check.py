@@ -13,7 +13,7 @@ from quota_service.cli.command import AddParser, add_json_option
 from quota_service.cli.connection import database_url
 from quota_service.cli.formatting import print_json, table_lines
 from quota_service.config import Settings
-from quota_service.core.invariants import InvariantReport, Offence, Verdict
+from quota_service.core.invariants import DEFAULT_ROWS, InvariantReport, Offence, Verdict
 
 INDENT = " " * 13
 
@@ -23,7 +23,10 @@ def add_parsers(add_parser: AddParser) -> None:
         "check", help="check the invariants over the database's record (exit 1: violated)"
     )
     check.add_argument(
-        "--limit", type=int, default=10, help="offending rows shown per check (default: 10)"
+        "--limit",
+        type=int,
+        default=DEFAULT_ROWS,
+        help="offending rows shown per check (default: %(default)s)",
     )
     add_json_option(check, "text")
     check.set_defaults(run=run_check)

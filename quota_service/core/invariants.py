@@ -23,6 +23,9 @@ INVARIANTS = {
     8: "one writer per instance, and the owner's memory equals what the record derives",
 }
 
+# Offending rows shown per check unless asked for more.
+DEFAULT_ROWS = 10
+
 
 class Verdict(enum.StrEnum):
     OK = "OK"

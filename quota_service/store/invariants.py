@@ -14,15 +14,13 @@ from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core.invariants import (
+    DEFAULT_ROWS,
     INVARIANTS,
     InvariantReport,
     Offence,
     judged,
     not_checked,
 )
-
-# Offending rows shown per check unless asked for more.
-DEFAULT_ROWS = 10
 
 SLOT_STATES = text("""
     SELECT i.instance, i.capacity_blocks AS capacity, coalesce(b.total, 0) AS slots,
