@@ -43,10 +43,10 @@ from quota_service.core.kv_events import BlockRemoved, BlockStored
 from quota_service.core.model import AdmitParams, BlockState, EndReason
 from quota_service.core.pagination import Page
 from quota_service.core.reclaim import ReclaimTarget, Tier
+from quota_service.enforcement.termination import Termination
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
-from quota_service.jobs.reclaim import ReclaimExecutor
-from quota_service.jobs.termination import Termination
+from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.store.catalog import Catalog
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger

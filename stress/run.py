@@ -30,14 +30,16 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc
-from quota_service.cli import table_lines
+from quota_service.cli.formatting import table_lines
 from quota_service.core import access, catalog
 from quota_service.core.access import Role
+from quota_service.core.invariants import violations
 from quota_service.core.model import EngineEndpoints, TenantQuota
 from quota_service.store import migrate
 from quota_service.store.access import ApiKeys
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
+from quota_service.store.invariants import check_record
 from quota_service.store.usage import UsageRollup
 from stress.cluster import (
     EnginePorts,
@@ -48,7 +50,6 @@ from stress.cluster import (
     simulated_engine,
 )
 from stress.workload import Client, Operator, Tally
-from tests.integration.invariants import violations
 
 BLOCK_SIZE = 16
 ENGINE_BLOCKS = 256
@@ -181,7 +182,7 @@ class Stress:
         """The invariants, once; a check the database could not answer (it is restarting) is
         counted as skipped, not passed."""
         try:
-            found = await violations(self.db)
+            found = violations(await check_record(self.db))
         except DBAPIError:
             await self.db.dispose()
             self.report.checks_skipped += 1

@@ -20,7 +20,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
-from quota_service.api.errors import STATUS_DETAILS_KEY
+from quota_service.api.error_status import STATUS_DETAILS_KEY
 
 CALL_TIMEOUT_SECONDS = 10.0
 REMEMBERED = 32

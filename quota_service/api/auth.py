@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from quota_service import logs
-from quota_service.api.errors import (
+from quota_service.api.error_status import (
     Behavior,
     Request,
     Response,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvquota.v1 import admission_pb2, resources_pb2
-from quota_service.api.errors import (
+from quota_service.api.error_status import (
     Behavior,
     Request,
     Response,
@@ -29,7 +29,7 @@ from quota_service.api.errors import (
     responses,
 )
 from quota_service.core.errors import Code
-from quota_service.jobs.metrics import ServiceMetrics
+from quota_service.metrics import ServiceMetrics
 
 _ADMISSION_SERVICE = admission_pb2.DESCRIPTOR.services_by_name["AdmissionService"].full_name
 # The methods whose answers count as admissions, by full gRPC method name.

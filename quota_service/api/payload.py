@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from quota_service.api.errors import (
+from quota_service.api.error_status import (
     Behavior,
     Request,
     Response,

@@ -25,23 +25,23 @@ from kvquota.v1 import (
     billing_pb2,
     billing_pb2_grpc,
 )
-from quota_service.api.admin import AdminServicer
-from quota_service.api.admission import AdmissionServicer
+from quota_service.api.admin_service import AdminServicer
+from quota_service.api.admission_service import AdmissionServicer
 from quota_service.api.auth import AccessInterceptor, Authenticator
-from quota_service.api.billing import BillingServicer
-from quota_service.api.errors import ErrorInterceptor
+from quota_service.api.billing_service import BillingServicer
+from quota_service.api.error_status import ErrorInterceptor
 from quota_service.api.observability import MetricsInterceptor
 from quota_service.api.payload import PayloadInterceptor
 from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
+from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
+from quota_service.enforcement.termination import Termination
 from quota_service.jobs import maintenance
-from quota_service.jobs.cpu_tier import CpuTierMirror
 from quota_service.jobs.dispatcher import Dispatcher
 from quota_service.jobs.follower import Followers
-from quota_service.jobs.metrics import LedgerMetrics, PoolMetrics, ServiceMetrics, serve_metrics
-from quota_service.jobs.policy import ReclaimPolicy
-from quota_service.jobs.reclaim import ReclaimExecutor
-from quota_service.jobs.termination import Termination
+from quota_service.jobs.reclaim_executor import ReclaimExecutor
+from quota_service.jobs.reclaim_policy import ReclaimPolicy
+from quota_service.metrics import LedgerMetrics, PoolMetrics, ServiceMetrics, serve_metrics
 from quota_service.owner.owners import OwnedCatalog, OwnedLedger, Owners
 from quota_service.store import migrate
 from quota_service.store.access import ApiKeys, AuditLog

@@ -19,7 +19,7 @@ import psycopg
 
 from quota_service.engine.vllm.http import MetricsError, VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
-from quota_service.jobs.metrics import ServiceMetrics
+from quota_service.metrics import ServiceMetrics
 from quota_service.store.ownership import owned
 from quota_service.store.reconcile import Reconciler
 

@@ -18,12 +18,12 @@ from typing import NamedTuple
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
-from quota_service.jobs.cpu_tier import CpuTierMirror
+from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
+from quota_service.enforcement.termination import Termination
 from quota_service.jobs.follower import Followers
-from quota_service.jobs.metrics import LedgerMetrics
-from quota_service.jobs.policy import ReclaimPolicy
-from quota_service.jobs.reclaim import ReclaimExecutor
-from quota_service.jobs.termination import Termination
+from quota_service.jobs.reclaim_executor import ReclaimExecutor
+from quota_service.jobs.reclaim_policy import ReclaimPolicy
+from quota_service.metrics import LedgerMetrics
 from quota_service.store.database import reachable
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger

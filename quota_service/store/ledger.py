@@ -500,7 +500,7 @@ _LAPSED = text(
     """
 )
 
-# Lapsed leases whose engine must abort the request first (see jobs/termination.py).
+# Lapsed leases whose engine must abort the request first (see enforcement/termination.py).
 _LAPSED_ON_ENGINES = text(
     """
     SELECT r.tenant, r.request_id, i.engine_url, r.suspended_at IS NULL AS running

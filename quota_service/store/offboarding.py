@@ -176,7 +176,7 @@ class OffboardingReport:
 
 
 class EngineAborts(Protocol):
-    """How offboarding stops what an engine runs (jobs.termination.Termination)."""
+    """How offboarding stops what an engine runs (enforcement.termination.Termination)."""
 
     async def abort(self, url: str, request_ids: Sequence[str]) -> bool:
         """True once the engine at `url` answered the abort of these requests."""

@@ -13,9 +13,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bench.fidelity import Endpoints, FidelityRun, write
 from bench.harness import machine
-from quota_service.jobs.cpu_tier import CpuTierMirror
-from quota_service.jobs.reclaim import ReclaimExecutor
-from quota_service.jobs.termination import Termination
+from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
+from quota_service.enforcement.termination import Termination
+from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.reclaim import ReclaimJobs
 from quota_service.store.reconcile import Reconciler

@@ -27,11 +27,11 @@ from quota_service.core.model import (
     TenantQuota,
 )
 from quota_service.core.reclaim import JobState, ReclaimTarget, Tier
+from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
+from quota_service.enforcement.termination import Termination
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
-from quota_service.jobs.cpu_tier import CpuTierMirror
-from quota_service.jobs.reclaim import ReclaimExecutor
-from quota_service.jobs.termination import Termination
+from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger

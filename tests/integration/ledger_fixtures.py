@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.model import AdmitParams, TenantQuota
-from quota_service.jobs.termination import Termination
+from quota_service.enforcement.termination import Termination
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import RESERVATION_BATCH, Offboarding

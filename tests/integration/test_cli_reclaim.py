@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.api import server
-from quota_service.cli import format_size, parse_size
 from quota_service.cli import main as cli_main
+from quota_service.cli.formatting import format_size, parse_size
 from quota_service.config import Settings
 from quota_service.core.model import EndReason
 from quota_service.store.ledger import Ledger

@@ -23,7 +23,7 @@ from quota_service.core.model import (
     TenantQuota,
 )
 from quota_service.core.reclaim import ReclaimTarget, Tier
-from quota_service.jobs.metrics import LedgerMetrics, ServiceMetrics, serve_metrics
+from quota_service.metrics import LedgerMetrics, ServiceMetrics, serve_metrics
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.inspection import Inspection

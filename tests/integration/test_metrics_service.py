@@ -23,7 +23,7 @@ from quota_service.core import catalog
 from quota_service.core.model import EngineEndpoints
 from quota_service.engine.simulated import EventPublisher
 from quota_service.jobs.follower import Followers
-from quota_service.jobs.metrics import PoolMetrics, ServiceMetrics
+from quota_service.metrics import PoolMetrics, ServiceMetrics
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
 from quota_service.store.ledger import Ledger

@@ -21,8 +21,8 @@ from quota_service.core.model import (
     ReservationState,
     TenantState,
 )
+from quota_service.enforcement.termination import Termination
 from quota_service.engine.vllm.http import vllm_request_ids
-from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import FORWARDING_SECONDS, Offboarding

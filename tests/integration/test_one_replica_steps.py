@@ -12,13 +12,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
 from quota_service.core.model import EndReason, ReservationState
-from quota_service.jobs.cpu_tier import CpuTierMirror
+from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
+from quota_service.enforcement.termination import Termination
 from quota_service.jobs.follower import Followers
 from quota_service.jobs.maintenance import Maintenance
-from quota_service.jobs.metrics import LedgerMetrics
-from quota_service.jobs.policy import ReclaimPolicy
-from quota_service.jobs.reclaim import ReclaimExecutor
-from quota_service.jobs.termination import Termination
+from quota_service.jobs.reclaim_executor import ReclaimExecutor
+from quota_service.jobs.reclaim_policy import ReclaimPolicy
+from quota_service.metrics import LedgerMetrics
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.inspection import Inspection

@@ -13,10 +13,10 @@ from quota_service.config import Settings
 from quota_service.core.model import ReservationState
 from quota_service.core.pagination import Page
 from quota_service.core.reclaim import ReclaimTarget, Tier
-from quota_service.jobs.cpu_tier import CpuTierMirror
-from quota_service.jobs.policy import ReclaimPolicy
-from quota_service.jobs.reclaim import ReclaimExecutor
-from quota_service.jobs.termination import Termination
+from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
+from quota_service.enforcement.termination import Termination
+from quota_service.jobs.reclaim_executor import ReclaimExecutor
+from quota_service.jobs.reclaim_policy import ReclaimPolicy
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger

@@ -16,10 +16,10 @@ from quota_service.config import Settings
 from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.model import AdmitParams, EndReason, EngineEndpoints, ReservationState
+from quota_service.enforcement.termination import Termination
 from quota_service.engine.simulated import EventPublisher, SimulatedHost, SimulatedPool
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.jobs.follower import Followers
-from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
 from quota_service.store.reconcile import Reconciler

@@ -19,12 +19,13 @@ from sqlalchemy import make_url, text
 from quota_service.config import Settings
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.block_table import BlockHandle
+from quota_service.core.invariants import violations
 from quota_service.core.model import AdmitParams, EndReason
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
+from quota_service.store.invariants import check_record
 from quota_service.store.ledger import Ledger
 from quota_service.store.pins import Pins
-from tests.integration.invariants import violations
 from tests.integration.ledger_fixtures import add_instance, offboarding_service
 from tests.model.rules import (
     BS,
@@ -120,7 +121,7 @@ class LedgerMachine(LedgerRules):
                         "FROM tenants ORDER BY tenant"
                     )
                 )
-                return blocks.all(), tenants.all(), await violations(self.engine)
+                return blocks.all(), tenants.all(), violations(await check_record(self.engine))
 
         blocks, tenants, broken = self.run(read())
         assert not broken, broken

@@ -16,9 +16,9 @@ from quota_service.core.admission import AdmitRequest
 from quota_service.core.errors import Code, KvQuotaError
 from quota_service.core.model import EndReason, EngineEndpoints, LmcacheEndpoint, ReservationState
 from quota_service.core.reclaim import JobState, ReclaimTarget, Tier, Unreclaimable
-from quota_service.jobs.cpu_tier import CpuTierMirror
-from quota_service.jobs.reclaim import ReclaimExecutor
-from quota_service.jobs.termination import Termination
+from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
+from quota_service.enforcement.termination import Termination
+from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger

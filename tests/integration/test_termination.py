@@ -10,8 +10,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from quota_service.config import Settings
 from quota_service.core import catalog
 from quota_service.core.model import EndReason, EngineEndpoints, ReservationState
+from quota_service.enforcement.termination import Termination
 from quota_service.engine.vllm.http import vllm_request_ids
-from quota_service.jobs.termination import Termination
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
 from tests.integration.engine_stubs import abort_endpoint, closed_port

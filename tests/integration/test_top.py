@@ -20,10 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, resources_pb2
 from quota_service.api import server
 from quota_service.cli import main as cli_main
+from quota_service.cli.top import CLEAR
 from quota_service.config import Settings
 from quota_service.core.model import EndReason, TenantQuota
 from quota_service.store.ledger import Ledger
-from quota_service.top import CLEAR
 from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
 
 QUOTA = TenantQuota(

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from kvquota.client import errors
-from quota_service.api.errors import rich_status, trailers
+from quota_service.api.error_status import rich_status, trailers
 from quota_service.core.errors import Code, FieldViolation, KvQuotaError, QuotaViolation
 from quota_service.core.reasons import Reason
 
@@ -41,7 +41,7 @@ TABLE = [
 
 
 def decoded(error: KvQuotaError) -> errors.KvquotaError:
-    """As the server sends it (api/errors.py) and the client reads it."""
+    """As the server sends it (api/error_status.py) and the client reads it."""
     code, status = rich_status(error)
     return errors.from_status(code, status.message, trailers(error, status))
 

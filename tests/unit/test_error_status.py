@@ -8,7 +8,7 @@ import pytest
 from google.rpc import error_details_pb2
 from sqlalchemy.exc import OperationalError
 
-from quota_service.api.errors import domain_error, rich_status, trailers
+from quota_service.api.error_status import domain_error, rich_status, trailers
 from quota_service.core.errors import Code, FieldViolation, KvQuotaError, QuotaViolation
 from quota_service.core.reasons import Reason
 

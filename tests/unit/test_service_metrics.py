@@ -11,10 +11,10 @@ from sqlalchemy.exc import OperationalError
 
 from kvquota.v1 import admission_pb2
 from kvquota.v1 import resources_pb2 as pb
-from quota_service.api import errors, observability
+from quota_service.api import error_status, observability
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.reasons import Reason
-from quota_service.jobs.metrics import ServiceMetrics
+from quota_service.metrics import ServiceMetrics
 
 
 class _Context:
@@ -29,7 +29,7 @@ class _Context:
 
 def answered(exc: BaseException, code: grpc.StatusCode | None = None) -> tuple[str, str]:
     context: Any = _Context(code)
-    return errors.answered_with(exc, context)
+    return error_status.answered_with(exc, context)
 
 
 def test_the_status_of_an_answer_is_the_domain_error_s_or_a_safe_default() -> None:

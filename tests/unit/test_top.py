@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 import pytest
 
 from kvquota.v1 import resources_pb2 as pb
-from quota_service import top
 from quota_service.cli import main as cli_main
+from quota_service.cli import top
 
 WHEN = datetime(2026, 11, 29, 10, 0, 5, tzinfo=UTC)
 

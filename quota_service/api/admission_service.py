@@ -20,9 +20,9 @@ from quota_service.core.errors import FieldViolation, KvQuotaError, preempted, r
 from quota_service.core.model import EndReason, Reservation, ReservationState
 from quota_service.core.names import parse_reservation, reservation_key, reservation_name
 from quota_service.core.reasons import Reason
-from quota_service.jobs.cpu_tier import CpuTierMirror
-from quota_service.jobs.metrics import ServiceMetrics
-from quota_service.jobs.termination import Termination
+from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
+from quota_service.enforcement.termination import Termination
+from quota_service.metrics import ServiceMetrics
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
 

@@ -11,8 +11,8 @@ from dataclasses import astuple
 
 from quota_service.core.model import EndReason
 from quota_service.core.reclaim import Preemption
-from quota_service.jobs.cpu_tier import CpuTierMirror
-from quota_service.jobs.termination import Termination
+from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
+from quota_service.enforcement.termination import Termination
 from quota_service.store.reclaim import ReclaimJobs
 
 log = logging.getLogger(__name__)

@@ -8,29 +8,29 @@ gRPC from AdminService. `snapshot` reads; `frame` and `snapshot_json` are pure, 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TypeVar
 
 import grpc
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, resources_pb2
-from quota_service.cli import (
-    _as_dict,
-    _channel,
-    _enum_name,
-    _instance_row,
-    _tenant_row,
-    finished_steps,
+from quota_service.cli import listing
+from quota_service.cli.command import AddParser
+from quota_service.cli.connection import add_server_options, channel, every_page
+from quota_service.cli.formatting import (
+    as_dict,
+    enum_name,
     format_size,
+    print_json,
     table_lines,
 )
+from quota_service.cli.reclaim import finished_steps
+from quota_service.config import Settings
 
 CLEAR = "\x1b[H\x1b[2J"
 RPC_TIMEOUT_SECONDS = 10.0
@@ -41,8 +41,6 @@ ACTIVE_JOB_STATES = (
     resources_pb2.RECLAIM_JOB_STATE_RUNNING,
     resources_pb2.RECLAIM_JOB_STATE_PLANNED,
 )
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -56,27 +54,19 @@ class Snapshot:
     reclaim_jobs: Sequence[resources_pb2.ReclaimJob]
 
 
-def _every_page(page: Callable[[str], tuple[Sequence[T], str]]) -> list[T]:
-    items: list[T] = []
-    token = ""
-    while True:
-        found, token = page(token)
-        items.extend(found)
-        if not token:
-            return items
+def add_parsers(add_parser: AddParser) -> None:
+    top = add_parser("top", help="a live view of instances, tenants, the queue and reclaim jobs")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    one_shot = top.add_mutually_exclusive_group()
+    one_shot.add_argument("--once", action="store_true", help="print one frame and exit")
+    one_shot.add_argument("--json", action="store_true", help="print one JSON snapshot and exit")
+    add_server_options(top)
+    top.set_defaults(run=run_top)
 
 
 def snapshot(stub: admin_pb2_grpc.AdminServiceStub, server: str) -> Snapshot:
     """Every instance, tenant and reclaim job, one page after another."""
     timeout = RPC_TIMEOUT_SECONDS
-
-    def instances(token: str) -> tuple[Sequence[resources_pb2.Instance], str]:
-        page = stub.ListInstances(admin_pb2.ListInstancesRequest(page_token=token), timeout=timeout)
-        return page.instances, page.next_page_token
-
-    def tenants(token: str) -> tuple[Sequence[resources_pb2.Tenant], str]:
-        page = stub.ListTenants(admin_pb2.ListTenantsRequest(page_token=token), timeout=timeout)
-        return page.tenants, page.next_page_token
 
     def jobs(token: str) -> tuple[Sequence[resources_pb2.ReclaimJob], str]:
         request = admin_pb2.ListReclaimJobsRequest(page_token=token)
@@ -86,16 +76,16 @@ def snapshot(stub: admin_pb2_grpc.AdminServiceStub, server: str) -> Snapshot:
     return Snapshot(
         server,
         datetime.now(UTC),
-        _every_page(instances),
-        _every_page(tenants),
-        _every_page(jobs),
+        listing.instances(stub, timeout),
+        listing.tenants(stub, timeout),
+        every_page(jobs),
     )
 
 
 def totals(snap: Snapshot) -> dict[str, int]:
     """The fleet's sums, for the summary lines."""
     instances, tenants = snap.instances, snap.tenants
-    jobs = Counter(_enum_name(j, "state") for j in snap.reclaim_jobs)
+    jobs = Counter(enum_name(j, "state") for j in snap.reclaim_jobs)
     return {
         "instances": len(instances),
         "capacityBlocks": sum(i.capacity_blocks for i in instances),
@@ -128,7 +118,7 @@ def _bar(part: int, whole: int) -> str:
 
 def instance_row(i: resources_pb2.Instance) -> dict[str, object]:
     """Its block pool (the four states add up to its capacity), what runs and what waits."""
-    shared = _instance_row(i)
+    shared = listing.instance_row(i)
     held = i.blocks_in_use + i.pinned_blocks
     return {
         "instance": _short(i.name),
@@ -154,7 +144,7 @@ def instance_row(i: resources_pb2.Instance) -> dict[str, object]:
 
 def tenant_row(t: resources_pb2.Tenant) -> dict[str, object]:
     """What it holds against its quota."""
-    shared = _tenant_row(t)
+    shared = listing.tenant_row(t)
     return {
         "tenant": _short(t.name),
         "state": shared["state"],
@@ -194,13 +184,13 @@ def queue_rows(snap: Snapshot) -> list[dict[str, object]]:
 
 
 def job_row(j: resources_pb2.ReclaimJob) -> dict[str, object]:
-    low = _enum_name(j, "min_tier") if j.min_tier else "FREE"  # unset: FREE
-    high = _enum_name(j, "max_tier")
+    low = enum_name(j, "min_tier") if j.min_tier else "FREE"  # unset: FREE
+    high = enum_name(j, "max_tier")
     return {
         "job": _short(j.name),
         "instance": _short(j.instance),
         "tenant": _short(j.tenant) if j.tenant else "-",
-        "state": _enum_name(j, "state") + (" (dry run)" if j.dry_run else ""),
+        "state": enum_name(j, "state") + (" (dry run)" if j.dry_run else ""),
         "tiers": low if low == high else f"{low}..{high}",
         "target": j.target_blocks,
         "expected": j.expected_blocks,
@@ -264,23 +254,23 @@ def snapshot_json(snap: Snapshot) -> dict[str, object]:
         "server": snap.server,
         "time": snap.time.astimezone(UTC).isoformat(),
         "totals": totals(snap),
-        "instances": [_as_dict(i) for i in snap.instances],
-        "tenants": [_as_dict(t) for t in snap.tenants],
-        "reclaimJobs": [_as_dict(j) for j in snap.reclaim_jobs],
+        "instances": [as_dict(i) for i in snap.instances],
+        "tenants": [as_dict(t) for t in snap.tenants],
+        "reclaimJobs": [as_dict(j) for j in snap.reclaim_jobs],
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def run_top(args: argparse.Namespace, settings: Settings) -> int:
     """`--json` or `--once`: one snapshot and exit; otherwise redraw every --interval seconds
     until Ctrl-C (exit 0). While the server cannot be reached, the screen says so and the view
     keeps trying."""
     if args.interval <= 0:
         print("kvquota top: --interval must be positive", file=sys.stderr)
         return 2
-    with _channel(args) as channel:
-        stub = admin_pb2_grpc.AdminServiceStub(channel)
+    with channel(args) as chan:
+        stub = admin_pb2_grpc.AdminServiceStub(chan)
         if args.json:
-            print(json.dumps(snapshot_json(snapshot(stub, args.server)), indent=2))
+            print_json(snapshot_json(snapshot(stub, args.server)))
             return 0
         if args.once:
             print(frame(snapshot(stub, args.server)))
