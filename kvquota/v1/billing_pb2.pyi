@@ -182,7 +182,9 @@ class UsageRecord(_message.Message):
     cpu_gib_hours: _builtins.float
     """Bytes held in the CPU tier (LMCache) over the hour."""
     compressed_gib_hours: _builtins.float
-    """No engine kvquota drives compresses yet: always 0."""
+    """Bytes held in the CPU tier's compressed form (sessions a COMPRESS step demoted to a
+    compressing LMCache L2) over the hour, at their compressed size.
+    """
     tokens_reserved: _builtins.int
     output_tokens: _builtins.int
     requests_admitted: _builtins.int

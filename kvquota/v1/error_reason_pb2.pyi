@@ -95,7 +95,9 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     TENANT_OFFBOARDED: _ErrorReason.ValueType  # 23
     """Changing a tenant that was offboarded."""
     TIER_NOT_EXECUTABLE: _ErrorReason.ValueType  # 24
-    """A reclaim plan needs tiers that can be planned (dry_run) but not executed yet."""
+    """Not returned any more (every tier a plan holds can be executed); the value keeps its
+    meaning for clients built against it.
+    """
     PREEMPTED: _ErrorReason.ValueType  # 25
     """A reclaim evicted the reservation while it ran (RenewLease, Suspend, Resume and the end of
     Watch say so): admit the request again.
@@ -205,7 +207,9 @@ INSTANCE_DRAINING: ErrorReason.ValueType  # 22
 TENANT_OFFBOARDED: ErrorReason.ValueType  # 23
 """Changing a tenant that was offboarded."""
 TIER_NOT_EXECUTABLE: ErrorReason.ValueType  # 24
-"""A reclaim plan needs tiers that can be planned (dry_run) but not executed yet."""
+"""Not returned any more (every tier a plan holds can be executed); the value keeps its
+meaning for clients built against it.
+"""
 PREEMPTED: ErrorReason.ValueType  # 25
 """A reclaim evicted the reservation while it ran (RenewLease, Suspend, Resume and the end of
 Watch say so): admit the request again.

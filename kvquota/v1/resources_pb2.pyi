@@ -246,7 +246,9 @@ class _ReclaimTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReclaimTi
     RECLAIM_TIER_OFFLOAD: _ReclaimTier.ValueType  # 2
     """Suspended reservations move to the CPU tier (LMCache) below its low watermark."""
     RECLAIM_TIER_COMPRESS: _ReclaimTier.ValueType  # 3
-    """CPU-tier contents are compressed (lossy), only above the CPU tier's high watermark."""
+    """Offloaded sessions are demoted to the CPU tier's compressed form (lossy; pinned chunks
+    stay), only above its high watermark and where it can compress.
+    """
     RECLAIM_TIER_EVICT: _ReclaimTier.ValueType  # 4
     """Running reservations are preempted and aborted in the engine."""
 
@@ -259,7 +261,9 @@ RECLAIM_TIER_FREE: ReclaimTier.ValueType  # 1
 RECLAIM_TIER_OFFLOAD: ReclaimTier.ValueType  # 2
 """Suspended reservations move to the CPU tier (LMCache) below its low watermark."""
 RECLAIM_TIER_COMPRESS: ReclaimTier.ValueType  # 3
-"""CPU-tier contents are compressed (lossy), only above the CPU tier's high watermark."""
+"""Offloaded sessions are demoted to the CPU tier's compressed form (lossy; pinned chunks
+stay), only above its high watermark and where it can compress.
+"""
 RECLAIM_TIER_EVICT: ReclaimTier.ValueType  # 4
 """Running reservations are preempted and aborted in the engine."""
 Global___ReclaimTier: _TypeAlias = ReclaimTier  # noqa: Y015
@@ -452,6 +456,8 @@ class TenantUsage(_message.Message):
     LIVE_RESERVATIONS_FIELD_NUMBER: _builtins.int
     PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
     QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    CPU_TIER_BYTES_FIELD_NUMBER: _builtins.int
+    COMPRESSED_BYTES_FIELD_NUMBER: _builtins.int
     blocks_in_use: _builtins.int
     """Distinct blocks its live reservations and pins reference (sharing within a tenant is free)."""
     tokens_in_flight: _builtins.int
@@ -459,6 +465,11 @@ class TenantUsage(_message.Message):
     pinned_blocks: _builtins.int
     """Distinct blocks its pins hold."""
     queued_requests: _builtins.int
+    cpu_tier_bytes: _builtins.int
+    """Bytes its offloaded sessions hold in the CPU tier as they are, and in its compressed form
+    (at their compressed size).
+    """
+    compressed_bytes: _builtins.int
     def __init__(
         self,
         *,
@@ -467,10 +478,12 @@ class TenantUsage(_message.Message):
         live_reservations: _builtins.int = ...,
         pinned_blocks: _builtins.int = ...,
         queued_requests: _builtins.int = ...,
+        cpu_tier_bytes: _builtins.int = ...,
+        compressed_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_in_use", b"blocks_in_use", "live_reservations", b"live_reservations", "pinned_blocks", b"pinned_blocks", "queued_requests", b"queued_requests", "tokens_in_flight", b"tokens_in_flight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_in_use", b"blocks_in_use", "compressed_bytes", b"compressed_bytes", "cpu_tier_bytes", b"cpu_tier_bytes", "live_reservations", b"live_reservations", "pinned_blocks", b"pinned_blocks", "queued_requests", b"queued_requests", "tokens_in_flight", b"tokens_in_flight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -598,6 +611,7 @@ class Instance(_message.Message):
     CPU_USED_BYTES_FIELD_NUMBER: _builtins.int
     CPU_CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
     CPU_CHECK_TIME_FIELD_NUMBER: _builtins.int
+    CPU_COMPRESSION_RATIO_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """instances/{instance}"""
     model: _builtins.str
@@ -642,6 +656,10 @@ class Instance(_message.Message):
     its coordinator; unset without an LMCache tier.
     """
     cpu_capacity_bytes: _builtins.int
+    cpu_compression_ratio: _builtins.float
+    """Output only: compressed size / L1 size of chunks its CPU tier holds in a compressing L2,
+    as last measured there; 0 when it cannot compress (or nothing was measured yet).
+    """
     @_builtins.property
     def geometry(self) -> Global___KvGeometry: ...
     @_builtins.property
@@ -694,10 +712,11 @@ class Instance(_message.Message):
         cpu_used_bytes: _builtins.int = ...,
         cpu_capacity_bytes: _builtins.int = ...,
         cpu_check_time: _timestamp_pb2.Timestamp | None = ...,
+        cpu_compression_ratio: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cpu_check_time", b"cpu_check_time", "create_time", b"create_time", "engine", b"engine", "engine_check_time", b"engine_check_time", "geometry", b"geometry", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "blocks_in_use", b"blocks_in_use", "bytes_per_block", b"bytes_per_block", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "cpu_capacity_bytes", b"cpu_capacity_bytes", "cpu_check_time", b"cpu_check_time", "cpu_used_bytes", b"cpu_used_bytes", "create_time", b"create_time", "drift_blocks", b"drift_blocks", "engine", b"engine", "engine_check_time", b"engine_check_time", "engine_requests_running", b"engine_requests_running", "engine_resyncs", b"engine_resyncs", "free_blocks", b"free_blocks", "geometry", b"geometry", "hash_algo", b"hash_algo", "live_reservations", b"live_reservations", "max_model_len", b"max_model_len", "max_queued_requests", b"max_queued_requests", "model", b"model", "name", b"name", "pinned_blocks", b"pinned_blocks", "prefill_tokens_per_second", b"prefill_tokens_per_second", "queued_prompt_tokens", b"queued_prompt_tokens", "queued_requests", b"queued_requests", "state", b"state", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "blocks_in_use", b"blocks_in_use", "bytes_per_block", b"bytes_per_block", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "cpu_capacity_bytes", b"cpu_capacity_bytes", "cpu_check_time", b"cpu_check_time", "cpu_compression_ratio", b"cpu_compression_ratio", "cpu_used_bytes", b"cpu_used_bytes", "create_time", b"create_time", "drift_blocks", b"drift_blocks", "engine", b"engine", "engine_check_time", b"engine_check_time", "engine_requests_running", b"engine_requests_running", "engine_resyncs", b"engine_resyncs", "free_blocks", b"free_blocks", "geometry", b"geometry", "hash_algo", b"hash_algo", "live_reservations", b"live_reservations", "max_model_len", b"max_model_len", "max_queued_requests", b"max_queued_requests", "model", b"model", "name", b"name", "pinned_blocks", b"pinned_blocks", "prefill_tokens_per_second", b"prefill_tokens_per_second", "queued_prompt_tokens", b"queued_prompt_tokens", "queued_requests", b"queued_requests", "state", b"state", "target_ttft", b"target_ttft", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -920,6 +939,8 @@ class Reservation(_message.Message):
     OFFLOADED_BYTES_FIELD_NUMBER: _builtins.int
     OFFLOADED_FIELD_NUMBER: _builtins.int
     SHADOW_REFUSAL_FIELD_NUMBER: _builtins.int
+    COMPRESSED_BYTES_FIELD_NUMBER: _builtins.int
+    COMPRESSION_RATIO_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """tenants/{tenant}/reservations/{request_id}"""
     tenant: _builtins.str
@@ -951,6 +972,13 @@ class Reservation(_message.Message):
     it would have been refused with (TENANT_QUOTA_EXCEEDED, REQUEST_EXCEEDS_CAPACITY,
     QUEUE_FULL); empty otherwise.
     """
+    compressed_bytes: _builtins.int
+    """Tier COMPRESSED: bytes it holds in the CPU tier's compressed form once a reclaim demoted
+    it there (offloaded_bytes keeps what stays uncompressed, such as pinned chunks); 0 when
+    not compressed.
+    """
+    compression_ratio: _builtins.float
+    """Compressed size / original size of what was demoted, as the CPU tier measured it."""
     @_builtins.property
     def lease_expire_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -1004,10 +1032,12 @@ class Reservation(_message.Message):
         offloaded_bytes: _builtins.int = ...,
         offloaded: _builtins.bool = ...,
         shadow_refusal: _builtins.str = ...,
+        compressed_bytes: _builtins.int = ...,
+        compression_ratio: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "end_time", b"end_time", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "queue_time", b"queue_time", "suspend_time", b"suspend_time", "wait_deadline", b"wait_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "block_table", b"block_table", "end_reason", b"end_reason", "end_time", b"end_time", "instance", b"instance", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "name", b"name", "offloaded", b"offloaded", "offloaded_bytes", b"offloaded_bytes", "output_tokens", b"output_tokens", "prefix_hit_blocks", b"prefix_hit_blocks", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "queue_position", b"queue_position", "queue_time", b"queue_time", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "reserved_tokens", b"reserved_tokens", "shadow_refusal", b"shadow_refusal", "state", b"state", "suspend_time", b"suspend_time", "tenant", b"tenant", "wait_deadline", b"wait_deadline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admit_time", b"admit_time", "block_table", b"block_table", "compressed_bytes", b"compressed_bytes", "compression_ratio", b"compression_ratio", "end_reason", b"end_reason", "end_time", b"end_time", "instance", b"instance", "lease_expire_time", b"lease_expire_time", "lease_ttl", b"lease_ttl", "max_output_tokens", b"max_output_tokens", "n", b"n", "name", b"name", "offloaded", b"offloaded", "offloaded_bytes", b"offloaded_bytes", "output_tokens", b"output_tokens", "prefix_hit_blocks", b"prefix_hit_blocks", "priority", b"priority", "prompt_tokens", b"prompt_tokens", "queue_position", b"queue_position", "queue_time", b"queue_time", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks", "reserved_tokens", b"reserved_tokens", "shadow_refusal", b"shadow_refusal", "state", b"state", "suspend_time", b"suspend_time", "tenant", b"tenant", "wait_deadline", b"wait_deadline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1030,7 +1060,7 @@ class ReclaimStep(_message.Message):
     seq: _builtins.int
     tier: Global___ReclaimTier.ValueType
     reservation: _builtins.str
-    """OFFLOAD and EVICT: tenants/{tenant}/reservations/{request_id}."""
+    """OFFLOAD, COMPRESS and EVICT: tenants/{tenant}/reservations/{request_id}."""
     expected_blocks: _builtins.int
     """GPU blocks the plan expects this step to give back, and what it gave back so far (-1
     until it starts; a FREE step counts up batch by batch while still PLANNED).

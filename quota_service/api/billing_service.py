@@ -56,6 +56,7 @@ def _record(
         gpu_gib_hours=float(totals.gpu_gib_hours),
         fair_share_gib_hours=float(totals.fair_share_gib_hours),
         cpu_gib_hours=float(totals.cpu_gib_hours),
+        compressed_gib_hours=float(totals.compressed_gib_hours),
         tokens_reserved=counts.tokens_reserved,
         output_tokens=counts.output_tokens,
         requests_admitted=counts.admitted,

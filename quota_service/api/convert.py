@@ -200,6 +200,8 @@ def reservation(value: Reservation) -> pb.Reservation:
         message.queue_position = value.queue_position
     message.offloaded_bytes = value.offloaded_bytes or 0
     message.offloaded = value.offloaded_bytes is not None
+    message.compressed_bytes = value.compressed_bytes or 0
+    message.compression_ratio = value.compression_ratio or 0.0
     if value.end_reason is not None:
         message.end_reason = _END_REASONS[value.end_reason]
     return message
@@ -316,6 +318,8 @@ def tenant(value: Tenant) -> pb.Tenant:
             live_reservations=value.live_reservations,
             pinned_blocks=value.pinned_blocks,
             queued_requests=value.queued_requests,
+            cpu_tier_bytes=value.cpu_tier_bytes,
+            compressed_bytes=value.compressed_bytes,
         ),
         shared_namespace=names.namespace_name(value.namespace) if value.namespace else "",
         shadow_mode=value.shadow_mode,
@@ -411,6 +415,7 @@ def instance(value: Instance) -> pb.Instance:
         message.cpu_used_bytes = value.cpu_used_bytes or 0
         message.cpu_capacity_bytes = value.cpu_capacity_bytes or 0
         message.cpu_check_time.CopyFrom(timestamp(value.cpu_checked_at))
+    message.cpu_compression_ratio = value.cpu_compression_ratio or 0.0
     if spec.geometry is not None:
         g = spec.geometry
         message.geometry.CopyFrom(

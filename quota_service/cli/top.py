@@ -139,6 +139,8 @@ def instance_row(i: resources_pb2.Instance) -> dict[str, object]:
         "queued": f"{i.queued_requests}/{i.max_queued_requests}",
         "engine running": shared["engine running"],
         "cpu tier": shared["cpu tier"],
+        # What its CPU tier's compressing L2 gives, as last measured ("-": cannot compress).
+        "compress": f"{i.cpu_compression_ratio:.2f}x" if i.cpu_compression_ratio else "-",
     }
 
 
@@ -154,6 +156,9 @@ def tenant_row(t: resources_pb2.Tenant) -> dict[str, object]:
         "tokens in flight": shared["tokens in flight"],
         "live": shared["live"],
         "queued": f"{t.usage.queued_requests}/{t.quota.max_queued_requests}",
+        # Its offloaded sessions in the CPU tier: as they are, and compressed.
+        "cpu tier": format_size(t.usage.cpu_tier_bytes),
+        "compressed": format_size(t.usage.compressed_bytes),
         "weight": shared["weight"],
     }
 

@@ -125,6 +125,7 @@ def _summary_row(t: billing_pb2.UsageRecord) -> dict[str, object]:
         "pinned block-s": f"{t.pinned_block_seconds:.1f}",
         "GPU GiB-h": f"{t.gpu_gib_hours:.4f}",
         "CPU GiB-h": f"{t.cpu_gib_hours:.4f}",
+        "compressed GiB-h": f"{t.compressed_gib_hours:.4f}",
         "admitted": t.requests_admitted,
         "queued": t.requests_queued,
         "refused": sum(t.requests_refused.values()),

@@ -1,8 +1,9 @@
 """Usage metering: what each tenant holds on each instance over time, integrated hour by hour.
 
 Every change of what a tenant holds is one event: the blocks it starts or stops holding (keyed
-by how many tenants share each block then: `k`), its pinned blocks, its bytes in the CPU tier,
-and counters (tokens reserved, output tokens, requests by outcome, blocks reclaimed by tier).
+by how many tenants share each block then: `k`), its pinned blocks, its bytes in the CPU tier
+and in its compressed form, and counters (tokens reserved, output tokens, requests by outcome,
+blocks reclaimed by tier).
 Between events a tenant's holdings are constant, so an hour's usage is exact: each level times
 how long it lasted. Time is in microseconds and levels are whole blocks, so every integral is an
 integer and nothing is lost to rounding until a figure is shown.
@@ -93,6 +94,7 @@ class UsageEvent:
     pinned: int = 0  # Δ blocks the tenant pins
     cpu_bytes: int = 0  # Δ bytes the tenant holds in the CPU tier
     counts: Counts = Counts()
+    compressed_bytes: int = 0  # Δ bytes it holds there compressed
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +104,12 @@ class Levels:
     blocks: Mapping[int, int] = field(default_factory=dict)  # k → blocks shared k ways
     pinned: int = 0
     cpu_bytes: int = 0
+    compressed_bytes: int = 0
 
     @property
     def empty(self) -> bool:
-        return not any(self.blocks.values()) and not self.pinned and not self.cpu_bytes
+        held = self.pinned or self.cpu_bytes or self.compressed_bytes
+        return not any(self.blocks.values()) and not held
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +122,7 @@ class HourUsage:
     cpu_byte_us: int
     counts: Counts
     end: Levels  # carried into the next hour
+    compressed_byte_us: int = 0
 
     @property
     def gpu_block_seconds(self) -> Fraction:
@@ -135,6 +140,10 @@ class HourUsage:
     def cpu_byte_seconds(self) -> Fraction:
         return Fraction(self.cpu_byte_us, MICROS)
 
+    @property
+    def compressed_byte_seconds(self) -> Fraction:
+        return Fraction(self.compressed_byte_us, MICROS)
+
 
 class _Meter:
     """One tenant on one instance through one hour."""
@@ -143,10 +152,12 @@ class _Meter:
         self.blocks: Counter[int] = Counter(start.blocks)
         self.pinned = start.pinned
         self.cpu_bytes = start.cpu_bytes
+        self.compressed_bytes = start.compressed_bytes
         self.since_us = now_us
         self.block_us: Counter[int] = Counter()
         self.pinned_block_us = 0
         self.cpu_byte_us = 0
+        self.compressed_byte_us = 0
         self.counts = Counts()
 
     def advance(self, now_us: int) -> None:
@@ -155,17 +166,20 @@ class _Meter:
             self.block_us[k] += n * elapsed
         self.pinned_block_us += self.pinned * elapsed
         self.cpu_byte_us += self.cpu_bytes * elapsed
+        self.compressed_byte_us += self.compressed_bytes * elapsed
         self.since_us = now_us
 
     def apply(self, event: UsageEvent) -> None:
         self.blocks.update(event.blocks)
         self.pinned += event.pinned
         self.cpu_bytes += event.cpu_bytes
+        self.compressed_bytes += event.compressed_bytes
         self.counts += event.counts
 
     def close(self, hour_start_us: int, tenant: str, instance: str) -> HourUsage:
         self.advance(hour_start_us + HOUR_US)
-        end = Levels({k: n for k, n in self.blocks.items() if n}, self.pinned, self.cpu_bytes)
+        blocks = {k: n for k, n in self.blocks.items() if n}
+        end = Levels(blocks, self.pinned, self.cpu_bytes, self.compressed_bytes)
         return HourUsage(
             hour_start_us,
             tenant,
@@ -175,6 +189,7 @@ class _Meter:
             self.cpu_byte_us,
             self.counts,
             end,
+            self.compressed_byte_us,
         )
 
 
@@ -236,6 +251,10 @@ class BilledHour:
     def cpu_gib_hours(self) -> Fraction:
         return self.usage.cpu_byte_seconds / GIB / 3600
 
+    @property
+    def compressed_gib_hours(self) -> Fraction:
+        return self.usage.compressed_byte_seconds / GIB / 3600
+
 
 @dataclass(slots=True)
 class UsageTotals:
@@ -248,6 +267,7 @@ class UsageTotals:
     gpu_gib_hours: Fraction = Fraction()
     fair_share_gib_hours: Fraction = Fraction()
     cpu_gib_hours: Fraction = Fraction()
+    compressed_gib_hours: Fraction = Fraction()
     counts: Counts = Counts()
 
     def add(self, hour: BilledHour) -> None:
@@ -258,4 +278,5 @@ class UsageTotals:
         self.gpu_gib_hours += hour.gpu_gib_hours
         self.fair_share_gib_hours += hour.fair_share_gib_hours
         self.cpu_gib_hours += hour.cpu_gib_hours
+        self.compressed_gib_hours += hour.compressed_gib_hours
         self.counts += usage.counts

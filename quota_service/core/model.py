@@ -131,6 +131,10 @@ class Reservation:
     # Suspended between turns since then; offloaded: the bytes it holds in the CPU tier.
     suspended_at: datetime | None = None
     offloaded_bytes: int | None = None
+    # Tier COMPRESSED: bytes it holds compressed (None: not compressed), and the measured
+    # compressed / L1 size of what was demoted.
+    compressed_bytes: int | None = None
+    compression_ratio: float | None = None
     # What identifies its prompt's token ids for a repeated Admit (None: none were given).
     prompt_digest: bytes | None = None
     # Admitted in shadow mode although this refusal's reason would have refused it.
@@ -175,6 +179,9 @@ class Tenant:
     created_at: datetime
     updated_at: datetime
     shadow_mode: bool = False
+    # What its offloaded sessions hold in the CPU tier, and of it compressed.
+    cpu_tier_bytes: int = 0
+    compressed_bytes: int = 0
 
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
@@ -255,6 +262,8 @@ class Instance:
     cpu_used_bytes: int | None = None
     cpu_capacity_bytes: int | None = None
     cpu_checked_at: datetime | None = None
+    # Compressed / L1 size last measured in its CPU tier (None: it cannot compress).
+    cpu_compression_ratio: float | None = None
 
 
 class PinState(enum.Enum):

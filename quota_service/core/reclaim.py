@@ -7,8 +7,10 @@ Tiers, in the order they are used (a job never goes past its highest allowed tie
             before active ones; least recently used first within each).
   OFFLOAD   suspended reservations move to the CPU tier while its use stays below the low
             watermark; their blocks leave the GPU.
-  COMPRESS  only when the CPU tier is above its high watermark and the instance can compress;
-            lossy; makes CPU room, so more suspended reservations can be offloaded after it.
+  COMPRESS  only when the CPU tier is above its high watermark and the instance can compress:
+            offloaded sessions, coldest first, are demoted to the CPU tier's compressed form
+            (lossy) until it is back at its low watermark, so more suspended reservations can
+            be offloaded after it. Pinned chunks stay as they are.
   EVICT     last resort: suspended sessions the CPU tier cannot take are ended (their CPU-tier
             copy deleted), then running reservations are preempted, lowest priority first,
             most recently admitted first within a priority.
@@ -28,9 +30,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request
+from quota_service.core.errors import FieldViolation, invalid_request
 from quota_service.core.names import tenant_name
-from quota_service.core.reasons import Reason
 
 
 class Tier(enum.IntEnum):
@@ -90,8 +91,9 @@ class CpuTier:
     capacity_bytes: int
     low_watermark: float  # offload only while use stays at or below this share
     high_watermark: float  # compress only above this share
-    compressible_bytes: int  # CPU-tier bytes not compressed yet
-    compression_ratio: float  # compressed size / original size; 1.0: cannot compress
+    # Compressed size / original size, as last measured on the instance; None: it cannot
+    # compress (no compressing L2, or nothing measured yet).
+    compression_ratio: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,14 +115,27 @@ def cpu_tier(
     capacity_bytes: int | None,
     age_seconds: float | None,
     watermarks: CpuWatermarks,
+    compression_ratio: float | None,
 ) -> CpuTier | None:
-    """An instance's CPU tier as last read (None: it has none, or no recent reading). Nothing
-    kvquota drives can compress, so its compression ratio is 1."""
+    """An instance's CPU tier as last read (None: it has none, or no recent reading). A ratio
+    of 1 or more saves nothing: such a tier cannot compress."""
     if used_bytes is None or not capacity_bytes or age_seconds is None:
         return None
     if age_seconds > CPU_READING_MAX_AGE_SECONDS:
         return None
-    return CpuTier(used_bytes, capacity_bytes, watermarks.offload, watermarks.compress, 0, 1.0)
+    ratio = compression_ratio if compression_ratio is not None and compression_ratio < 1 else None
+    return CpuTier(used_bytes, capacity_bytes, watermarks.offload, watermarks.compress, ratio)
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadedSession:
+    """A suspended reservation in the CPU tier, not compressed yet, whose session's tokens are
+    known (the CPU tier names its chunks by them)."""
+
+    tenant: str
+    request_id: str
+    admitted_seq: int  # larger: admitted later
+    cpu_bytes: int  # what it holds in the CPU tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +145,7 @@ class PoolSnapshot:
     reservations: tuple[LiveReservation, ...]
     pinned_only: tuple[tuple[str, int], ...]  # (pin owner, blocks only pins hold)
     cpu: CpuTier | None  # None: no CPU tier (no LMCache)
+    offloaded: tuple[OffloadedSession, ...]
     # Per tenant with reservations here: the CPU-tier bytes its quota still allows, over every
     # instance (max_cpu_tier_bytes less what its offloaded sessions hold). Missing: none.
     cpu_room: Mapping[str, int]
@@ -150,7 +166,7 @@ class PlannedStep:
     # when it runs. Only jobs planned before FREE steps were counted name the one cached
     # block each of their FREE steps frees.
     block: tuple[int, int] | None
-    # OFFLOAD and EVICT: the reservation; FREE and COMPRESS: none.
+    # OFFLOAD, COMPRESS and EVICT: the reservation; FREE: none.
     reservation: tuple[str, str] | None
     gpu_blocks: int  # GPU slots this step gives back
     cpu_bytes: int  # CPU-tier bytes it takes (offload) or gives back (compress, negative)
@@ -247,15 +263,26 @@ class _Planner:
         return left
 
     def compress(self) -> bool:
+        """Above the high watermark, compress offloaded sessions, coldest first, until the
+        CPU tier is back at its low watermark (what it saves is what the instance's measured
+        ratio says; pinned chunks stay, so it may save less). Whether any step was planned."""
         cpu = self.pool.cpu
         if cpu is None or self.cpu_used <= cpu.capacity_bytes * cpu.high_watermark:
             return False
-        if cpu.compression_ratio >= 1.0:
+        if cpu.compression_ratio is None:
             self.excluded.append(Exclusion(Unreclaimable.NO_COMPRESSION, 0))
             return False
-        saved = int(cpu.compressible_bytes * (1.0 - cpu.compression_ratio))
-        self.add(PlannedStep(Tier.COMPRESS, None, None, 0, -saved, True))
-        return True
+        tenant = self.target.tenant
+        sessions = [s for s in self.pool.offloaded if tenant is None or s.tenant == tenant]
+        planned = False
+        for s in sorted(sessions, key=lambda s: s.admitted_seq):
+            if self.cpu_used <= cpu.capacity_bytes * cpu.low_watermark:
+                break
+            saved = int(s.cpu_bytes * (1.0 - cpu.compression_ratio))
+            key = (s.tenant, s.request_id)
+            self.add(PlannedStep(Tier.COMPRESS, None, key, 0, -saved, True))
+            planned = True
+        return planned
 
     def evict(
         self, idle: Sequence[LiveReservation], running: Sequence[LiveReservation]
@@ -303,8 +330,8 @@ def plan(pool: PoolSnapshot, target: ReclaimTarget) -> ReclaimPlan:
     allowed = range(target.min_tier, target.max_tier + 1)
     if Tier.OFFLOAD in allowed:
         suspended = p.offload(suspended)
-        if not p.done and Tier.COMPRESS in allowed and suspended and p.compress():
-            suspended = p.offload(suspended)
+    if not p.done and Tier.COMPRESS in allowed and p.compress() and Tier.OFFLOAD in allowed:
+        suspended = p.offload(suspended)
     if Tier.EVICT in allowed:
         suspended = p.evict(suspended, running)
     if not p.done and Tier.OFFLOAD in allowed:
@@ -354,12 +381,6 @@ class ReclaimTally:
     bytes: int | None
 
 
-# The tiers a job can execute; a plan with steps of another can be made (dry_run), not run:
-# kvquota does not drive compression yet (LMCache's MP mode has no call for it; see
-# engine/lmcache.py `Capabilities`).
-EXECUTABLE_TIERS = frozenset({Tier.FREE, Tier.OFFLOAD, Tier.EVICT})
-
-
 @dataclass(frozen=True, slots=True)
 class Preemption:
     """An EVICT step's reservation still runs: the engine must abort it before the step can
@@ -367,6 +388,44 @@ class Preemption:
 
     tenant: str
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CompressMeasurement:
+    """What the CPU tier holds of a session, measured before a COMPRESS step demotes it: L1
+    bytes of the chunks to demote, their bytes in the compressing L2, and L1 bytes of its
+    chunks that stay (pinned, or with no compressed copy)."""
+
+    before_bytes: int
+    after_bytes: int
+    kept_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        """Compressed size / original size of what is demoted (1.0: nothing is)."""
+        return self.after_bytes / self.before_bytes if self.before_bytes else 1.0
+
+    def booked(self, offloaded_bytes: int) -> tuple[int, int]:
+        """The session's CPU-tier bytes as booked (`offloaded_bytes`, in the ledger's geometry,
+        which LMCache's chunk bytes need not share) split by the measured shares: (bytes that
+        stay in the CPU tier, bytes it holds compressed)."""
+        whole = self.before_bytes + self.kept_bytes
+        if not whole:
+            return offloaded_bytes, 0
+        moved = offloaded_bytes * self.before_bytes // whole
+        return offloaded_bytes - moved, -(-offloaded_bytes * self.after_bytes // whole)
+
+
+@dataclass(frozen=True, slots=True)
+class Demotion:
+    """A COMPRESS step's session is still to be demoted in the CPU tier: measured there first
+    (`measured` None), then its chunks leave L1, and only then is the step applied. Nothing
+    changed in the ledger."""
+
+    seq: int
+    tenant: str
+    request_id: str
+    measured: CompressMeasurement | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,17 +502,6 @@ def check_target(target: ReclaimTarget) -> None:
         violations.append(MIN_TIER_ABOVE_MAX)
     if violations:
         raise invalid_request(violations)
-
-
-def check_executable(result: ReclaimPlan) -> None:
-    tiers = sorted({s.tier for s in result.steps} - EXECUTABLE_TIERS)
-    if tiers:
-        raise KvQuotaError(
-            Reason.TIER_NOT_EXECUTABLE,
-            f"the plan needs {', '.join(t.name for t in tiers)}, which can be planned (dry_run) "
-            "but not executed yet",
-            metadata={"tiers": ",".join(t.name for t in tiers)},
-        )
 
 
 # Policy: reclaim jobs started by the service itself.

@@ -1,6 +1,7 @@
 """The CPU tier's shell: keeps each LMCache coordinator in step with the ledger (every salt's
-quota, every pin), reads each instance's CPU tier (its L1 and what it can do), and moves sessions
-in and out of it for resume and eviction. Every replica's maintenance loop runs the mirror; an
+quota, every pin), reads each instance's CPU tier (its L1, what it can do, and the ratio its
+compressing L2 gives on real chunks), and moves sessions in and out of it for resume, compression
+and eviction. Every replica's maintenance loop runs the mirror; an
 advisory lock per coordinator lets one replica at a time decide what to send, and a coordinator
 that fails is left alone for a backoff, so a down CPU tier never holds the loop up for long.
 
@@ -16,8 +17,9 @@ from collections import defaultdict
 
 from quota_service.core.backoff import Backoff
 from quota_service.core.pin_mirror import PinChain, pin_changes
-from quota_service.engine.lmcache import DeleteResult, LmcacheCoordinator
-from quota_service.store.cpu_tier import CpuTierBooks, MirroredPin
+from quota_service.core.reclaim import CompressMeasurement
+from quota_service.engine.lmcache import ChunkPlacement, DeleteResult, LmcacheCoordinator
+from quota_service.store.cpu_tier import CpuTierBooks, MirroredPin, Session
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,60 @@ class CpuTierMirror:
                 continue
             used, capacity = found.l1.used_bytes, found.l1.capacity_bytes
             await self._books.record_usage(instance, used, capacity)
+            await self._measure_compression(instance, found.can_compress)
         return changes
+
+    async def _measure_compression(self, instance: str, can_compress: bool) -> None:
+        """The instance's compression ratio, measured on the coldest session a COMPRESS step
+        could take (its chunks both in L1 and compressed); kept as it was while there is none,
+        forgotten when the tier cannot compress."""
+        if not can_compress:
+            await self._books.record_compression_ratio(instance, None)
+            return
+        sample = await self._books.compressible_sample(instance)
+        if sample is None:
+            return
+        try:
+            _, measured = await self._demotable(sample)
+        except Exception as exc:
+            self._failed(sample.where.coordinator_url, f"measuring {instance}'s ratio", exc)
+            return
+        if measured.before_bytes:
+            await self._books.record_compression_ratio(instance, measured.ratio)
+
+    async def _demotable(
+        self, session: Session
+    ) -> tuple[list[ChunkPlacement], CompressMeasurement]:
+        """The session's chunks a demotion takes from L1 (held there and compressed in L2,
+        and not pinned: pins are never compressed), and what they and the rest weigh in L1."""
+        client = self._client(session.where.coordinator_url)
+        chunks = await client.lookup(session.where, session.salt, session.token_ids)
+        pinned = await client.pin_counts(session.where, session.salt)
+        demoted = [c for c in chunks if c.tiers >= {"l1", "l2"} and not pinned.get(c.key)]
+        kept = [c for c in chunks if "l1" in c.tiers and c not in demoted]
+        return demoted, CompressMeasurement(
+            sum(c.size_bytes["l1"] for c in demoted),
+            sum(c.size_bytes["l2"] for c in demoted),
+            sum(c.size_bytes["l1"] for c in kept),
+        )
+
+    async def measure_session(self, tenant: str, request_id: str) -> CompressMeasurement:
+        """What demoting the session would take from L1 and hold compressed (all zero when it
+        has no session in a CPU tier). Raises when the coordinator cannot tell now."""
+        session = await self._books.session(tenant, request_id)
+        if session is None:
+            return CompressMeasurement(0, 0, 0)
+        return (await self._demotable(session))[1]
+
+    async def demote_session(self, tenant: str, request_id: str) -> DeleteResult | None:
+        """Drop the L1 copies of the session's demotable chunks, leaving them compressed in L2.
+        Repeating it deletes nothing more. Raises when the CPU tier cannot do it now."""
+        session = await self._books.session(tenant, request_id)
+        if session is None:
+            return None
+        demoted, _ = await self._demotable(session)
+        client = self._client(session.where.coordinator_url)
+        return await client.drop_from_l1(session.where, demoted)
 
     async def _mirror_quotas(self, url: str) -> int:
         """The coordinator's per-salt quotas are kvquota's: every salt in the fleet is one it
@@ -121,8 +176,9 @@ class CpuTierMirror:
         return changes
 
     async def prefetch_session(self, tenant: str, request_id: str) -> None:
-        """Bring a resuming session's chunks from L2 back into L1 before its blocks are
-        allocated again. Best effort, and bounded: what is not found the engine recomputes."""
+        """Bring a resuming session's chunks from L2 back into L1 (decompressed, when it was
+        compressed) before its blocks are allocated again. Best effort, and bounded: what is
+        not found the engine recomputes."""
         session = await self._books.session(tenant, request_id)
         if session is None or not self._ready(session.where.coordinator_url):
             return

@@ -1,7 +1,9 @@
 """The LMCache MP coordinator (HTTP): the CPU tier below an instance's GPU.
 
 kvquota mirrors each salt's CPU-tier quota and its pins there, deletes a preempted session's
-CPU-tier copy, prefetches a resumed session back into L1, and reads how full L1 is. The
+CPU-tier copy, demotes a compressed session's chunks from L1 to a compressing L2 adapter (the
+MP server's key-addressed delete of their L1 copies), prefetches a resumed session back into L1
+(L2 decompresses it on the way), and reads how full L1 is. The
 coordinator's calls are synchronous and have no job ids, so every call here is either
 idempotent by nature (quota PUT/DELETE, delete, lookup, reads), and retried after a timeout or
 a 5xx, or a refcount change (pin, unpin) that is never retried blindly: the pin mirror decides
@@ -11,7 +13,13 @@ as templates).
 
 LMCache works in chunks (256 tokens by default): only whole chunks are stored, pinned or
 counted, and a chunk's key chains over every token before it, so keys come from the coordinator
-(`keys`) rather than being recomputed here.
+(`lookup`) rather than being recomputed here.
+
+Compression is no call of LMCache's MP mode: an L2 adapter configured with a compressing serde
+(`"serde": {"type": "fp8"}`, half of float16's bytes) holds every chunk the default store policy
+writes through to it in that form, so deleting a chunk's L1 copy leaves it only compressed. The
+coordinator's own L1 delete ignores pins, so the chunks to demote are named by key, pinned ones
+left out (tests/engines/test_lmcache_compress.py shows both).
 """
 
 from __future__ import annotations
@@ -45,10 +53,8 @@ class CpuTierUsage:
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What an instance's CPU tier can do. LMCache's MP mode has no compression call; an L2
-    adapter with a compressing serde holds chunks in fewer bytes, and deleting chosen chunks
-    from L1 leaves them only there (tests/engines/test_lmcache_compress.py), but kvquota does
-    not drive that yet, so `can_compress` is False."""
+    """What an instance's CPU tier can do: it can compress when an L2 adapter wraps what it
+    stores in a serde (what that saves, if anything, is measured on real chunks)."""
 
     chunk_size: int
     l1: CpuTierUsage
@@ -58,7 +64,12 @@ class Capabilities:
 @dataclass(frozen=True, slots=True)
 class ChunkPlacement:
     key: str  # the chunk's hash (hex), as pins and the directory name it
-    tiers: frozenset[str]  # "l1", "l2": where this MP server holds it
+    object_key: Mapping[str, object]  # the whole key, as the MP server's deletes take it
+    size_bytes: Mapping[str, int]  # "l1", "l2" → bytes this MP server holds it in there
+
+    @property
+    def tiers(self) -> frozenset[str]:
+        return frozenset(self.size_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,14 +141,18 @@ class LmcacheCoordinator:
     async def lookup(
         self, where: LmcacheEndpoint, salt: str, token_ids: Sequence[int]
     ) -> list[ChunkPlacement]:
-        """Each whole chunk of `token_ids`: its key and the tiers `where` holds it in."""
+        """Each whole chunk of `token_ids`: its key and the tiers `where` holds it in, with
+        its size there."""
         found = await self._call("POST", "/directory/lookup", _tokens(where, salt, token_ids))
         return [
             ChunkPlacement(
                 result["key"]["chunk_hash_hex"],
-                frozenset(
-                    p["tier"] for p in result["placements"] if p["instance_id"] == where.instance_id
-                ),
+                result["key"],
+                {
+                    p["tier"]: int(p["size_bytes"])
+                    for p in result["placements"]
+                    if p["instance_id"] == where.instance_id
+                },
             )
             for result in found["results"]
         ]
@@ -208,22 +223,43 @@ class LmcacheCoordinator:
                 return CpuTierUsage(module["used_bytes"], module["capacity_bytes"])
         raise LmcacheError(f"{where.instance_id} reports no L1 tier")
 
-    async def capabilities(self, where: LmcacheEndpoint) -> Capabilities:
-        """Discovered from the MP server's own status (its address from the coordinator's
-        membership) and its L1 usage."""
+    async def _server(self, where: LmcacheEndpoint) -> LmcacheCoordinator:
+        """A client of `where`'s MP server's admin HTTP (its address from the coordinator's
+        membership), which answers the same way the coordinator does; the caller closes it."""
         members = await self._call("GET", "/instances")
         server = next(
             (m for m in members["instances"] if m["instance_id"] == where.instance_id), None
         )
         if server is None:
             raise LmcacheError(f"no MP server {where.instance_id!r} is registered")
-        # The MP server's admin HTTP answers the same way the coordinator does.
-        direct = LmcacheCoordinator(f"http://{server['ip']}:{server['http_port']}")
+        return LmcacheCoordinator(f"http://{server['ip']}:{server['http_port']}")
+
+    async def capabilities(self, where: LmcacheEndpoint) -> Capabilities:
+        """Discovered from the MP server's own status and its L1 usage."""
+        direct = await self._server(where)
         try:
             status = await direct._call("GET", "/status")
         finally:
             await direct.close()
-        return Capabilities(int(status["chunk_size"]), await self.usage(where), False)
+        adapters = status["storage_manager"]["l2_adapters"]
+        can_compress = any(a.get("serde_wrapped", False) for a in adapters)
+        return Capabilities(int(status["chunk_size"]), await self.usage(where), can_compress)
+
+    async def drop_from_l1(
+        self, where: LmcacheEndpoint, chunks: Sequence[ChunkPlacement]
+    ) -> DeleteResult:
+        """Delete the chunks' L1 copies on `where`'s MP server, leaving their L2 copies: a
+        chunk read or written just now is skipped (its lock is honoured). Idempotent: a chunk
+        no longer in L1 is not there to delete."""
+        if not chunks:
+            return DeleteResult(0, 0)
+        body = {"keys": [c.object_key for c in chunks], "tier": "l1", "force": False}
+        direct = await self._server(where)
+        try:
+            result = await direct._call("DELETE", "/cache/objects", body)
+        finally:
+            await direct.close()
+        return DeleteResult(len(chunks), int(result["skipped"]))
 
 
 def _tokens(where: LmcacheEndpoint, salt: str, token_ids: Sequence[int]) -> dict[str, object]:

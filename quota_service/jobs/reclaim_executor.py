@@ -2,7 +2,11 @@
 are claimed in the ledger, so replicas share the work and none is applied twice; an EVICT step
 first deletes a suspended session's copy in the CPU tier and has the engine abort what runs
 (through Termination, which keeps the blocks until the engine confirms), and is applied once the
-reservation ended preempted. OFFLOAD and FREE steps are the ledger's alone."""
+reservation ended preempted. A COMPRESS step measures its session in the CPU tier and keeps the
+measurement on the step, demotes the session's chunks (a delete of their L1 copies, which a
+retry repeats harmlessly), and is then applied in the ledger once, with what was measured: a
+killed executor leaves it to be retried or finds it applied. OFFLOAD and FREE steps are the
+ledger's alone."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import logging
 from dataclasses import astuple
 
 from quota_service.core.model import EndReason
-from quota_service.core.reclaim import Preemption
+from quota_service.core.reclaim import Demotion, Preemption
 from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
 from quota_service.enforcement.termination import Termination
 from quota_service.store.reclaim import ReclaimJobs
@@ -35,6 +39,11 @@ class ReclaimExecutor:
             outcome = await self._jobs.run_step(job_id)
             if outcome is False:
                 break
+            if isinstance(outcome, Demotion):
+                if not await self._demote(job_id, outcome):
+                    break  # the CPU tier cannot now: a later pass tries again
+                applied += 1
+                continue
             if isinstance(outcome, Preemption):
                 if outcome == asked:
                     break
@@ -61,6 +70,24 @@ class ReclaimExecutor:
                 deleted.skipped,
             )
         await self._termination.end(victim.tenant, victim.request_id, EndReason.PREEMPTED)
+
+    async def _demote(self, job_id: str, step: Demotion) -> bool:
+        """Measure (once: a retry uses what the step kept), demote, then apply the step.
+        False: the CPU tier failed, and the step stays planned."""
+        key = (step.tenant, step.request_id)
+        try:
+            measured = step.measured
+            if measured is None:
+                found = await self._cpu_tier.measure_session(*key)
+                measured = await self._jobs.record_measurement(job_id, step.seq, found)
+            if measured is not None and measured.before_bytes:
+                await self._cpu_tier.demote_session(*key)
+        except Exception as exc:
+            log.warning("compressing %s/%s in the CPU tier failed (%s)", *key, exc)
+            return False
+        if await self._jobs.compress(job_id, step.seq):
+            log.info("compressed %s/%s: %s", *key, measured)
+        return True
 
     async def run_open(self, budget: int) -> int:
         """Apply up to `budget` steps of open jobs, oldest job first."""

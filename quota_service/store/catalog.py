@@ -6,7 +6,7 @@ import logging
 import secrets
 from datetime import datetime
 
-from sqlalchemy import RowMapping, func, select, text, update
+from sqlalchemy import BigInteger, RowMapping, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -56,7 +56,19 @@ _instance_live = (
     .scalar_subquery()
     .label("live_reservations")
 )
-_TENANT_VIEW = select(TenantRow.__table__, _tenant_live)
+# What its sessions hold in the CPU tier, as they are and compressed (a resume waiting in the
+# queue still holds it).
+_tenant_cpu_tier = [
+    select(func.coalesce(func.sum(column), 0).cast(BigInteger))
+    .where(ReservationRow.tenant == TenantRow.tenant, ReservationRow.state != "ENDED")
+    .scalar_subquery()
+    .label(label)
+    for column, label in (
+        (ReservationRow.offloaded_bytes, "cpu_tier_bytes"),
+        (ReservationRow.compressed_bytes, "compressed_bytes"),
+    )
+]
+_TENANT_VIEW = select(TenantRow.__table__, _tenant_live, *_tenant_cpu_tier)
 _INSTANCE_VIEW = select(InstanceRow.__table__, _instance_live)
 
 
@@ -83,6 +95,8 @@ def tenant_from_row(row: RowMapping) -> Tenant:
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         shadow_mode=row["shadow_mode"],
+        cpu_tier_bytes=row["cpu_tier_bytes"],
+        compressed_bytes=row["compressed_bytes"],
     )
 
 
@@ -128,6 +142,7 @@ def instance_from_row(row: RowMapping) -> Instance:
         cpu_used_bytes=row["cpu_used_bytes"],
         cpu_capacity_bytes=row["cpu_capacity_bytes"],
         cpu_checked_at=row["cpu_checked_at"],
+        cpu_compression_ratio=row["cpu_compression_ratio"],
     )
 
 
@@ -415,6 +430,7 @@ def _engine_columns(engine: EngineEndpoints | None) -> dict[str, object]:
         "cpu_used_bytes": None,
         "cpu_capacity_bytes": None,
         "cpu_checked_at": None,
+        "cpu_compression_ratio": None,
     }
 
 

@@ -67,6 +67,25 @@ _RECORD_USAGE = text(
     """
 )
 
+_RECORD_COMPRESSION_RATIO = text(
+    "UPDATE instances SET cpu_compression_ratio = :ratio WHERE instance = :instance"
+)
+
+# Suspended sessions in the CPU tier that a COMPRESS step may take (r): not compressed yet,
+# and their session's tokens known (the CPU tier names their chunks by them).
+COMPRESSIBLE = """r.state = 'ADMITTED' AND r.suspended_at IS NOT NULL
+    AND r.offloaded_bytes IS NOT NULL AND r.compressed_bytes IS NULL
+    AND r.prompt_token_ids IS NOT NULL"""
+
+# The coldest session on the instance a COMPRESS step could take.
+_COMPRESSIBLE_SAMPLE = text(
+    f"""
+    SELECT tenant, request_id FROM reservations r
+    WHERE instance = :instance AND {COMPRESSIBLE}
+    ORDER BY admitted_at LIMIT 1
+    """
+)
+
 # A reservation's CPU tier and what it holds there: its salt and its session's tokens.
 _SESSION = text(
     """
@@ -157,6 +176,16 @@ class CpuTierBooks:
         params = {"instance": instance, "used": used_bytes, "capacity": capacity_bytes}
         async with self._engine.begin() as conn:
             await conn.execute(_RECORD_USAGE, params)
+
+    async def record_compression_ratio(self, instance: str, ratio: float | None) -> None:
+        async with self._engine.begin() as conn:
+            await conn.execute(_RECORD_COMPRESSION_RATIO, {"instance": instance, "ratio": ratio})
+
+    async def compressible_sample(self, instance: str) -> Session | None:
+        """The session the instance's compression ratio is measured on (None: none to)."""
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(_COMPRESSIBLE_SAMPLE, {"instance": instance})).first()
+        return None if row is None else await self.session(row.tenant, row.request_id)
 
     async def session(self, tenant: str, request_id: str) -> Session | None:
         """The reservation's session in its instance's CPU tier (None: no CPU tier, or no

@@ -271,7 +271,7 @@ _RESERVATION_COLUMNS = (
 # these statements use its placeholders. The first moves the owner's row on under its epoch or
 # fails the transaction; the ones after take the batch number from that row.
 _NEXT_BATCH = "SELECT journal_next_batch(%(instance)s, %(epoch)s, %(clocks)s::jsonb)"
-# What journal_next_batch (migration 0020) fails with when the epoch is not the owner's.
+# What journal_next_batch (migration 0021) fails with when the epoch is not the owner's.
 DEPOSED_SQLSTATE = "KQ001"
 _UPSERT_RESERVATION = (
     f"INSERT INTO reservations ({', '.join(_RESERVATION_COLUMNS)}) "

@@ -90,8 +90,9 @@ def _admitting(
     WITH reservation AS ({reservation}),
     counted AS (
         INSERT INTO usage_events (
-            tenant, instance, tokens_reserved, admitted, cpu_bytes, shadow_refused)
-        SELECT tenant, instance, reserved_tokens, 1, -was_offloaded,
+            tenant, instance, tokens_reserved, admitted, cpu_bytes, compressed_bytes,
+            shadow_refused)
+        SELECT tenant, instance, reserved_tokens, 1, -was_offloaded, -was_compressed,
                CASE WHEN shadow_refusal IS NULL THEN '{{}}'::jsonb
                     ELSE jsonb_build_object(shadow_refusal, 1) END
         FROM reservation
@@ -120,7 +121,7 @@ _INSERT_RESERVATION = text(
             :priority, 'ADMITTED', :blocks, :tokens, :hit_count,
             :ttl, now() + make_interval(secs => :ttl), now(), :prompt_digest, :shadow_refusal)
         ON CONFLICT DO NOTHING
-        RETURNING *, 0::bigint AS was_offloaded
+        RETURNING *, 0::bigint AS was_offloaded, 0::bigint AS was_compressed
         """
     )
 )
@@ -133,14 +134,18 @@ _PROMOTE_RESERVATION = text(
         SET state = 'ADMITTED', reserved_blocks = :blocks, prefix_hit_blocks = :hit_count,
             lease_ttl_seconds = :ttl, lease_expires_at = now() + make_interval(secs => :ttl),
             admitted_at = now(), prompt_token_ids = NULL, suspended_at = NULL,
-            offloaded_bytes = NULL,
+            offloaded_bytes = NULL, compressed_bytes = NULL, compress_before_bytes = NULL,
+            compress_after_bytes = NULL,
             -- What would have refused it first: joining the queue, or being admitted now.
             shadow_refusal = coalesce(shadow_refusal, :shadow_refusal)
         WHERE tenant = :tenant AND request_id = :request_id AND state = 'QUEUED'
         -- A resumed session's bytes leave the CPU tier (the subquery sees the row as it was).
         RETURNING *, coalesce((SELECT o.offloaded_bytes FROM reservations o
                                WHERE o.tenant = reservations.tenant
-                                 AND o.request_id = reservations.request_id), 0) AS was_offloaded
+                                 AND o.request_id = reservations.request_id), 0) AS was_offloaded,
+                     coalesce((SELECT o.compressed_bytes FROM reservations o
+                               WHERE o.tenant = reservations.tenant
+                                 AND o.request_id = reservations.request_id), 0) AS was_compressed
         """,
         pool_extra="queued_requests = i.queued_requests - 1, "
         "queued_prompt_tokens = i.queued_prompt_tokens - :prompt_tokens",
@@ -229,11 +234,11 @@ _DEQUEUE = text(
         WHERE r.tenant = l.tenant AND r.request_id = l.request_id AND l.back_to_cpu
         RETURNING r.*
     ), counted AS (
-        INSERT INTO usage_events (tenant, instance, refused, cpu_bytes)
+        INSERT INTO usage_events (tenant, instance, refused, cpu_bytes, compressed_bytes)
         SELECT tenant, instance,
                CASE WHEN end_reason = 'QUEUE_TIMEOUT'
                     THEN jsonb_build_object('QUEUE_TIMEOUT', 1) ELSE '{}'::jsonb END,
-               -coalesce(offloaded_bytes, 0)
+               -coalesce(offloaded_bytes, 0), -coalesce(compressed_bytes, 0)
         FROM ended WHERE end_reason = 'QUEUE_TIMEOUT' OR offloaded_bytes IS NOT NULL
     ), left_queue AS (
         SELECT * FROM ended UNION ALL SELECT * FROM offloaded
@@ -348,10 +353,11 @@ def dropping_tables(holder: str) -> TextClause:
         DELETE FROM block_refs r USING holder e WHERE r.holder_id = e.holder_id AND r.released
     ), counted AS (
         -- Output tokens at release; CPU-tier bytes taken by an offload or given back by the
-        -- end of an offloaded reservation.
-        INSERT INTO usage_events (tenant, instance, output_tokens, cpu_bytes)
+        -- end of an offloaded reservation (compressed or not).
+        INSERT INTO usage_events (tenant, instance, output_tokens, cpu_bytes, compressed_bytes)
         SELECT tenant, instance, coalesce(output_tokens, 0),
-               CASE WHEN :offloading THEN offloaded_bytes ELSE -coalesce(offloaded_bytes, 0) END
+               CASE WHEN :offloading THEN offloaded_bytes ELSE -coalesce(offloaded_bytes, 0) END,
+               -coalesce(compressed_bytes, 0)
         FROM holder WHERE output_tokens IS NOT NULL OR offloaded_bytes IS NOT NULL
     ), ended AS (
         -- One row, or none when nothing ended (a holding time is observed for one at a time).
@@ -594,6 +600,12 @@ def reservation_from_row(row: RowMapping) -> Reservation:
         queue_position=row.get("queue_position"),
         suspended_at=row.get("suspended_at"),
         offloaded_bytes=row.get("offloaded_bytes"),
+        compressed_bytes=row.get("compressed_bytes"),
+        compression_ratio=(
+            row["compress_after_bytes"] / row["compress_before_bytes"]
+            if row.get("compressed_bytes") is not None
+            else None
+        ),
         prompt_digest=row.get("prompt_digest"),
         shadow_refusal=row.get("shadow_refusal"),
     )

@@ -22,12 +22,15 @@ from quota_service.core.reasons import Reason
 from quota_service.core.reclaim import (
     DEFAULT_WATERMARKS,
     CachedScope,
+    CompressMeasurement,
     CpuWatermarks,
+    Demotion,
     Exclusion,
     InstanceLoad,
     JobState,
     JobStep,
     LiveReservation,
+    OffloadedSession,
     PlannedStep,
     PoolSnapshot,
     Preemption,
@@ -40,13 +43,13 @@ from quota_service.core.reclaim import (
     TenantExcess,
     Tier,
     Unreclaimable,
-    check_executable,
     check_target,
     cpu_tier,
     plan,
 )
 from quota_service.store import blocks, ledger
 from quota_service.store.catalog import Catalog
+from quota_service.store.cpu_tier import COMPRESSIBLE
 from quota_service.store.database import in_transaction
 
 # Blocks no reservation references, by state (CACHED, or PINNED: only pins hold them) and by
@@ -90,11 +93,22 @@ _LIVE = text(
 )
 
 
+_OFFLOADED = text(
+    f"""
+    SELECT r.tenant, r.request_id,
+           row_number() OVER (ORDER BY r.admitted_at, r.holder_id) AS admitted_seq,
+           r.offloaded_bytes
+    FROM reservations r WHERE r.instance = :instance AND {COMPRESSIBLE}
+    ORDER BY r.admitted_at, r.holder_id
+    """
+)
+
 # The CPU-tier bytes tenant t may still offload, over every instance: its quota less what its
-# offloaded sessions hold (one waiting to resume holds its bytes there until admitted).
+# offloaded sessions hold, compressed or not (one waiting to resume holds its bytes there until
+# admitted).
 _CPU_ROOM_OF_T = """
     t.max_cpu_tier_bytes - coalesce((
-        SELECT sum(r.offloaded_bytes) FROM reservations r
+        SELECT sum(r.offloaded_bytes + coalesce(r.compressed_bytes, 0)) FROM reservations r
         WHERE r.tenant = t.tenant AND r.state IN ('ADMITTED', 'QUEUED')
           AND r.offloaded_bytes IS NOT NULL), 0)::bigint"""
 
@@ -131,7 +145,13 @@ async def load_snapshot(
     age = None
     if found.cpu_checked_at is not None:
         age = (datetime.now(UTC) - found.cpu_checked_at).total_seconds()
-    cpu = cpu_tier(found.cpu_used_bytes, found.cpu_capacity_bytes, age, watermarks)
+    cpu = cpu_tier(
+        found.cpu_used_bytes,
+        found.cpu_capacity_bytes,
+        age,
+        watermarks,
+        found.cpu_compression_ratio,
+    )
     args = {"instance": instance}
     async with engine.connect() as conn:
         await conn.execution_options(isolation_level="REPEATABLE READ")
@@ -150,10 +170,11 @@ async def load_snapshot(
             for r in await conn.execute(_LIVE, args)
         )
         cpu_room = {tenant: room for tenant, room in await conn.execute(_CPU_ROOM, args)}
+        offloaded = tuple(OffloadedSession(*row) for row in await conn.execute(_OFFLOADED, args))
         await conn.rollback()
     cached = tuple(CachedScope(r.hash_scope, r.blocks) for r in unreferenced if r.state == "CACHED")
     pinned = tuple((r.hash_scope, r.blocks) for r in unreferenced if r.state == "PINNED")
-    return PoolSnapshot(bytes_per_block, cached, reservations, pinned, cpu, cpu_room)
+    return PoolSnapshot(bytes_per_block, cached, reservations, pinned, cpu, offloaded, cpu_room)
 
 
 _INSERT_JOB = text(
@@ -190,7 +211,8 @@ _JOB_BY_REQUEST = text("SELECT job_id FROM reclaim_jobs WHERE request_id = :requ
 _NEXT_STEP = text(
     """
     SELECT j.instance, j.tenant AS job_tenant, s.seq, s.tier, s.block_id, s.generation,
-           s.tenant, s.request_id, s.expected_blocks, s.actual_blocks
+           s.tenant, s.request_id, s.expected_blocks, s.actual_blocks, s.bytes_before,
+           s.bytes_after, s.bytes_kept
     FROM reclaim_steps s JOIN reclaim_jobs j USING (job_id)
     WHERE s.job_id = :job_id AND s.state = 'PLANNED' AND j.state IN ('PLANNED', 'RUNNING')
     ORDER BY s.seq LIMIT 1
@@ -331,12 +353,67 @@ _TALLIES = text(
     """
 )
 
+# A COMPRESS step's session, locked while the step is decided or applied.
+_COMPRESSIBLE_SESSION = text(
+    """
+    SELECT r.offloaded_bytes, r.compressed_bytes IS NOT NULL AS compressed
+    FROM reservations r
+    WHERE r.tenant = :tenant AND r.request_id = :request_id
+      AND r.state = 'ADMITTED' AND r.suspended_at IS NOT NULL AND r.offloaded_bytes IS NOT NULL
+    FOR UPDATE
+    """
+)
+
+# What the CPU tier measured, kept once: a second executor that measured too keeps the first.
+_RECORD_MEASUREMENT = text(
+    """
+    UPDATE reclaim_steps SET bytes_before = :before, bytes_after = :after, bytes_kept = :kept
+    WHERE job_id = :job_id AND seq = :seq AND state = 'PLANNED' AND tier = 'COMPRESS'
+      AND bytes_before IS NULL
+    """
+)
+
+# The step's own row, claimed: applying it and marking it are one transaction.
+_CLAIM_STEP = text(
+    """
+    SELECT s.tenant, s.request_id, s.bytes_before, s.bytes_after, s.bytes_kept
+    FROM reclaim_steps s JOIN reclaim_jobs j USING (job_id)
+    WHERE s.job_id = :job_id AND s.seq = :seq AND s.state = 'PLANNED' AND s.tier = 'COMPRESS'
+      AND s.bytes_before IS NOT NULL AND j.state IN ('PLANNED', 'RUNNING')
+    FOR UPDATE OF s
+    """
+)
+
+# The session now holds `compressed` bytes in the compressed tier and `kept` in the CPU tier;
+# usage follows, and the instance keeps the ratio measured for its next plans.
+_COMPRESS_SESSION = text(
+    """
+    WITH session AS (
+        UPDATE reservations
+        SET offloaded_bytes = :kept, compressed_bytes = :compressed,
+            compress_before_bytes = :before, compress_after_bytes = :after
+        WHERE tenant = :tenant AND request_id = :request_id
+        RETURNING tenant, instance
+    ), counted AS (
+        INSERT INTO usage_events (tenant, instance, cpu_bytes, compressed_bytes)
+        SELECT tenant, instance, CAST(:kept AS bigint) - CAST(:offloaded AS bigint),
+               :compressed
+        FROM session
+    )
+    UPDATE instances i SET cpu_compression_ratio = :ratio
+    FROM session s WHERE i.instance = s.instance
+    """
+)
+
 CHANGED_SINCE_PLAN = "the block was reused or evicted since the plan"
 FEWER_CACHED_SINCE_PLAN = "fewer cached blocks were left than planned (reused or evicted since)"
 GONE_SINCE_PLAN = "the reservation no longer exists"
 NOT_SUSPENDED_ANY_MORE = "the reservation was resumed or ended since the plan"
 OFFLOADED_SINCE_PLAN = "the reservation left the GPU for the CPU tier since the plan"
 OVER_TENANT_CPU_QUOTA = "its tenant's CPU-tier quota has no room for it any more"
+NOT_OFFLOADED_ANY_MORE = "the reservation was resumed or ended, or is not in the CPU tier"
+COMPRESSED_SINCE_PLAN = "the reservation was compressed since the plan"
+NOTHING_TO_DEMOTE = "the CPU tier holds none of its chunks both in L1 and compressed (unpinned)"
 
 
 def ended_before_preemption(reason: str) -> str:
@@ -460,8 +537,6 @@ class ReclaimJobs:
         if target.tenant is not None:
             await Catalog(self._engine).get_tenant(target.tenant)  # NOT_FOUND for no tenant
         result = await self.preview(instance, target)
-        if not dry_run:
-            check_executable(result)
         job_id = f"reclaim-{secrets.token_hex(8)}"
 
         async def work(conn: AsyncConnection) -> str:
@@ -516,14 +591,16 @@ class ReclaimJobs:
         async with self._engine.connect() as conn:
             return await _load_jobs(conn, _LIST_JOBS, args)
 
-    async def run_step(self, job_id: str) -> bool | Preemption:
+    async def run_step(self, job_id: str) -> bool | Preemption | Demotion:
         """Apply the job's next planned step in one transaction with its bookkeeping (a crash
         leaves it planned, never half-applied; a FREE step applies a batch of its blocks per
         call, with its progress). True: a step (or a batch) was applied, or skipped with its
         reason; False: none is left and the job is finished; a Preemption: the step's
-        reservation still runs, and nothing changed — the engine must abort it first."""
+        reservation still runs, and nothing changed — the engine must abort it first; a
+        Demotion: the step's session is to be demoted in the CPU tier first (`compress`
+        applies it then)."""
 
-        async def work(conn: AsyncConnection) -> bool | Preemption:
+        async def work(conn: AsyncConnection) -> bool | Preemption | Demotion:
             # The job row first: a cancel that commits while a step is claimed must not see
             # that step applied after it returned.
             await conn.execute(_LOCK_JOB, {"job_id": job_id})
@@ -531,33 +608,84 @@ class ReclaimJobs:
             if step is None:
                 await conn.execute(_FINISH, {"job_id": job_id})
                 return False
-            outcome: _StepResult | _Progress | Preemption
+            outcome: _StepResult | _Progress | Preemption | Demotion
             if step["tier"] == Tier.FREE.name and step["block_id"] is not None:
                 outcome = await _free_block(conn, step)
             elif step["tier"] == Tier.FREE.name:
                 outcome = await _free_cached(conn, step, self._free_batch_blocks)
             elif step["tier"] == Tier.OFFLOAD.name:
                 outcome = await _offloaded(conn, step)
+            elif step["tier"] == Tier.COMPRESS.name:
+                outcome = await _compressible(conn, step)
             else:
                 outcome = await _preempted(conn, step)
-            if isinstance(outcome, Preemption):
+            if isinstance(outcome, Preemption | Demotion):
                 return outcome
             if isinstance(outcome, _Progress):
                 progress = {"job_id": job_id, "seq": step["seq"], "actual": outcome.blocks}
                 await conn.execute(_STEP_PROGRESS, progress)
                 return True
-            actual, note = outcome
-            state = StepState.SKIPPED if note is not None and actual == 0 else StepState.APPLIED
-            await conn.execute(
-                _STEP_DONE,
-                {
-                    "job_id": job_id,
-                    "seq": step["seq"],
-                    "state": state.value,
-                    "actual": actual,
-                    "note": note,
-                },
-            )
+            await _step_done(conn, job_id, step["seq"], outcome)
+            return True
+
+        return await in_transaction(self._engine, work)
+
+    async def record_measurement(
+        self, job_id: str, seq: int, measured: CompressMeasurement
+    ) -> CompressMeasurement | None:
+        """Keep what the CPU tier measured of a COMPRESS step's session, before its chunks
+        leave L1; returns the measurement the step keeps (the first one recorded), or None
+        when the step is no longer planned."""
+
+        async def work(conn: AsyncConnection) -> CompressMeasurement | None:
+            args = {
+                "job_id": job_id,
+                "seq": seq,
+                "before": measured.before_bytes,
+                "after": measured.after_bytes,
+                "kept": measured.kept_bytes,
+            }
+            await conn.execute(_RECORD_MEASUREMENT, args)
+            row = (await conn.execute(_CLAIM_STEP, args)).mappings().first()
+            return None if row is None else _measurement(row)
+
+        return await in_transaction(self._engine, work)
+
+    async def compress(self, job_id: str, seq: int) -> bool:
+        """Apply a COMPRESS step whose session the CPU tier demoted: its bytes move to the
+        compressed tier by what was measured, in the transaction that marks the step, so a
+        step is applied once however often it is retried. False: the step was no longer
+        planned (applied or skipped already, or its job cancelled)."""
+
+        async def work(conn: AsyncConnection) -> bool:
+            await conn.execute(_LOCK_JOB, {"job_id": job_id})
+            step = (await conn.execute(_CLAIM_STEP, {"job_id": job_id, "seq": seq})).mappings()
+            claimed = step.first()
+            if claimed is None:
+                return False
+            measured = _measurement(claimed)
+            keys = {"tenant": claimed["tenant"], "request_id": claimed["request_id"]}
+            session = (await conn.execute(_COMPRESSIBLE_SESSION, keys)).mappings().first()
+            outcome: _StepResult = (0, None)
+            if session is None:
+                outcome = (0, NOT_OFFLOADED_ANY_MORE)
+            elif session["compressed"]:
+                outcome = (0, COMPRESSED_SINCE_PLAN)
+            elif not measured.before_bytes:
+                outcome = (0, NOTHING_TO_DEMOTE)
+            else:
+                kept, compressed = measured.booked(session["offloaded_bytes"])
+                args = {
+                    **keys,
+                    "offloaded": session["offloaded_bytes"],
+                    "kept": kept,
+                    "compressed": compressed,
+                    "before": measured.before_bytes,
+                    "after": measured.after_bytes,
+                    "ratio": measured.ratio,
+                }
+                await conn.execute(_COMPRESS_SESSION, args)
+            await _step_done(conn, job_id, seq, outcome)
             return True
 
         return await in_transaction(self._engine, work)
@@ -595,6 +723,17 @@ class ReclaimJobs:
 
 # What a finished step gave back, and why not what was planned (None: applied as planned).
 _StepResult = tuple[int, str | None]
+
+
+async def _step_done(conn: AsyncConnection, job_id: str, seq: int, outcome: _StepResult) -> None:
+    actual, note = outcome
+    state = StepState.SKIPPED if note is not None and actual == 0 else StepState.APPLIED
+    args = {"job_id": job_id, "seq": seq, "state": state.value, "actual": actual, "note": note}
+    await conn.execute(_STEP_DONE, args)
+
+
+def _measurement(row: RowMapping) -> CompressMeasurement:
+    return CompressMeasurement(row["bytes_before"], row["bytes_after"], row["bytes_kept"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -651,6 +790,19 @@ async def _offloaded(conn: AsyncConnection, step: RowMapping) -> _StepResult:
         return 0, OVER_TENANT_CPU_QUOTA
     freed = await ledger.offload(conn, step["instance"], step["tenant"], step["request_id"])
     return (0, NOT_SUSPENDED_ANY_MORE) if freed is None else (freed, None)
+
+
+async def _compressible(conn: AsyncConnection, step: RowMapping) -> _StepResult | Demotion:
+    """COMPRESS: skipped when its session left the CPU tier or was compressed meanwhile;
+    otherwise the CPU tier demotes it first (measuring it, unless that was done already)."""
+    keys = {"tenant": step["tenant"], "request_id": step["request_id"]}
+    session = (await conn.execute(_COMPRESSIBLE_SESSION, keys)).mappings().first()
+    if session is None:
+        return 0, NOT_OFFLOADED_ANY_MORE
+    if session["compressed"]:
+        return 0, COMPRESSED_SINCE_PLAN
+    measured = None if step["bytes_before"] is None else _measurement(step)
+    return Demotion(step["seq"], step["tenant"], step["request_id"], measured)
 
 
 async def _preempted(

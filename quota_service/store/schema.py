@@ -173,6 +173,9 @@ class InstanceRow(Base):
     cpu_used_bytes: Mapped[int | None] = mapped_column(BigInteger)
     cpu_capacity_bytes: Mapped[int | None] = mapped_column(BigInteger)
     cpu_checked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Compressed size / L1 size of chunks its CPU tier holds in a compressing L2 adapter, as
+    # last measured there (NULL: it cannot compress, or nothing was measured yet).
+    cpu_compression_ratio: Mapped[float | None]
     # Reconciliation: the last event batch applied, resynchronisations, and drift (the engine
     # evicted a block the ledger still counts as referenced).
     last_event_seq: Mapped[int | None] = mapped_column(BigInteger)
@@ -260,6 +263,13 @@ class ReservationRow(Base):
     released_positions: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
     # Arrival order in its instance's wait queue (ties of the fair-queueing tags).
     queue_arrival: Mapped[int | None] = mapped_column(BigInteger)
+    # Tier COMPRESSED: once a reclaim demoted the session's chunks to the CPU tier's compressing
+    # L2, the bytes it holds in that form (offloaded_bytes keeps what stayed in L1: pinned
+    # chunks, or ones without a compressed copy), and what the demoted chunks took in L1 before
+    # and take compressed after, as LMCache measured them (their ratio is the measured one).
+    compressed_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    compress_before_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    compress_after_bytes: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         CheckConstraint("state IN ('QUEUED', 'ADMITTED', 'ENDED')", name="state"),
@@ -298,6 +308,12 @@ class ReservationRow(Base):
             postgresql_where=text("state = 'QUEUED'"),
         ),
         CheckConstraint("reserved_blocks >= 0 AND reserved_tokens >= 0", name="reserved"),
+        # Only a session off the GPU can be compressed, and its measurement comes with it.
+        CheckConstraint(
+            "compressed_bytes IS NULL OR (offloaded_bytes IS NOT NULL "
+            "AND compress_before_bytes > 0 AND compress_after_bytes >= 0)",
+            name="compressed",
+        ),
         # The reaper's scan and the retry-delay estimates read only live reservations.
         Index(
             "ix_reservations_live_lease",
@@ -623,6 +639,12 @@ class ReclaimStepRow(Base):
     # Why a step gave back other than expected (e.g. the block was reused since the plan).
     note: Mapped[str | None] = mapped_column(String(200))
     applied_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # COMPRESS: what the CPU tier measured before demoting the session's chunks (recorded before
+    # they leave L1, so a retry after a crash books what was measured): L1 bytes of the chunks
+    # to demote, their compressed bytes in L2, and L1 bytes of its chunks that stay.
+    bytes_before: Mapped[int | None] = mapped_column(BigInteger)
+    bytes_after: Mapped[int | None] = mapped_column(BigInteger)
+    bytes_kept: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         CheckConstraint("state IN ('PLANNED', 'APPLIED', 'SKIPPED', 'FAILED')", name="state"),
@@ -644,6 +666,7 @@ class UsageEventRow(Base):
     blocks: Mapped[dict[str, int]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     pinned: Mapped[int] = mapped_column(Integer, server_default="0")
     cpu_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    compressed_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
     tokens_reserved: Mapped[int] = mapped_column(BigInteger, server_default="0")
     output_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
     admitted: Mapped[int] = mapped_column(Integer, server_default="0")
@@ -672,6 +695,7 @@ class UsageHourRow(Base):
     block_us: Mapped[dict[str, int]] = mapped_column(JSONB)
     pinned_block_us: Mapped[int] = mapped_column(BigInteger)
     cpu_byte_us: Mapped[Decimal] = mapped_column(Numeric(38, 0))
+    compressed_byte_us: Mapped[Decimal] = mapped_column(Numeric(38, 0), server_default="0")
     tokens_reserved: Mapped[int] = mapped_column(BigInteger)
     output_tokens: Mapped[int] = mapped_column(BigInteger)
     admitted: Mapped[int] = mapped_column(BigInteger)
@@ -685,6 +709,7 @@ class UsageHourRow(Base):
     end_blocks: Mapped[dict[str, int]] = mapped_column(JSONB)
     end_pinned: Mapped[int] = mapped_column(BigInteger)
     end_cpu_bytes: Mapped[int] = mapped_column(BigInteger)
+    end_compressed_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class UsageClosedHourRow(Base):

@@ -31,25 +31,27 @@ _LOCK = text("SELECT pg_advisory_xact_lock(hashtext('kvquota-usage-rollup'))")
 _LAST_CLOSED = text("SELECT max(hour) FROM usage_closed_hours")
 _FIRST_OPEN_EVENT = text("SELECT min(at) FROM usage_events WHERE hour IS NULL")
 _END_LEVELS = text(
-    "SELECT tenant, instance, end_blocks, end_pinned, end_cpu_bytes FROM usage_hours "
-    "WHERE hour = :hour"
+    "SELECT tenant, instance, end_blocks, end_pinned, end_cpu_bytes, end_compressed_bytes "
+    "FROM usage_hours WHERE hour = :hour"
 )
 _OPEN_EVENTS = text("SELECT * FROM usage_events WHERE hour IS NULL AND at < :end ORDER BY at, id")
 _BYTES_PER_BLOCK = text("SELECT instance, bytes_per_block FROM instances")
 _INSERT_HOUR = text(
     """
     INSERT INTO usage_hours (
-        hour, tenant, instance, block_us, pinned_block_us, cpu_byte_us, tokens_reserved,
-        output_tokens, admitted, queued, refused, reclaimed, shadow_refused, bytes_per_block,
-        end_blocks, end_pinned, end_cpu_bytes)
+        hour, tenant, instance, block_us, pinned_block_us, cpu_byte_us, compressed_byte_us,
+        tokens_reserved, output_tokens, admitted, queued, refused, reclaimed, shadow_refused,
+        bytes_per_block, end_blocks, end_pinned, end_cpu_bytes, end_compressed_bytes)
     SELECT :hour, u.tenant, u.instance, u.block_us, u.pinned_block_us, u.cpu_byte_us,
-           u.tokens_reserved, u.output_tokens, u.admitted, u.queued, u.refused, u.reclaimed,
-           u.shadow_refused, u.bytes_per_block, u.end_blocks, u.end_pinned, u.end_cpu_bytes
+           u.compressed_byte_us, u.tokens_reserved, u.output_tokens, u.admitted, u.queued,
+           u.refused, u.reclaimed, u.shadow_refused, u.bytes_per_block, u.end_blocks,
+           u.end_pinned, u.end_cpu_bytes, u.end_compressed_bytes
     FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS u(
         tenant text, instance text, block_us jsonb, pinned_block_us bigint,
-        cpu_byte_us numeric, tokens_reserved bigint, output_tokens bigint, admitted bigint,
-        queued bigint, refused jsonb, reclaimed jsonb, shadow_refused jsonb,
-        bytes_per_block bigint, end_blocks jsonb, end_pinned bigint, end_cpu_bytes bigint)
+        cpu_byte_us numeric, compressed_byte_us numeric, tokens_reserved bigint,
+        output_tokens bigint, admitted bigint, queued bigint, refused jsonb, reclaimed jsonb,
+        shadow_refused jsonb, bytes_per_block bigint, end_blocks jsonb, end_pinned bigint,
+        end_cpu_bytes bigint, end_compressed_bytes bigint)
     """
 )
 _MARK_EVENTS = text("UPDATE usage_events SET hour = :hour WHERE id = ANY (CAST(:ids AS bigint[]))")
@@ -115,6 +117,7 @@ def _event(row: RowMapping) -> UsageEvent:
         row["pinned"],
         row["cpu_bytes"],
         _counted(row),
+        row["compressed_bytes"],
     )
 
 
@@ -125,6 +128,7 @@ def _row(usage: HourUsage, bytes_per_block: int | None) -> dict[str, object]:
         "block_us": {str(k): v for k, v in sorted(usage.block_us.items())},
         "pinned_block_us": usage.pinned_block_us,
         "cpu_byte_us": usage.cpu_byte_us,
+        "compressed_byte_us": usage.compressed_byte_us,
         "tokens_reserved": usage.counts.tokens_reserved,
         "output_tokens": usage.counts.output_tokens,
         "admitted": usage.counts.admitted,
@@ -136,6 +140,7 @@ def _row(usage: HourUsage, bytes_per_block: int | None) -> dict[str, object]:
         "end_blocks": {str(k): v for k, v in sorted(usage.end.blocks.items())},
         "end_pinned": usage.end.pinned,
         "end_cpu_bytes": usage.end.cpu_bytes,
+        "end_compressed_bytes": usage.end.compressed_bytes,
     }
 
 
@@ -162,11 +167,8 @@ class UsageRollup:
         last = (await conn.execute(_LAST_CLOSED)).scalar_one_or_none()
         start: dict[tuple[str, str], Levels] = {}
         if last is not None:
-            ended = await conn.execute(_END_LEVELS, {"hour": last})
-            start = {
-                (r.tenant, r.instance): Levels(_counts(r.end_blocks), r.end_pinned, r.end_cpu_bytes)
-                for r in ended
-            }
+            ended = (await conn.execute(_END_LEVELS, {"hour": last})).mappings()
+            start = {(r["tenant"], r["instance"]): _end_levels(r) for r in ended}
         first_event = (await conn.execute(_FIRST_OPEN_EVENT)).scalar_one_or_none()
         carried = any(not levels.empty for levels in start.values())
         if last is not None and (carried or first_event is not None):
@@ -203,9 +205,17 @@ def billed_hour(row: RowMapping) -> BilledHour:
         row["pinned_block_us"],
         int(row["cpu_byte_us"]),
         _counted(row),
-        Levels(_counts(row["end_blocks"]), row["end_pinned"], row["end_cpu_bytes"]),
+        _end_levels(row),
+        int(row["compressed_byte_us"]),
     )
     return BilledHour(usage, row["bytes_per_block"])
+
+
+def _end_levels(r: RowMapping) -> Levels:
+    """What a closed hour's tenant held on its instance at its end."""
+    return Levels(
+        _counts(r["end_blocks"]), r["end_pinned"], r["end_cpu_bytes"], r["end_compressed_bytes"]
+    )
 
 
 class UsageBook:

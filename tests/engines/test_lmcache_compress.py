@@ -6,7 +6,7 @@ chunks from L1 alone (the MP server's key-addressed `DELETE /cache/objects`, key
 coordinator's directory) leaves them only in that compressed form, and a prefetch brings them
 back into L1 at full size. The coordinator's `POST /cache/delete` with tier l1 does not honour
 its own pins (they filter L2 only), so a compress step must name the unpinned chunks' keys
-itself. kvquota does not drive this yet: reclaim plans still say no instance can compress."""
+itself, as kvquota's does (tests/engines/test_compress_tier.py)."""
 
 from __future__ import annotations
 

@@ -125,6 +125,7 @@ async def test_top_once_shows_the_ledger(
         "QUEUED": "1/1024",
         "ENGINE RUNNING": "-",
         "CPU TIER": "-",
+        "COMPRESS": "-",
     }
     acme, idle = table(lines, "TENANTS")  # the bigger holder first
     tenant = books["tenant:acme"]
@@ -137,6 +138,8 @@ async def test_top_once_shows_the_ledger(
         "TOKENS IN FLIGHT": f"{tenant['tokens_in_flight']}/10000",
         "LIVE": "1",
         "QUEUED": "1/5",
+        "CPU TIER": "0B",
+        "COMPRESSED": "0B",
         "WEIGHT": "1",
     }
     assert (idle["TENANT"], idle["BLOCKS"], idle["QUEUED"]) == ("idle", "0/40", "0/5")

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
-
-from quota_service.core.errors import Code, KvQuotaError
 from quota_service.core.reclaim import (
     CachedScope,
+    CompressMeasurement,
     CpuTier,
     Exclusion,
     InstanceLoad,
     LiveReservation,
+    OffloadedSession,
     PoolSnapshot,
     ReclaimPlan,
     ReclaimTarget,
@@ -21,7 +20,6 @@ from quota_service.core.reclaim import (
     TenantExcess,
     Tier,
     Unreclaimable,
-    check_executable,
     plan,
     policy_jobs,
 )
@@ -52,14 +50,15 @@ def pool(
     cpu: CpuTier | None = None,
     pinned_only: tuple[tuple[str, int], ...] = (),
     cpu_room: dict[str, int] | None = None,
+    offloaded: tuple[OffloadedSession, ...] = (),
 ) -> PoolSnapshot:
     """Without `cpu_room`, no tenant's CPU-tier quota limits the plan."""
     room = cpu_room if cpu_room is not None else {r.tenant: 1 << 60 for r in reservations}
-    return PoolSnapshot(BPB, cached, reservations, pinned_only, cpu, room)
+    return PoolSnapshot(BPB, cached, reservations, pinned_only, cpu, offloaded, room)
 
 
-def cpu(used: int, *, low: float = 0.5, high: float = 0.8, ratio: float = 0.5) -> CpuTier:
-    return CpuTier(used, 1000, low, high, used, ratio)
+def cpu(used: int, *, low: float = 0.5, high: float = 0.8, ratio: float | None = 0.5) -> CpuTier:
+    return CpuTier(used, 1000, low, high, ratio)
 
 
 def taken(p: ReclaimPlan) -> list[tuple[Tier, object, int]]:
@@ -140,30 +139,50 @@ def test_offload_stays_within_each_tenants_cpu_tier_quota() -> None:
 
 
 def test_compress_only_above_the_high_watermark_and_only_with_the_capability() -> None:
-    suspended = (reservation("acme", "s", 3, suspended=True),)
-    # 900 of 1000 bytes used, above 0.85: compressing at 0.5 saves 450; then 300 more stay
-    # below the low watermark, 0.8.
-    full, target = cpu(900, low=0.8, high=0.85), ReclaimTarget(3, Tier.COMPRESS)
-    result = plan(pool((), suspended, full), target)
-    assert taken(result) == [(Tier.COMPRESS, None, 0), (Tier.OFFLOAD, ("acme", "s"), 3)]
-    assert (result.steps[0].lossy, result.steps[0].cpu_bytes) == (True, -450)
-    incapable = plan(pool((), suspended, replace(full, compression_ratio=1.0)), target)
+    suspended = (reservation("acme", "s", 1, suspended=True),)
+    # Two offloaded sessions of 400 bytes: 900 of 1000 used, above 0.85. At 0.5 the coldest
+    # saves 200, which leaves 700, still above the low watermark (0.6); the next saves 200
+    # more, and then the suspended session (100) fits below it.
+    offloaded = (
+        OffloadedSession("acme", "new", 2, 400),
+        OffloadedSession("acme", "old", 1, 400),
+        OffloadedSession("bolt", "other", 0, 100),
+    )
+    full, target = cpu(900, low=0.6, high=0.85), ReclaimTarget(1, Tier.COMPRESS, "acme")
+    result = plan(pool((), suspended, full, offloaded=offloaded), target)
+    assert taken(result) == [
+        (Tier.COMPRESS, ("acme", "old"), 0),
+        (Tier.COMPRESS, ("acme", "new"), 0),
+        (Tier.OFFLOAD, ("acme", "s"), 1),
+    ]
+    assert [(s.lossy, s.cpu_bytes) for s in result.steps[:2]] == [(True, -200)] * 2
+    incapable = plan(pool((), suspended, replace(full, compression_ratio=None)), target)
     assert taken(incapable) == []
     assert incapable.excluded == (
         Exclusion(Unreclaimable.NO_COMPRESSION, 0),
-        Exclusion(Unreclaimable.CPU_TIER_FULL, 3, ("acme", "s")),
+        Exclusion(Unreclaimable.CPU_TIER_FULL, 1, ("acme", "s")),
     )
     # Below the high watermark nothing is compressed even when allowed.
     roomy = plan(pool((), suspended, replace(full, used_bytes=100)), target)
     assert [s.tier for s in roomy.steps] == [Tier.OFFLOAD]
-    # No engine kvquota drives can compress yet: such a plan can be shown, not executed.
-    with pytest.raises(KvQuotaError) as refused:
-        check_executable(result)
-    assert (refused.value.code, refused.value.reason) == (
-        Code.FAILED_PRECONDITION,
-        "TIER_NOT_EXECUTABLE",
-    )
-    assert "COMPRESS" in refused.value.message
+    # A job of the COMPRESS tier alone compresses, and offloads nothing.
+    alone = ReclaimTarget(1, Tier.COMPRESS, None, Tier.COMPRESS)
+    only = plan(pool((), suspended, full, offloaded=offloaded), alone)
+    assert [(s.tier, s.reservation) for s in only.steps] == [
+        (Tier.COMPRESS, ("bolt", "other")),
+        (Tier.COMPRESS, ("acme", "old")),
+        (Tier.COMPRESS, ("acme", "new")),
+    ]
+
+
+def test_a_compressed_session_is_booked_by_the_measured_shares() -> None:
+    # 3 chunks of 16 KiB in L1; the unpinned two go to an L2 at half their size.
+    measured = CompressMeasurement(32 << 10, 16 << 10, 16 << 10)
+    assert measured.ratio == 0.5
+    # Booked in the ledger's geometry: a third stays in the CPU tier, two thirds at half size.
+    assert measured.booked(3000) == (1000, 1000)
+    assert CompressMeasurement(0, 0, 16 << 10).booked(3000) == (3000, 0)
+    assert CompressMeasurement(0, 0, 0).ratio == 1.0
 
 
 def test_evict_takes_the_lowest_priority_and_most_recently_admitted_first() -> None:
@@ -223,7 +242,7 @@ def test_offloading_a_request_that_shares_its_prefix_frees_only_its_own_blocks()
 def test_evict_takes_idle_sessions_the_cpu_tier_cannot_hold_before_running_work() -> None:
     idle = reservation("acme", "idle", 2, suspended=True, seq=1)
     busy = reservation("acme", "busy", 2, seq=2)
-    full = cpu(1000, ratio=1.0)  # and nothing to compress
+    full = cpu(1000, ratio=None)  # and nothing to compress
     result = plan(pool((), (idle, busy), full), ReclaimTarget(2, Tier.EVICT))
     assert taken(result) == [(Tier.EVICT, ("acme", "idle"), 2)]
     # Room in the CPU tier: the idle session is offloaded instead, nothing is evicted.

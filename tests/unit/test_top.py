@@ -91,7 +91,8 @@ def test_a_frame_has_the_summary_and_every_section() -> None:
     gpu1 = lines[7]
     assert "[#####.....] 45%" in gpu1  # in use and pinned, of the capacity
     assert "90MiB/200MiB" in gpu1  # with a geometry, in bytes too
-    assert gpu1.split()[-3:] == ["2/64", "-", "-"]  # queued/limit; engine and CPU tier unread
+    # queued/limit; engine and CPU tier unread, and nothing to compress with
+    assert gpu1.split()[-4:] == ["2/64", "-", "-", "-"]
     tenants = lines[lines.index("TENANTS") + 2 : lines.index("TENANTS") + 5]
     assert [t.split()[:4] for t in tenants] == [  # the biggest holders first
         ["big", "ACTIVE", "40/100", "40%"],

@@ -8,8 +8,8 @@ each batch appends one row of changed slot contents (pool_deltas) after a checkp
 what the per-block tables stored: each slot's contents, references and state, each pool's
 counters, and each tenant's holdings per instance, for operators and the invariant checks.
 
-Revision ID: 0020
-Revises: 0019
+Revision ID: 0021
+Revises: 0020
 Create Date: 2026-12-01
 """
 
@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
-revision = "0020"
-down_revision = "0019"
+revision = "0021"
+down_revision = "0020"
 branch_labels = None
 depends_on = None
 

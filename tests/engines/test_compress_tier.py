@@ -1,0 +1,291 @@
+"""The COMPRESS tier against a real LMCache coordinator and MP server whose L2 adapter stores
+chunks through an fp8 serde (half of float16's bytes): a suspended session is offloaded, then
+compressed by a reclaim job (its CPU-tier bytes drop by the measured ratio, in the ledger, in
+usage and in what `kvquota top` shows), then resumed (prefetched back into L1 at full size);
+pinned chunks are never compressed; a compress step killed mid-way is applied once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.api import convert
+from quota_service.cli import top
+from quota_service.config import Settings
+from quota_service.core.admission import AdmitRequest
+from quota_service.core.model import AdmitParams, ReservationState
+from quota_service.core.reclaim import CpuWatermarks, JobState, ReclaimTarget, StepState, Tier
+from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
+from quota_service.enforcement.termination import Termination
+from quota_service.engine.lmcache import DeleteResult, LmcacheCoordinator
+from quota_service.jobs.reclaim_executor import ReclaimExecutor
+from quota_service.store.catalog import Catalog
+from quota_service.store.cpu_tier import CpuTierBooks
+from quota_service.store.ledger import Ledger
+from quota_service.store.pins import Pins
+from quota_service.store.reclaim import ReclaimJobs
+from quota_service.store.usage import UsageBook, UsageRollup
+from tests.engines.conftest import ChunkWriter, Lmcache, lmcache_at
+from tests.engines.test_lmcache_contract import CHUNK, GIB, register, salt_of, until
+from tests.engines.test_lmcache_contract import endpoint as lmcache_endpoint
+
+L1_CHUNK_BYTES = 16 << 10  # the writer's chunk in float16
+BLOCK_BYTES = 16384  # the registered instance's bytes per block (16 tokens)
+# The writer's chunks fill a sliver of the 64 MiB L1: watermarks that low make it "full".
+TINY = CpuWatermarks(offload=1e-6, compress=1e-6)
+COMPRESS_ONLY = Tier.COMPRESS
+
+
+@pytest.fixture(scope="module")
+def fp8_lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
+    work = tmp_path_factory.mktemp("lmcache-fp8")
+    l2: dict[str, object] = {"type": "fs", "base_path": str(work / "l2"), "serde": {"type": "fp8"}}
+    with lmcache_at(work, l2) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def fp8_writer(fp8_lmcache: Lmcache) -> Iterator[ChunkWriter]:
+    writer = ChunkWriter(fp8_lmcache)
+    yield writer
+    writer.close()
+
+
+async def sizes(lmcache: Lmcache, salt: str, tokens: list[int]) -> list[dict[str, int]]:
+    """Per whole chunk: tier → bytes the MP server holds it in."""
+    coordinator = LmcacheCoordinator(lmcache.coordinator_url)
+    try:
+        found = await coordinator.lookup(lmcache_endpoint(lmcache), salt, tokens)
+    finally:
+        await coordinator.close()
+    return [dict(c.size_bytes) for c in found]
+
+
+async def pinned_chunks(lmcache: Lmcache, salt: str) -> int:
+    coordinator = LmcacheCoordinator(lmcache.coordinator_url)
+    try:
+        return len(await coordinator.pin_counts(lmcache_endpoint(lmcache), salt))
+    finally:
+        await coordinator.close()
+
+
+FULL, COMPRESSED = {"l1": L1_CHUNK_BYTES}, {"l2": L1_CHUNK_BYTES // 2}
+
+
+async def offloaded_session(
+    engine: AsyncEngine,
+    settings: Settings,
+    lmcache: Lmcache,
+    writer: ChunkWriter,
+    tenant: str,
+    tokens: list[int],
+    pinned_prefix: int = 0,
+) -> tuple[Ledger, CpuTierMirror]:
+    """The tenant's session of `tokens` (its first `pinned_prefix` tokens pinned), stored in
+    LMCache (L1, and fp8 in L2), admitted, suspended and offloaded by a reclaim job; the
+    mirror has mirrored the pin and measured the instance's ratio."""
+    await register(engine, lmcache, (tenant, GIB))
+    if pinned_prefix:
+        pins = Pins(engine, settings.admission_limits)
+        await pins.pin(f"tenants/{tenant}", "system", "gpu-0", tokens[:pinned_prefix])
+    salt = await salt_of(engine, tenant)
+    chunks = writer.store(salt, tokens)
+    await until([FULL | COMPRESSED] * chunks, lambda: sizes(lmcache, salt, tokens))
+    ledger = Ledger(engine, settings.admission_limits)
+    prompt = tuple(tokens[:-1])
+    await ledger.admit(
+        AdmitRequest(AdmitParams(tenant, "chat", "gpu-0", len(prompt), 1, 1, 0), prompt, 0.0, None)
+    )
+    await ledger.suspend(tenant, "chat", tokens)
+    tier = CpuTierMirror(CpuTierBooks(engine))
+    await tier.mirror()
+    jobs = ReclaimJobs(engine)
+    target = ReclaimTarget(len(tokens) // 16, Tier.OFFLOAD, tenant)
+    job = await jobs.create(f"offload-{tenant}", "gpu-0", target, dry_run=False)
+    while await jobs.run_step(job.job_id):
+        pass
+    assert (await ledger.get(tenant, "chat")).offloaded_bytes == len(tokens) // 16 * BLOCK_BYTES
+    await tier.mirror()  # measures the ratio on the offloaded session
+    return ledger, tier
+
+
+async def compress_job(engine: AsyncEngine, tenant: str) -> tuple[ReclaimJobs, str]:
+    jobs = ReclaimJobs(engine, TINY)
+    target = ReclaimTarget(1, Tier.COMPRESS, tenant, COMPRESS_ONLY)
+    job = await jobs.create(f"compress-{tenant}", "gpu-0", target, dry_run=False)
+    assert [(s.planned.tier, s.planned.reservation, s.planned.lossy) for s in job.steps] == [
+        (Tier.COMPRESS, (tenant, "chat"), True)
+    ]
+    return jobs, job.job_id
+
+
+async def compressed_events(engine: AsyncEngine, tenant: str) -> list[tuple[int, int]]:
+    query = text(
+        "SELECT cpu_bytes, compressed_bytes FROM usage_events "
+        "WHERE tenant = :tenant AND compressed_bytes <> 0 ORDER BY id"
+    )
+    async with engine.connect() as conn:
+        return [(r[0], r[1]) for r in await conn.execute(query, {"tenant": tenant})]
+
+
+async def test_a_session_is_offloaded_compressed_and_resumed(
+    fp8_lmcache: Lmcache, fp8_writer: ChunkWriter, engine: AsyncEngine, settings: Settings
+) -> None:
+    tokens = list(range(20_000, 20_000 + 2 * CHUNK))
+    ledger, tier = await offloaded_session(
+        engine, settings, fp8_lmcache, fp8_writer, "talker", tokens
+    )
+    salt = await salt_of(engine, "talker")
+    termination = Termination(ledger, abort_timeout_seconds=1, hard_timeout_seconds=5)
+    try:
+        instance = await Catalog(engine).get_instance("gpu-0")
+        assert instance.cpu_compression_ratio == 0.5  # measured on the session's chunks
+        l1_before = instance.cpu_used_bytes
+        assert l1_before is not None and l1_before >= 2 * L1_CHUNK_BYTES
+
+        jobs, job_id = await compress_job(engine, "talker")
+        assert await ReclaimExecutor(jobs, termination, tier).run(job_id, 10) == 1
+        done = await jobs.get(job_id)
+        assert (done.state, done.steps[0].state) == (JobState.SUCCEEDED, StepState.APPLIED)
+        # Both chunks left L1; LMCache holds them in half the bytes.
+        await until([COMPRESSED] * 2, lambda: sizes(fp8_lmcache, salt, tokens))
+        offloaded = 32 * BLOCK_BYTES
+        session = await ledger.get("talker", "chat")
+        assert (session.offloaded_bytes, session.compressed_bytes) == (0, offloaded // 2)
+        assert session.compression_ratio == 0.5
+        assert await compressed_events(engine, "talker") == [(-offloaded, offloaded // 2)]
+
+        # Top shows the tenant's CPU-tier bytes halved, and the instance's L1 emptier.
+        await tier.mirror()
+        instance = await Catalog(engine).get_instance("gpu-0")
+        assert instance.cpu_used_bytes == l1_before - 2 * L1_CHUNK_BYTES
+        row = top.tenant_row(convert.tenant(await Catalog(engine).get_tenant("talker")))
+        assert (row["cpu tier"], row["compressed"]) == ("0B", "256KiB")
+        assert top.instance_row(convert.instance(instance))["compress"] == "0.50x"
+
+        # Usage: the closed hour ends with the session compressed, billed as such.
+        now = datetime.now(UTC)
+        await UsageRollup(engine).close_due(now + timedelta(hours=1), timedelta(0))
+        hours = [
+            h
+            async for h in UsageBook(engine).hours(
+                now - timedelta(hours=1), now + timedelta(hours=1), "talker", None
+            )
+        ]
+        assert [(h.usage.end.cpu_bytes, h.usage.end.compressed_bytes) for h in hours] == [
+            (0, offloaded // 2)
+        ]
+        assert hours[0].compressed_gib_hours > 0 and hours[0].cpu_gib_hours > 0
+
+        # Resume: the chunks come back into L1 at full size (decompressed), so the next turn
+        # finds them there; the session leaves the compressed tier.
+        await tier.prefetch_session("talker", "chat")
+        await until([FULL | COMPRESSED] * 2, lambda: sizes(fp8_lmcache, salt, tokens))
+        resumed = await ledger.resume("talker", "chat", 0.0)
+        assert (resumed.state, resumed.offloaded_bytes, resumed.compressed_bytes) == (
+            ReservationState.ADMITTED,
+            None,
+            None,
+        )
+        assert (await compressed_events(engine, "talker"))[-1] == (0, -(offloaded // 2))
+    finally:
+        await termination.close()
+        await tier.close()
+
+
+async def test_pinned_chunks_are_never_compressed(
+    fp8_lmcache: Lmcache, fp8_writer: ChunkWriter, engine: AsyncEngine, settings: Settings
+) -> None:
+    """A session of three chunks whose first is its tenant's pinned system prompt: only the
+    other two are demoted, and the booking keeps the pinned third uncompressed."""
+    tokens = list(range(40_000, 40_000 + 3 * CHUNK))
+    ledger, tier = await offloaded_session(
+        engine, settings, fp8_lmcache, fp8_writer, "pinner", tokens, pinned_prefix=CHUNK
+    )
+    salt = await salt_of(engine, "pinner")
+    termination = Termination(ledger, abort_timeout_seconds=1, hard_timeout_seconds=5)
+    try:
+        assert await pinned_chunks(fp8_lmcache, salt) == 1  # mirrored into LMCache
+        jobs, job_id = await compress_job(engine, "pinner")
+        assert await ReclaimExecutor(jobs, termination, tier).run(job_id, 10) == 1
+        await until(
+            [FULL | COMPRESSED, COMPRESSED, COMPRESSED], lambda: sizes(fp8_lmcache, salt, tokens)
+        )
+        offloaded = 48 * BLOCK_BYTES
+        session = await ledger.get("pinner", "chat")
+        assert (session.offloaded_bytes, session.compressed_bytes) == (
+            offloaded // 3,
+            offloaded // 3,
+        )
+        # Measured on the demoted chunks alone: two of them, at half their size.
+        query = text(
+            "SELECT compress_before_bytes, compress_after_bytes FROM reservations "
+            "WHERE tenant = 'pinner'"
+        )
+        async with engine.connect() as conn:
+            measured = tuple((await conn.execute(query)).one())
+        assert measured == (2 * L1_CHUNK_BYTES, L1_CHUNK_BYTES)
+    finally:
+        await termination.close()
+        await tier.close()
+
+
+class KilledAfterDemotion(CpuTierMirror):
+    """The executor's CPU tier, stopping for good right after LMCache demoted the session:
+    the task that runs the step is cancelled there, before the ledger heard of it."""
+
+    def __init__(self, books: CpuTierBooks, demoted: asyncio.Event) -> None:
+        super().__init__(books)
+        self._demoted = demoted
+
+    async def demote_session(self, tenant: str, request_id: str) -> DeleteResult | None:
+        result = await super().demote_session(tenant, request_id)
+        self._demoted.set()
+        await asyncio.Event().wait()  # the kill lands here
+        return result
+
+
+async def test_a_compress_step_killed_mid_way_is_applied_once(
+    fp8_lmcache: Lmcache, fp8_writer: ChunkWriter, engine: AsyncEngine, settings: Settings
+) -> None:
+    tokens = list(range(60_000, 60_000 + 2 * CHUNK))
+    ledger, tier = await offloaded_session(
+        engine, settings, fp8_lmcache, fp8_writer, "crasher", tokens
+    )
+    salt = await salt_of(engine, "crasher")
+    termination = Termination(ledger, abort_timeout_seconds=1, hard_timeout_seconds=5)
+    demoted = asyncio.Event()
+    doomed = KilledAfterDemotion(CpuTierBooks(engine), demoted)
+    try:
+        jobs, job_id = await compress_job(engine, "crasher")
+        run = asyncio.create_task(ReclaimExecutor(jobs, termination, doomed).run(job_id, 10))
+        await asyncio.wait_for(demoted.wait(), 30)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        # Killed between LMCache and the ledger: the chunks are compressed, the step is still
+        # planned with what was measured before they left L1, the session not booked yet.
+        await until([COMPRESSED] * 2, lambda: sizes(fp8_lmcache, salt, tokens))
+        step = (await jobs.get(job_id)).steps[0]
+        assert step.state is StepState.PLANNED
+        assert (await ledger.get("crasher", "chat")).compressed_bytes is None
+        assert await compressed_events(engine, "crasher") == []
+
+        # The next executor finds nothing left in L1, books what was measured, once.
+        assert await ReclaimExecutor(jobs, termination, tier).run(job_id, 10) == 1
+        assert await ReclaimExecutor(jobs, termination, tier).run(job_id, 10) == 0
+        done = await jobs.get(job_id)
+        assert (done.state, done.steps[0].state) == (JobState.SUCCEEDED, StepState.APPLIED)
+        offloaded = 32 * BLOCK_BYTES
+        session = await ledger.get("crasher", "chat")
+        assert (session.offloaded_bytes, session.compressed_bytes) == (0, offloaded // 2)
+        assert await compressed_events(engine, "crasher") == [(-offloaded, offloaded // 2)]
+    finally:
+        await termination.close()
+        await doomed.close()
+        await tier.close()
