@@ -42,6 +42,7 @@ from quota_service.jobs.follower import Followers
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.jobs.reclaim_policy import ReclaimPolicy
 from quota_service.metrics import LedgerMetrics, PoolMetrics, ServiceMetrics, serve_metrics
+from quota_service.owner.owned_pins import OwnedPins
 from quota_service.owner.owners import OwnedCatalog, OwnedLedger, Owners
 from quota_service.store import migrate
 from quota_service.store.access import ApiKeys, AuditLog
@@ -124,20 +125,33 @@ class RunningServer:
         await self._engine.dispose()
 
 
-def _hot_path(settings: Settings, engine: AsyncEngine, waiters: Waiters) -> tuple[Ledger, Catalog]:
-    """The ledger the hot path uses (settings.hot_path), and the catalog that keeps it told of
-    tenants' changes."""
+@dataclass(frozen=True)
+class HotPath:
+    """What decides reservations and pins (settings.hot_path), and the catalog that keeps it
+    told of tenants' changes."""
+
+    ledger: Ledger
+    catalog: Catalog
+    pins: Pins
+
+
+def _hot_path(settings: Settings, engine: AsyncEngine, waiters: Waiters) -> HotPath:
+    limits = settings.admission_limits
     if settings.hot_path == "ledger":
-        return Ledger(engine, settings.admission_limits, settings.queue_policy), Catalog(engine)
+        ledger = Ledger(engine, limits, settings.queue_policy)
+        return HotPath(ledger, Catalog(engine), Pins(engine, limits))
     owners = Owners(
         engine,
-        settings.admission_limits,
+        limits,
         settings.queue_policy,
         f"{socket.gethostname()}:{os.getpid()}",
         on_changed=lambda key: waiters.on_notification("changed", key),
     )
-    ledger = OwnedLedger(engine, owners, settings.admission_limits, settings.queue_policy)
-    return ledger, OwnedCatalog(engine, owners)
+    return HotPath(
+        OwnedLedger(engine, owners, limits, settings.queue_policy),
+        OwnedCatalog(engine, owners),
+        OwnedPins(engine, limits, owners),
+    )
 
 
 async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
@@ -190,7 +204,8 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     observed = ServiceMetrics()
     observed.registry.register(PoolMetrics(engine))
     waiters = Waiters(settings.queue_poll_seconds)
-    ledger, catalog = _hot_path(settings, engine, waiters)
+    hot_path = _hot_path(settings, engine, waiters)
+    ledger, catalog, pins = hot_path.ledger, hot_path.catalog, hot_path.pins
     dispatcher = Dispatcher(ledger)
     listener = Listener(database_url)
     listener.subscribe(waiters.on_notification)
@@ -223,7 +238,6 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(
         AdmissionServicer(ledger, waiters, termination, cpu_tier, observed, catalog), server
     )
-    pins = Pins(engine, settings.admission_limits)
     offboarding = Offboarding(engine, ledger, pins, termination)
     inspection = Inspection(engine)
     reclaim = ReclaimJobs(engine, settings.cpu_watermarks)

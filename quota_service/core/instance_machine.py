@@ -226,7 +226,20 @@ class ReservationRecord:
 
 
 class PinRecord:
-    __slots__ = ("created_at", "owner", "pin_id", "prefix", "prompt_tokens", "table", "tenant")
+    """A pinned prefix as its owner holds it; `token_ids` and `salt`, known when it is made, are
+    what the instance's CPU tier must pin too (a rebuilt machine does not need them)."""
+
+    __slots__ = (
+        "created_at",
+        "owner",
+        "pin_id",
+        "prefix",
+        "prompt_tokens",
+        "salt",
+        "table",
+        "tenant",
+        "token_ids",
+    )
 
     def __init__(
         self,
@@ -237,6 +250,8 @@ class PinRecord:
         prompt_tokens: int,
         table: HeldTable,
         created_at: float,
+        token_ids: tuple[int, ...] = (),
+        salt: str = "",
     ) -> None:
         self.owner = owner
         self.pin_id = pin_id
@@ -245,6 +260,8 @@ class PinRecord:
         self.prompt_tokens = prompt_tokens
         self.table = table
         self.created_at = created_at
+        self.token_ids = token_ids
+        self.salt = salt
 
     def copy(self) -> PinRecord:
         return PinRecord(
@@ -255,6 +272,8 @@ class PinRecord:
             self.prompt_tokens,
             self.table.copy(),
             self.created_at,
+            self.token_ids,
+            self.salt,
         )
 
 
@@ -307,6 +326,23 @@ class EngineReport:
 
 
 @dataclass(slots=True)
+class Usage:
+    """What changed of a tenant's use of the instance since the journal last took it, as
+    core/metering.py counts it: blocks it started (+) or stopped (-) holding by how many tenants
+    shared each then, and counters."""
+
+    blocks: Counter[int] = field(default_factory=Counter)
+    pinned: int = 0
+    cpu_bytes: int = 0
+    tokens_reserved: int = 0
+    output_tokens: int = 0
+    admitted: int = 0
+    queued: int = 0
+    refused: Counter[str] = field(default_factory=Counter)
+    shadow_refused: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(slots=True)
 class Changes:
     """What operations changed since the journal last took them: whole records to write, and
     the slots whose recorded contents changed (`BlockPool.drain_dirty`)."""
@@ -315,6 +351,7 @@ class Changes:
     pins: dict[tuple[str, str], PinRecord | None] = field(default_factory=dict)
     slots: list[SlotContents] = field(default_factory=list)
     dropped_slots: list[int] = field(default_factory=list)
+    usage: dict[str, Usage] = field(default_factory=dict)
 
 
 class InstanceMachine:
@@ -348,6 +385,11 @@ class InstanceMachine:
         self.scopes: list[str] = []
         self.changes = Changes()
         self.drift_blocks = 0
+        # How many tenants hold each slot (metering charges a block shared k ways 1/k to each):
+        # the one that does when it is one, the set of them when it is more.
+        self._holders = array("i", bytes(4 * spec.capacity_blocks))
+        self._sole_holder: dict[int, str] = {}
+        self._sharers: dict[int, set[str]] = {}
 
     # Recovery.
 
@@ -414,6 +456,8 @@ class InstanceMachine:
             here.mean_hold_seconds = clocks.mean_hold_seconds
         machine.mean_hold_seconds = image.mean_hold_seconds
         machine.drift_blocks = image.drift_blocks
+        # Rebuilding what tenants hold is not a change of it.
+        machine.changes.usage.clear()
         return machine
 
     # Catalog input.
@@ -428,7 +472,7 @@ class InstanceMachine:
     def changes_pending(self) -> bool:
         """Whether anything changed since the journal last took the changes."""
         changes = self.changes
-        return bool(changes.reservations or changes.pins or self.pool.dirty)
+        return bool(changes.reservations or changes.pins or changes.usage or self.pool.dirty)
 
     def drain_changes(self) -> Changes:
         taken, self.changes = self.changes, Changes()
@@ -472,10 +516,11 @@ class InstanceMachine:
         return record
 
     def queue_position(self, record: ReservationRecord) -> int | None:
-        """1 for the next to be considered; None unless it is queued."""
+        """How many queued requests are ahead of it (0: the next to be considered); None unless
+        it is queued."""
         if record.state is not ReservationState.QUEUED:
             return None
-        for position, entry in enumerate(self._queue, start=1):
+        for position, entry in enumerate(self._queue):
             if entry[3] == record.key:
                 return position
         return None
@@ -619,6 +664,11 @@ class InstanceMachine:
         here.tokens += grant.tokens
         self.reservations[record.key] = record
         self._touch(record)
+        usage = self.usage(here.settings.tenant)
+        usage.admitted += 1
+        usage.tokens_reserved += grant.tokens
+        if record.shadow_refusal is not None:
+            usage.shadow_refused[record.shadow_refusal] += 1
 
     def _take(
         self,
@@ -642,11 +692,11 @@ class InstanceMachine:
             self._hold(here, blocks, pinned)
         return held
 
-    @staticmethod
-    def _hold(here: TenantHere, blocks: Sequence[int], pinned: bool) -> None:
-        _count(here.held, blocks)
+    def _hold(self, here: TenantHere, blocks: Sequence[int], pinned: bool) -> None:
+        tenant = here.settings.tenant
+        self._joined(tenant, _count(here.held, blocks))
         if pinned:
-            _count(here.pinned, blocks)
+            self.usage(tenant).pinned += len(_count(here.pinned, blocks))
 
     def _drop(self, table: HeldTable, positions: Sequence[int], here: TenantHere | None) -> None:
         """Give back the table's entries at `positions` (ascending), tail first, so that a
@@ -658,9 +708,10 @@ class InstanceMachine:
         table.live_entries -= len(positions)
         self.pool.unreference_all(tail_first, table.pinned)
         if here is not None:
-            _unhold(here.held, tail_first)
+            tenant = here.settings.tenant
+            self._left(tenant, _unhold(here.held, tail_first))
             if table.pinned:
-                _unhold(here.pinned, tail_first)
+                self.usage(tenant).pinned -= len(_unhold(here.pinned, tail_first))
 
     def _drop_all(self, table: HeldTable, here: TenantHere | None) -> None:
         released = table.released
@@ -753,6 +804,7 @@ class InstanceMachine:
         self.queued_prompt_tokens += record.params.prompt_tokens
         self.reservations[record.key] = record
         self._touch(record)
+        self.usage(here.settings.tenant).queued += 1
 
     def _queue_insert(self, record: ReservationRecord) -> None:
         insort(self._queue, _queue_entry(record))
@@ -802,8 +854,7 @@ class InstanceMachine:
                 self._dequeue(record)
                 self._advance_virtual_time(record)
                 if record.offloaded_bytes is not None:
-                    record.offloaded_bytes = None
-                    record.suspended_at = None
+                    self._back_from_cpu_tier(record)
                 self._grant(record, verdict, hit_blocks, table, here, now)
                 admitted += 1
             elif step is queueing.Step.HOLD:
@@ -821,13 +872,22 @@ class InstanceMachine:
         output_tokens: int | None = None,
     ) -> ReservationRecord:
         """End a live reservation: a queued one leaves the queue, an admitted one gives back its
-        table, tail first. Ending an ended reservation returns it unchanged."""
+        table, tail first. Ending an ended reservation returns it unchanged. A resumed session
+        whose wait ran out is not ended: it goes back to the CPU tier, suspended."""
         record = self.get(tenant, request_id)
         if record.state is ReservationState.ENDED:
             return record
         here = self.tenants[tenant]
+        usage = self.usage(tenant)
         if record.state is ReservationState.QUEUED:
             self._dequeue(record)
+            if reason is EndReason.QUEUE_TIMEOUT:
+                if record.offloaded_bytes is not None:
+                    record.state = ReservationState.ADMITTED
+                    record.suspended_at = now
+                    self._touch(record)
+                    return record
+                usage.refused[Reason.QUEUE_TIMEOUT.value] += 1
         else:
             if record.table is not None:
                 self._drop_all(record.table, here)
@@ -837,6 +897,9 @@ class InstanceMachine:
                 held_for = max(now - record.admitted_at, 0.0)
                 here.mean_hold_seconds = _ewma(here.mean_hold_seconds, held_for)
                 self.mean_hold_seconds = _ewma(self.mean_hold_seconds, held_for)
+        if record.offloaded_bytes is not None:
+            usage.cpu_bytes -= record.offloaded_bytes
+        usage.output_tokens += output_tokens or 0
         record.state = ReservationState.ENDED
         record.end_reason = reason
         record.ended_at = now
@@ -952,8 +1015,16 @@ class InstanceMachine:
         here.tokens -= record.tokens
         record.table = None
         record.offloaded_bytes = offloaded_bytes
+        self.usage(tenant).cpu_bytes += offloaded_bytes
         self._touch(record)
         return given_back
+
+    def _back_from_cpu_tier(self, record: ReservationRecord) -> None:
+        """An offloaded session admitted again: the CPU tier no longer holds it for it."""
+        assert record.offloaded_bytes is not None
+        self.usage(record.key[0]).cpu_bytes -= record.offloaded_bytes
+        record.offloaded_bytes = None
+        record.suspended_at = None
 
     def resume(
         self,
@@ -993,8 +1064,7 @@ class InstanceMachine:
         )
         ahead = self._queued_ahead(p.priority)
         if isinstance(verdict, Grant) and ahead == 0:
-            record.offloaded_bytes = None
-            record.suspended_at = None
+            self._back_from_cpu_tier(record)
             self._charge_fair_share(record, here)
             self._grant(record, verdict, [], table, here, now)
             return record
@@ -1039,7 +1109,9 @@ class InstanceMachine:
             raise self.refusal(plan, tenant, now)
         layout = block_table.TableLayout(len(hashes), 0, 1, tuple(hashes), len(hashes))
         table = self._take(hit_blocks, layout, here, scope, pinned=True)
-        record = PinRecord(owner, pin_id, tenant, hashes[-1], len(token_ids), table, now)
+        record = PinRecord(
+            owner, pin_id, tenant, hashes[-1], len(token_ids), table, now, tuple(token_ids), salt
+        )
         self.pins[(owner, pin_id)] = record
         self.changes.pins[(owner, pin_id)] = record
         return record
@@ -1147,6 +1219,65 @@ class InstanceMachine:
         self.free_cached(self.pool.capacity)
         return len(live)
 
+    # Metering.
+
+    def usage(self, tenant: str) -> Usage:
+        """The tenant's use changed since the journal last took it (the counters add to it)."""
+        found = self.changes.usage.get(tenant)
+        if found is None:
+            found = self.changes.usage[tenant] = Usage()
+        return found
+
+    def meter_refusal(self, tenant: str, reason: Reason) -> None:
+        """A refused admission, counted (the refusal itself changed nothing)."""
+        if tenant in self.tenants:
+            self.usage(tenant).refused[reason.value] += 1
+
+    def _joined(self, tenant: str, blocks: Sequence[int]) -> None:
+        """`tenant` started holding `blocks`: each is shared one way more, for every holder."""
+        if not blocks:
+            return
+        counts, sole, sharers = self._holders, self._sole_holder, self._sharers
+        shares = self.usage(tenant).blocks
+        for block in blocks:
+            k = counts[block]
+            counts[block] = k + 1
+            shares[k + 1] += 1
+            if k == 0:
+                sole[block] = tenant
+                continue
+            others = sharers.get(block)
+            if others is None:
+                others = sharers[block] = {sole.pop(block)}
+            for other in others:
+                theirs = self.usage(other).blocks
+                theirs[k] -= 1
+                theirs[k + 1] += 1
+            others.add(tenant)
+
+    def _left(self, tenant: str, blocks: Sequence[int]) -> None:
+        """`tenant` stopped holding `blocks`: each is shared one way less by those left."""
+        if not blocks:
+            return
+        counts, sole, sharers = self._holders, self._sole_holder, self._sharers
+        shares = self.usage(tenant).blocks
+        for block in blocks:
+            k = counts[block]
+            counts[block] = k - 1
+            shares[k] -= 1
+            if k == 1:
+                del sole[block]
+                continue
+            others = sharers[block]
+            others.discard(tenant)
+            for other in others:
+                theirs = self.usage(other).blocks
+                theirs[k] -= 1
+                theirs[k - 1] += 1
+            if k == 2:
+                sole[block] = others.pop()
+                del sharers[block]
+
     # Mechanics.
 
     def _tenant(self, tenant: str) -> TenantHere:
@@ -1176,28 +1307,38 @@ def _queue_entry(record: ReservationRecord) -> tuple[int, float, int, tuple[str,
     return -record.params.priority, record.tags.start, record.arrival, record.key
 
 
-def _count(held: dict[int, int], blocks: Sequence[int]) -> None:
-    """One entry more per block (a table names each block once)."""
+def _count(held: dict[int, int], blocks: Sequence[int]) -> Sequence[int]:
+    """One entry more per block (a table names each block once); returns the blocks that were
+    not held before."""
     if held.keys().isdisjoint(blocks):
         # The common case, done in C: none of them held yet.
         held.update(dict.fromkeys(blocks, 1))
-        return
+        return blocks
+    new = []
     for block in blocks:
-        held[block] = held.get(block, 0) + 1
+        count = held.get(block, 0)
+        if not count:
+            new.append(block)
+        held[block] = count + 1
+    return new
 
 
-def _unhold(held: dict[int, int], blocks: Sequence[int]) -> None:
-    """One entry fewer per block; a block leaves with its last entry."""
+def _unhold(held: dict[int, int], blocks: Sequence[int]) -> Sequence[int]:
+    """One entry fewer per block; a block leaves with its last entry. Returns the blocks that
+    left."""
     if len(blocks) > 1 and max(itemgetter(*blocks)(held)) == 1:
         # The common case, done in C: each was held by this one entry.
         deque(map(held.pop, blocks), maxlen=0)
-        return
+        return blocks
+    gone = []
     for block in blocks:
         left = held[block] - 1
         if left:
             held[block] = left
         else:
             del held[block]
+            gone.append(block)
+    return gone
 
 
 def _ewma(mean: float | None, observed: float) -> float:

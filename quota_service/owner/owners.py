@@ -18,7 +18,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import NoReturn, TypeVar
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.core.admission import AdmissionLimits, AdmitRequest
@@ -30,6 +29,7 @@ from quota_service.core.instance_machine import (
     ReservationRecord,
     TenantSettings,
 )
+from quota_service.core.metering import METERED_REFUSALS
 from quota_service.core.model import (
     EndReason,
     Instance,
@@ -51,10 +51,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_INSTANCE_OF = text(
-    "SELECT instance FROM reservations WHERE tenant = :tenant AND request_id = :request_id"
-)
-
 
 class Owners:
     """The instance owners of this replica."""
@@ -69,7 +65,7 @@ class Owners:
         on_changed: Callable[[str], None] | None = None,
     ) -> None:
         self._engine = engine
-        self._journal = Journal(engine)
+        self.journal = Journal(engine)
         self._catalog = Catalog(engine)
         self._limits = limits
         self._queue_policy = queue_policy
@@ -89,7 +85,7 @@ class Owners:
             owner = self._owners.get(instance)
             if owner is None or owner.failure is not None:
                 owner = await take_over(
-                    self._journal,
+                    self.journal,
                     self._catalog,
                     instance,
                     self._limits,
@@ -116,7 +112,7 @@ class Owners:
 
     async def refresh_tenants(self) -> None:
         """Every machine learns the catalog's tenants as they are now (quotas, states, salts)."""
-        settings = await self._journal.tenants()
+        settings = await self.journal.tenants()
         for owner in self._owners.values():
             for one in settings:
                 owner.machine.set_tenant(one)
@@ -144,10 +140,7 @@ class Owners:
         for name, owner in self._owners.items():
             if key in owner.machine.reservations or key in owner.machine.ended:
                 return name
-        async with self._engine.connect() as conn:
-            found = await conn.execute(_INSTANCE_OF, {"tenant": tenant, "request_id": request_id})
-            instance = found.scalar_one_or_none()
-        return None if instance is None else str(instance)
+        return await self.journal.instance_of(tenant, request_id)
 
     def served(self) -> list[InstanceOwner]:
         return [owner for owner in self._owners.values() if owner.failure is None]
@@ -191,7 +184,13 @@ class OwnedLedger(Ledger):
             elsewhere = owners.elsewhere(p.tenant, instance)
             return _answer(machine, machine.admit(request, now, elsewhere))
 
-        reservation = await owners.run(instance, admit)
+        try:
+            reservation = await owners.run(instance, admit)
+        except KvQuotaError as refused:
+            if refused.reason in METERED_REFUSALS:
+                reason = refused.reason
+                await owners.run(instance, lambda m, now: m.meter_refusal(p.tenant, reason))
+            raise
         settings = owners.settings(instance, p.tenant)
         assert settings is not None
         return reservation, settings.salt

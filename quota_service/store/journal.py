@@ -34,15 +34,18 @@ from quota_service.core.instance_machine import (
     ReservationRecord,
     TenantClocks,
     TenantSettings,
+    Usage,
 )
 from quota_service.core.model import (
     AdmitParams,
     EndReason,
+    Pin,
     ReservationState,
     TenantQuota,
     TenantState,
 )
 from quota_service.core.queueing import FairTags
+from quota_service.store.pins import pin_from_row
 
 # Generations a new owner's free slots start at: its epoch times this, above any generation the
 # instance issued before (a slot would need 2**40 drops within one epoch to reach the next).
@@ -93,6 +96,7 @@ class BatchRows:
     clocks: dict[str, Any] = field(default_factory=dict)
     totals: list[dict[str, Any]] = field(default_factory=list)
     pool: dict[str, Any] = field(default_factory=dict)
+    usage: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def operations(self) -> int:
@@ -121,6 +125,11 @@ def batch_rows(
     if changes.slots or changes.dropped_slots:
         rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changes.slots)}
         rows.delta["dropped"] = changes.dropped_slots
+    rows.usage = [
+        row for tenant, usage in sorted(changes.usage.items()) if (row := _usage_row(tenant, usage))
+    ]
+    for row in rows.usage:
+        row["instance"] = instance
     counts = machine.pool.counts()
     rows.pool = {
         "instance": instance,
@@ -158,6 +167,26 @@ def batch_rows(
                 }
             )
     return rows
+
+
+def _usage_row(tenant: str, usage: Usage) -> dict[str, Any] | None:
+    """One usage event (store/usage.py integrates them), or None when nothing changed."""
+    counts = {
+        "pinned": usage.pinned,
+        "cpu_bytes": usage.cpu_bytes,
+        "tokens_reserved": usage.tokens_reserved,
+        "output_tokens": usage.output_tokens,
+        "admitted": usage.admitted,
+        "queued": usage.queued,
+    }
+    keyed = {
+        "blocks": {str(k): n for k, n in sorted(usage.blocks.items()) if n},
+        "refused": {r: n for r, n in sorted(usage.refused.items()) if n},
+        "shadow_refused": {r: n for r, n in sorted(usage.shadow_refused.items()) if n},
+    }
+    if not any(counts.values()) and not any(keyed.values()):
+        return None
+    return {"tenant": tenant, **counts, **{k: json.dumps(v) for k, v in keyed.items()}}
 
 
 def _slot_arrays(scopes: Sequence[str], slots: Sequence[SlotContents]) -> dict[str, Any]:
@@ -232,6 +261,8 @@ def _pin_row(instance: str, pin: PinRecord) -> dict[str, Any]:
         "created_at": _at(pin.created_at),
         "block_ids": list(pin.table.blocks),
         "block_generations": list(pin.table.generations),
+        "salt": pin.salt,
+        "token_ids": list(pin.token_ids),
     }
 
 
@@ -279,9 +310,11 @@ _UPSERT_RESERVATION = (
     "ON CONFLICT (tenant, request_id) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in _RESERVATION_COLUMNS[2:])
 )
+# A pin, and what the instance's CPU tier must pin too, as it is now (salt, coordinator): an
+# unpin later reaches the same pins there whatever changed meanwhile.
 _UPSERT_PIN = (
-    "INSERT INTO pins (owner, pin_id, tenant, instance, prompt_tokens, pinned_blocks, "
-    "prefix_hash, created_at, block_ids, block_generations, state, removed_at) "
+    "WITH pin AS (INSERT INTO pins (owner, pin_id, tenant, instance, prompt_tokens, "
+    "pinned_blocks, prefix_hash, created_at, block_ids, block_generations, state, removed_at) "
     "VALUES (%(owner)s, %(pin_id)s, %(tenant)s, %(instance)s, %(prompt_tokens)s, "
     "%(pinned_blocks)s, %(prefix_hash)s, %(created_at)s, %(block_ids)s, "
     "%(block_generations)s, 'ACTIVE', NULL) "
@@ -289,12 +322,23 @@ _UPSERT_PIN = (
     "instance = EXCLUDED.instance, prompt_tokens = EXCLUDED.prompt_tokens, "
     "pinned_blocks = EXCLUDED.pinned_blocks, prefix_hash = EXCLUDED.prefix_hash, "
     "created_at = EXCLUDED.created_at, block_ids = EXCLUDED.block_ids, "
-    "block_generations = EXCLUDED.block_generations, state = 'ACTIVE', removed_at = NULL"
+    "block_generations = EXCLUDED.block_generations, state = 'ACTIVE', removed_at = NULL "
+    "RETURNING holder_id) "
+    "INSERT INTO cpu_tier_pins (holder_id, coordinator_url, model_name, world_size, "
+    "cache_salt, token_ids) "
+    "SELECT pin.holder_id, i.lmcache_coordinator_url, i.lmcache_model_name, "
+    "i.lmcache_world_size, %(salt)s, %(token_ids)s::int[] FROM pin, instances i "
+    "WHERE i.instance = %(instance)s AND i.lmcache_coordinator_url IS NOT NULL "
+    "ON CONFLICT (holder_id) DO UPDATE SET coordinator_url = EXCLUDED.coordinator_url, "
+    "model_name = EXCLUDED.model_name, world_size = EXCLUDED.world_size, "
+    "cache_salt = EXCLUDED.cache_salt, token_ids = EXCLUDED.token_ids, chunk_keys = NULL, "
+    "wanted = true"
 )
 _REMOVE_PIN = (
-    "UPDATE pins SET state = 'REMOVED', removed_at = now(), block_ids = NULL, "
+    "WITH removed AS (UPDATE pins SET state = 'REMOVED', removed_at = now(), block_ids = NULL, "
     "block_generations = NULL "
-    "WHERE owner = %(owner)s AND pin_id = %(pin_id)s AND state = 'ACTIVE'"
+    "WHERE owner = %(owner)s AND pin_id = %(pin_id)s AND state = 'ACTIVE' RETURNING holder_id) "
+    "UPDATE cpu_tier_pins c SET wanted = false FROM removed r WHERE c.holder_id = r.holder_id"
 )
 _SLOT_ARRAYS = (
     "%(scopes)s::text[], %(slots)s::int[], %(generations)s::bigint[], %(digests)s::bytea, "
@@ -310,6 +354,12 @@ _MOVE_TOTALS = (
     "tokens_in_flight = tokens_in_flight + %(tokens)s, "
     "pinned_blocks = pinned_blocks + %(pinned)s, "
     "queued_requests = queued_requests + %(queued)s WHERE tenant = %(tenant)s"
+)
+_INSERT_USAGE = (
+    "INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, tokens_reserved, "
+    "output_tokens, admitted, queued, refused, shadow_refused) VALUES (%(tenant)s, "
+    "%(instance)s, %(blocks)s::jsonb, %(pinned)s, %(cpu_bytes)s, %(tokens_reserved)s, "
+    "%(output_tokens)s, %(admitted)s, %(queued)s, %(refused)s::jsonb, %(shadow_refused)s::jsonb)"
 )
 # The instance's counters as the catalog shows them, kept with each batch (one row).
 _POOL_COUNTERS = (
@@ -331,6 +381,9 @@ _DELETE_COVERED_DELTAS = (
     "DELETE FROM pool_deltas d USING instance_owners o WHERE d.instance = %(instance)s "
     "AND o.instance = d.instance AND o.epoch = %(epoch)s AND d.batch <= o.batch"
 )
+_INSTANCE_OF = (
+    "SELECT instance FROM reservations WHERE tenant = %(tenant)s AND request_id = %(request_id)s"
+)
 _CLAIM = text(
     "INSERT INTO instance_owners (instance, owner, address, epoch) "
     "VALUES (:instance, :owner, :address, 1) "
@@ -338,7 +391,11 @@ _CLAIM = text(
     "address = EXCLUDED.address, epoch = instance_owners.epoch + 1 "
     "RETURNING epoch, batch, clocks"
 )
+_PIN = text("SELECT * FROM pins WHERE owner = :owner AND pin_id = :pin_id")
+_NAMESPACE_SALT = text("SELECT cache_salt FROM namespaces WHERE namespace = :namespace")
 _OWNER = text("SELECT epoch, batch, clocks FROM instance_owners WHERE instance = :instance")
+_PIN = text("SELECT * FROM pins WHERE owner = :owner AND pin_id = :pin_id")
+_NAMESPACE_SALT = text("SELECT cache_salt FROM namespaces WHERE namespace = :namespace")
 _OWNER = text("SELECT epoch, batch, clocks FROM instance_owners WHERE instance = :instance")
 _CHECKPOINT = text(
     "SELECT batch, scopes, slots, generations, digests, scope_ids, engine_copies, lru_seqs "
@@ -415,6 +472,8 @@ class Journal:
                     await cursor.execute(_INSERT_DELTA, {**rows.delta, **fenced})
                 if rows.totals:
                     await cursor.executemany(_MOVE_TOTALS, rows.totals)
+                if rows.usage:
+                    await cursor.executemany(_INSERT_USAGE, rows.usage)
                 await cursor.execute(_POOL_COUNTERS, rows.pool)
             moved = await fence.fetchone()
         assert moved is not None
@@ -437,6 +496,27 @@ class Journal:
             moved = await fence.fetchone()
         assert moved is not None
         return int(moved[0])
+
+    async def instance_of(self, tenant: str, request_id: str) -> str | None:
+        """The instance a reservation is recorded on, if it is (one round trip)."""
+        async with self._engine.connect() as conn, _fenced(conn, "") as driver:
+            async with driver.pipeline(), driver.transaction():
+                cursor = driver.cursor()
+                await cursor.execute(_INSTANCE_OF, {"tenant": tenant, "request_id": request_id})
+            found = await cursor.fetchone()
+        return None if found is None else str(found[0])
+
+    async def recorded_pin(self, owner: str, pin_id: str) -> Pin | None:
+        """A pin as the record has it (its blocks are its owner's to tell)."""
+        async with self._engine.connect() as conn:
+            params = {"owner": owner, "pin_id": pin_id}
+            row = (await conn.execute(_PIN, params)).mappings().first()
+        return None if row is None else pin_from_row(row)
+
+    async def namespace_salt(self, namespace: str) -> str | None:
+        async with self._engine.connect() as conn:
+            params = {"namespace": namespace}
+            return (await conn.execute(_NAMESPACE_SALT, params)).scalar_one_or_none()
 
     async def tenants(self) -> list[TenantSettings]:
         async with self._engine.connect() as conn:

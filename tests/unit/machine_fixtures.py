@@ -75,6 +75,18 @@ def recount(machine: InstanceMachine) -> None:
         assert here.tokens == tokens[name], f"tenant {name}: tokens in flight"
 
 
+def shares_held(machine: InstanceMachine) -> dict[str, Counter[int]]:
+    """Each tenant's blocks by how many tenants hold each (metering's k), recounted."""
+    holders: Counter[int] = Counter()
+    for here in machine.tenants.values():
+        holders.update(here.held.keys())
+    return {
+        name: Counter(holders[block] for block in here.held)
+        for name, here in machine.tenants.items()
+        if here.held
+    }
+
+
 def check_recovery(live: InstanceMachine, recorded: dict[int, SlotContents] | None = None) -> None:
     """A new owner rebuilding the machine from its image must hold exactly what the live one
     holds. With `recorded` (slot contents kept from the machine's changes, as the journal keeps

@@ -146,7 +146,7 @@ def test_queued_requests_are_admitted_in_order_as_room_comes_back() -> None:
     with pytest.raises(KvQuotaError) as refused:
         admit(m, "r4", 16, 16)
     assert refused.value.metadata["queuedAhead"] == "2"
-    assert m.queue_position(m.get("a", "r3")) == 2
+    assert m.queue_position(m.get("a", "r3")) == 1
     check_recovery(m)
     m.end("a", "r1", EndReason.RELEASED, NOW + 1)
     assert m.get("a", "r2").state is ReservationState.ADMITTED

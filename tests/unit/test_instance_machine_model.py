@@ -8,6 +8,7 @@ match the model, each machine's counters must agree with a recount of its slots,
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -30,7 +31,7 @@ from tests.model.rules import (
     SlotRow,
     TenantRow,
 )
-from tests.unit.machine_fixtures import check_recovery, recount
+from tests.unit.machine_fixtures import check_recovery, recount, shares_held
 
 NOW = 1_700_000_000.0
 
@@ -48,6 +49,8 @@ class MachinesVersusModel(LedgerRules):
         # Tenants' own salts and the namespace's, as the fleet was built with them.
         self.salts: dict[str, str] = {}
         self.namespace_salt = ""
+        # Per instance, each tenant's blocks by share as the metered changes add them up.
+        self.metered: dict[str, dict[str, Counter[int]]] = {}
 
     def build_fleet(self) -> tuple[dict[str, str], str]:
         self.salts = salts = {name: f"salt-{name}" for name in TENANTS}
@@ -129,10 +132,15 @@ class MachinesVersusModel(LedgerRules):
         self._publish(own)
 
     def check_record(self, name: str, machine: InstanceMachine) -> None:
-        """What the journal would keep of the machine rebuilds it exactly."""
+        """What the journal would keep of the machine rebuilds it exactly, and the usage it
+        would meter adds up to what each tenant holds, by how many tenants share each block."""
         changes = machine.drain_changes()
         record_slot_changes(self.recorded[name], changes.slots, changes.dropped_slots)
         check_recovery(machine, self.recorded[name])
+        metered = self.metered.setdefault(name, {})
+        for tenant, usage in changes.usage.items():
+            metered.setdefault(tenant, Counter()).update(usage.blocks)
+        assert {t: +c for t, c in metered.items() if +c} == shares_held(machine)
 
     def observed(self) -> tuple[list[SlotRow], list[TenantRow]]:
         slots: list[SlotRow] = []
