@@ -42,6 +42,8 @@ from quota_service.jobs.follower import Followers
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.jobs.reclaim_policy import ReclaimPolicy
 from quota_service.metrics import LedgerMetrics, PoolMetrics, ServiceMetrics, serve_metrics
+from quota_service.owner.owned_inspection import OwnedInspection
+from quota_service.owner.owned_offboarding import OwnedOffboarding
 from quota_service.owner.owned_pins import OwnedPins
 from quota_service.owner.owners import OwnedCatalog, OwnedLedger, Owners
 from quota_service.store import migrate
@@ -133,6 +135,18 @@ class HotPath:
     ledger: Ledger
     catalog: Catalog
     pins: Pins
+    owners: Owners | None = None
+
+    def inspection(self, engine: AsyncEngine) -> Inspection:
+        if self.owners is None:
+            return Inspection(engine)
+        return OwnedInspection(engine, self.owners)
+
+    def offboarding(self, engine: AsyncEngine, termination: Termination) -> Offboarding:
+        if self.owners is None:
+            return Offboarding(engine, self.ledger, self.pins, termination)
+        assert isinstance(self.ledger, OwnedLedger)
+        return OwnedOffboarding(engine, self.ledger, self.pins, termination, self.owners)
 
 
 def _hot_path(settings: Settings, engine: AsyncEngine, waiters: Waiters) -> HotPath:
@@ -151,6 +165,7 @@ def _hot_path(settings: Settings, engine: AsyncEngine, waiters: Waiters) -> HotP
         OwnedLedger(engine, owners, limits, settings.queue_policy),
         OwnedCatalog(engine, owners),
         OwnedPins(engine, limits, owners),
+        owners,
     )
 
 
@@ -238,8 +253,8 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(
         AdmissionServicer(ledger, waiters, termination, cpu_tier, observed, catalog), server
     )
-    offboarding = Offboarding(engine, ledger, pins, termination)
-    inspection = Inspection(engine)
+    offboarding = hot_path.offboarding(engine, termination)
+    inspection = hot_path.inspection(engine)
     reclaim = ReclaimJobs(engine, settings.cpu_watermarks)
     admin = AdminServicer(catalog, pins, offboarding, inspection, reclaim, api_keys, audit)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)

@@ -1151,6 +1151,18 @@ class InstanceMachine:
             self.pool.drop_contents(block)
         return len(chosen)
 
+    def cached_in_scope(self, scope: str) -> int:
+        """Cached blocks whose hash was made under `scope` (a tenant's or a namespace's)."""
+        scope_id = self._scope_ids.get(scope)
+        if scope_id is None:
+            return 0
+        pool = self.pool
+        return sum(1 for b in pool.lru_order() if pool.scope_id(b) == scope_id)
+
+    def scope_id(self, scope: str) -> int | None:
+        """The id slots carry for `scope`, if any slot was ever hashed under it."""
+        return self._scope_ids.get(scope)
+
     def preempt(self, tenant: str, request_id: str, now: float) -> ReservationRecord:
         """A reclaim's EVICT step: the engine aborted the request; its blocks come back."""
         return self.end(tenant, request_id, EndReason.PREEMPTED, now)

@@ -98,6 +98,11 @@ class Owners:
                 log.info("instances/%s: served from memory (epoch %d)", instance, owner.epoch)
             return owner
 
+    async def take_over_all(self) -> None:
+        """Serve every registered instance here (tenant-wide work needs them all)."""
+        for instance in await self.journal.instances():
+            await self.owner(instance)
+
     async def run(self, instance: str, operation: Callable[[InstanceMachine, float], T]) -> T:
         """Apply an operation on the instance's machine; a tenant the machine has not heard of
         yet is looked up in the catalog once."""

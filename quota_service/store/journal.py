@@ -11,8 +11,7 @@ totals move by what the batch changed of them. Every batch first moves the owner
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -124,12 +123,10 @@ def batch_rows(
             touched.add(owner_id)
     if changes.slots or changes.dropped_slots:
         rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changes.slots)}
-        rows.delta["dropped"] = changes.dropped_slots
+        rows.delta["dropped"] = _int_array(changes.dropped_slots)
     rows.usage = [
         row for tenant, usage in sorted(changes.usage.items()) if (row := _usage_row(tenant, usage))
     ]
-    for row in rows.usage:
-        row["instance"] = instance
     counts = machine.pool.counts()
     rows.pool = {
         "instance": instance,
@@ -186,19 +183,25 @@ def _usage_row(tenant: str, usage: Usage) -> dict[str, Any] | None:
     }
     if not any(counts.values()) and not any(keyed.values()):
         return None
-    return {"tenant": tenant, **counts, **{k: json.dumps(v) for k, v in keyed.items()}}
+    return {"tenant": tenant, **counts, **keyed}
 
 
 def _slot_arrays(scopes: Sequence[str], slots: Sequence[SlotContents]) -> dict[str, Any]:
+    """A checkpoint's or a delta's arrays. Integer arrays go as array literals (the statement
+    casts them): far cheaper to make than the driver's adaptation of each element."""
     return {
         "scopes": list(scopes),
-        "slots": [s.block for s in slots],
-        "generations": [s.generation for s in slots],
+        "slots": _int_array(s.block for s in slots),
+        "generations": _int_array(s.generation for s in slots),
         "digests": b"".join(s.digest for s in slots),
-        "scope_ids": [s.scope for s in slots],
-        "engine_copies": [s.engine_copies for s in slots],
-        "lru_seqs": [s.lru_seq for s in slots],
+        "scope_ids": _int_array(s.scope for s in slots),
+        "engine_copies": _int_array(s.engine_copies for s in slots),
+        "lru_seqs": _int_array(s.lru_seq for s in slots),
     }
+
+
+def _int_array(values: Iterable[int]) -> str:
+    return "{" + ",".join(map(str, values)) + "}"
 
 
 def _at(seconds: float | None) -> datetime | None:
@@ -210,8 +213,11 @@ def _seconds(at: datetime | None) -> float | None:
 
 
 def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]:
+    """A reservation's row as JSON takes it: times in seconds since the epoch, the prompt's
+    digest in hex (the statement converts them)."""
     p = record.params
     table = record.table
+    digest = record.prompt_digest
     return {
         "tenant": p.tenant,
         "request_id": p.request_id,
@@ -225,23 +231,23 @@ def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]
         "reserved_tokens": record.tokens,
         "prefix_hit_blocks": record.prefix_hit_blocks,
         "lease_ttl_seconds": record.lease_ttl_seconds,
-        "lease_expires_at": _at(record.lease_expires_at),
-        "admitted_at": _at(record.admitted_at),
-        "ended_at": _at(record.ended_at),
+        "lease_expires_at": record.lease_expires_at,
+        "admitted_at": record.admitted_at,
+        "ended_at": record.ended_at,
         "end_reason": record.end_reason.value if record.end_reason is not None else None,
         "output_tokens": record.output_tokens,
-        "queued_at": _at(record.queued_at),
-        "wait_deadline": _at(record.wait_deadline),
+        "queued_at": record.queued_at,
+        "wait_deadline": record.wait_deadline,
         "virtual_start": record.tags.start,
         "virtual_finish": record.tags.finish,
         # A queued request's prompt, or a suspended session's tokens (the CPU tier's keys).
         "prompt_token_ids": list(record.prompt_token_ids) or None,
-        "prompt_digest": record.prompt_digest,
+        "prompt_digest": digest.hex() if digest is not None else None,
         "shadow_refusal": record.shadow_refusal,
-        "suspended_at": _at(record.suspended_at),
+        "suspended_at": record.suspended_at,
         "offloaded_bytes": record.offloaded_bytes,
-        "block_ids": list(table.blocks) if table is not None else None,
-        "block_generations": list(table.generations) if table is not None else None,
+        "block_ids": table.blocks.tolist() if table is not None else None,
+        "block_generations": table.generations.tolist() if table is not None else None,
         "released_positions": (
             [i for i, gone in enumerate(table.released) if gone] if table is not None else None
         ),
@@ -266,49 +272,64 @@ def _pin_row(instance: str, pin: PinRecord) -> dict[str, Any]:
     }
 
 
+# A reservation's columns as the journal writes them, with their types in the JSON it sends
+# and how each becomes the column's value.
 _RESERVATION_COLUMNS = (
-    "tenant",
-    "request_id",
-    "instance",
-    "prompt_tokens",
-    "max_output_tokens",
-    "n",
-    "priority",
-    "state",
-    "reserved_blocks",
-    "reserved_tokens",
-    "prefix_hit_blocks",
-    "lease_ttl_seconds",
-    "lease_expires_at",
-    "admitted_at",
-    "ended_at",
-    "end_reason",
-    "output_tokens",
-    "queued_at",
-    "wait_deadline",
-    "virtual_start",
-    "virtual_finish",
-    "prompt_token_ids",
-    "prompt_digest",
-    "shadow_refusal",
-    "suspended_at",
-    "offloaded_bytes",
-    "block_ids",
-    "block_generations",
-    "released_positions",
-    "queue_arrival",
+    ("tenant", "text", None),
+    ("request_id", "text", None),
+    ("instance", "text", None),
+    ("prompt_tokens", "int", None),
+    ("max_output_tokens", "int", None),
+    ("n", "int", None),
+    ("priority", "int", None),
+    ("state", "text", None),
+    ("reserved_blocks", "bigint", None),
+    ("reserved_tokens", "bigint", None),
+    ("prefix_hit_blocks", "int", None),
+    ("lease_ttl_seconds", "float8", None),
+    ("lease_expires_at", "float8", "to_timestamp"),
+    ("admitted_at", "float8", "to_timestamp"),
+    ("ended_at", "float8", "to_timestamp"),
+    ("end_reason", "text", None),
+    ("output_tokens", "int", None),
+    ("queued_at", "float8", "to_timestamp"),
+    ("wait_deadline", "float8", "to_timestamp"),
+    ("virtual_start", "float8", None),
+    ("virtual_finish", "float8", None),
+    ("prompt_token_ids", "int[]", None),
+    ("prompt_digest", "text", "hex"),
+    ("shadow_refusal", "text", None),
+    ("suspended_at", "float8", "to_timestamp"),
+    ("offloaded_bytes", "bigint", None),
+    ("block_ids", "int[]", None),
+    ("block_generations", "bigint[]", None),
+    ("released_positions", "int[]", None),
+    ("queue_arrival", "bigint", None),
 )
+
+
+def _from_json(name: str, converted: str | None) -> str:
+    if converted == "to_timestamp":
+        return f"to_timestamp(r.{name})"
+    if converted == "hex":
+        return f"decode(r.{name}, 'hex')"
+    return f"r.{name}"
+
+
 # A batch is written through the driver in one pipeline (one round trip for all of it), so
-# these statements use its placeholders. The first moves the owner's row on under its epoch or
+# these statements use its placeholders; each kind of row goes as one JSON parameter (one
+# statement however many rows). The first statement moves the owner's row on under its epoch or
 # fails the transaction; the ones after take the batch number from that row.
 _NEXT_BATCH = "SELECT journal_next_batch(%(instance)s, %(epoch)s, %(clocks)s::jsonb)"
 # What journal_next_batch (migration 0021) fails with when the epoch is not the owner's.
 DEPOSED_SQLSTATE = "KQ001"
-_UPSERT_RESERVATION = (
-    f"INSERT INTO reservations ({', '.join(_RESERVATION_COLUMNS)}) "
-    f"VALUES ({', '.join(f'%({c})s' for c in _RESERVATION_COLUMNS)}) "
-    "ON CONFLICT (tenant, request_id) DO UPDATE SET "
-    + ", ".join(f"{c} = EXCLUDED.{c}" for c in _RESERVATION_COLUMNS[2:])
+_UPSERT_RESERVATIONS = (
+    f"INSERT INTO reservations ({', '.join(c for c, _, _ in _RESERVATION_COLUMNS)}) "
+    f"SELECT {', '.join(_from_json(c, f) for c, _, f in _RESERVATION_COLUMNS)} "
+    "FROM jsonb_to_recordset(%(rows)s::jsonb) AS r("
+    + ", ".join(f"{c} {t}" for c, t, _ in _RESERVATION_COLUMNS)
+    + ") ON CONFLICT (tenant, request_id) DO UPDATE SET "
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c, _, _ in _RESERVATION_COLUMNS[2:])
 )
 # A pin, and what the instance's CPU tier must pin too, as it is now (salt, coordinator): an
 # unpin later reaches the same pins there whatever changed meanwhile.
@@ -350,16 +371,21 @@ _INSERT_DELTA = (
     "%(dropped)s::int[] FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s"
 )
 _MOVE_TOTALS = (
-    "UPDATE tenants SET blocks_in_use = blocks_in_use + %(blocks)s, "
-    "tokens_in_flight = tokens_in_flight + %(tokens)s, "
-    "pinned_blocks = pinned_blocks + %(pinned)s, "
-    "queued_requests = queued_requests + %(queued)s WHERE tenant = %(tenant)s"
+    "UPDATE tenants t SET blocks_in_use = t.blocks_in_use + m.blocks, "
+    "tokens_in_flight = t.tokens_in_flight + m.tokens, "
+    "pinned_blocks = t.pinned_blocks + m.pinned, queued_requests = t.queued_requests + m.queued "
+    "FROM jsonb_to_recordset(%(rows)s::jsonb) "
+    "AS m(tenant text, blocks bigint, tokens bigint, pinned bigint, queued bigint) "
+    "WHERE t.tenant = m.tenant"
 )
 _INSERT_USAGE = (
     "INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, tokens_reserved, "
-    "output_tokens, admitted, queued, refused, shadow_refused) VALUES (%(tenant)s, "
-    "%(instance)s, %(blocks)s::jsonb, %(pinned)s, %(cpu_bytes)s, %(tokens_reserved)s, "
-    "%(output_tokens)s, %(admitted)s, %(queued)s, %(refused)s::jsonb, %(shadow_refused)s::jsonb)"
+    "output_tokens, admitted, queued, refused, shadow_refused) "
+    "SELECT u.tenant, %(instance)s, u.blocks, u.pinned, u.cpu_bytes, u.tokens_reserved, "
+    "u.output_tokens, u.admitted, u.queued, u.refused, u.shadow_refused "
+    "FROM jsonb_to_recordset(%(rows)s::jsonb) AS u(tenant text, blocks jsonb, pinned int, "
+    "cpu_bytes bigint, tokens_reserved bigint, output_tokens bigint, admitted int, queued int, "
+    "refused jsonb, shadow_refused jsonb)"
 )
 # The instance's counters as the catalog shows them, kept with each batch (one row).
 _POOL_COUNTERS = (
@@ -381,8 +407,8 @@ _DELETE_COVERED_DELTAS = (
     "DELETE FROM pool_deltas d USING instance_owners o WHERE d.instance = %(instance)s "
     "AND o.instance = d.instance AND o.epoch = %(epoch)s AND d.batch <= o.batch"
 )
-_INSTANCE_OF = (
-    "SELECT instance FROM reservations WHERE tenant = %(tenant)s AND request_id = %(request_id)s"
+_INSTANCE_OF = text(
+    "SELECT instance FROM reservations WHERE tenant = :tenant AND request_id = :request_id"
 )
 _CLAIM = text(
     "INSERT INTO instance_owners (instance, owner, address, epoch) "
@@ -391,9 +417,11 @@ _CLAIM = text(
     "address = EXCLUDED.address, epoch = instance_owners.epoch + 1 "
     "RETURNING epoch, batch, clocks"
 )
+_INSTANCES = text("SELECT instance FROM instances ORDER BY instance")
 _PIN = text("SELECT * FROM pins WHERE owner = :owner AND pin_id = :pin_id")
 _NAMESPACE_SALT = text("SELECT cache_salt FROM namespaces WHERE namespace = :namespace")
 _OWNER = text("SELECT epoch, batch, clocks FROM instance_owners WHERE instance = :instance")
+_INSTANCES = text("SELECT instance FROM instances ORDER BY instance")
 _PIN = text("SELECT * FROM pins WHERE owner = :owner AND pin_id = :pin_id")
 _NAMESPACE_SALT = text("SELECT cache_salt FROM namespaces WHERE namespace = :namespace")
 _OWNER = text("SELECT epoch, batch, clocks FROM instance_owners WHERE instance = :instance")
@@ -451,60 +479,75 @@ class Journal:
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
 
-    async def write(self, instance: str, epoch: int, rows: BatchRows) -> int:
-        """Commit one batch; returns its number. Raises Deposed when a newer owner exists."""
+    async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
+        """Commit one batch. Raises Deposed when a newer owner exists."""
         fenced = {"instance": instance, "epoch": epoch}
-        clocks = json.dumps(rows.clocks)
-        async with self._engine.connect() as conn, _fenced(conn, instance) as driver:
-            # All of it in one round trip: the pipeline sends BEGIN, the statements and COMMIT
-            # together, and a failed fence fails the rest.
-            async with driver.pipeline(), driver.transaction():
-                fence = driver.cursor()
-                await fence.execute(_NEXT_BATCH, {**fenced, "clocks": clocks})
-                cursor = driver.cursor()
-                if rows.reservations:
-                    await cursor.executemany(_UPSERT_RESERVATION, rows.reservations)
-                if rows.pins:
-                    await cursor.executemany(_UPSERT_PIN, rows.pins)
-                if rows.removed_pins:
-                    await cursor.executemany(_REMOVE_PIN, rows.removed_pins)
-                if rows.delta is not None:
-                    await cursor.execute(_INSERT_DELTA, {**rows.delta, **fenced})
-                if rows.totals:
-                    await cursor.executemany(_MOVE_TOTALS, rows.totals)
-                if rows.usage:
-                    await cursor.executemany(_INSERT_USAGE, rows.usage)
-                await cursor.execute(_POOL_COUNTERS, rows.pool)
-            moved = await fence.fetchone()
-        assert moved is not None
-        return int(moved[0])
+        statements: list[tuple[str, Mapping[str, Any]]] = [
+            (_NEXT_BATCH, {**fenced, "clocks": json.dumps(rows.clocks)})
+        ]
+        if rows.reservations:
+            statements.append((_UPSERT_RESERVATIONS, _rows(rows.reservations)))
+        statements += [(_UPSERT_PIN, pin) for pin in rows.pins]
+        statements += [(_REMOVE_PIN, pin) for pin in rows.removed_pins]
+        if rows.delta is not None:
+            statements.append((_INSERT_DELTA, {**rows.delta, **fenced}))
+        if rows.totals:
+            statements.append((_MOVE_TOTALS, _rows(rows.totals)))
+        if rows.usage:
+            statements.append((_INSERT_USAGE, {**_rows(rows.usage), **fenced}))
+        statements.append((_POOL_COUNTERS, rows.pool))
+        await self._commit(instance, statements)
 
     async def write_checkpoint(
         self, instance: str, epoch: int, scopes: Sequence[str], slots: Sequence[SlotContents]
-    ) -> int:
+    ) -> None:
         """Record the pool's contents whole, as of now, and drop the deltas it covers. The
         caller takes `slots` between two batches, so it covers every batch before."""
         fenced = {"instance": instance, "epoch": epoch}
-        async with self._engine.connect() as conn, _fenced(conn, instance) as driver:
-            async with driver.pipeline(), driver.transaction():
-                fence = driver.cursor()
-                await fence.execute(_NEXT_BATCH, {**fenced, "clocks": "{}"})
-                cursor = driver.cursor()
-                arrays = _slot_arrays(scopes, slots)
-                await cursor.execute(_WRITE_CHECKPOINT, {**arrays, **fenced})
-                await cursor.execute(_DELETE_COVERED_DELTAS, fenced)
-            moved = await fence.fetchone()
-        assert moved is not None
-        return int(moved[0])
+        arrays = _slot_arrays(scopes, slots)
+        await self._commit(
+            instance,
+            [
+                (_NEXT_BATCH, {**fenced, "clocks": "{}"}),
+                (_WRITE_CHECKPOINT, {**arrays, **fenced}),
+                (_DELETE_COVERED_DELTAS, fenced),
+            ],
+        )
+
+    async def _commit(
+        self, instance: str, statements: Sequence[tuple[str, Mapping[str, Any]]]
+    ) -> None:
+        """One transaction in one round trip: the statements, bound here, go as one query
+        between BEGIN and COMMIT. A statement that fails (the fence, when a newer owner took
+        the instance) fails the rest, and the transaction is rolled back."""
+        async with self._engine.connect() as conn:
+            raw = await conn.get_raw_connection()
+            driver = raw.driver_connection
+            assert isinstance(driver, psycopg.AsyncConnection)
+            cursor = psycopg.AsyncClientCursor(driver)
+            query = ";".join(
+                ["BEGIN", *(cursor.mogrify(sql, params) for sql, params in statements), "COMMIT"]
+            )
+            # Autocommit, so that the driver adds no BEGIN of its own (a round trip).
+            await driver.set_autocommit(True)
+            try:
+                await cursor.execute(query)
+            except psycopg.Error as exc:
+                await driver.execute("ROLLBACK")
+                if exc.sqlstate == DEPOSED_SQLSTATE:
+                    raise Deposed(instance) from exc
+                raise
+            finally:
+                if driver.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                    await driver.set_autocommit(False)
 
     async def instance_of(self, tenant: str, request_id: str) -> str | None:
         """The instance a reservation is recorded on, if it is (one round trip)."""
-        async with self._engine.connect() as conn, _fenced(conn, "") as driver:
-            async with driver.pipeline(), driver.transaction():
-                cursor = driver.cursor()
-                await cursor.execute(_INSTANCE_OF, {"tenant": tenant, "request_id": request_id})
-            found = await cursor.fetchone()
-        return None if found is None else str(found[0])
+        async with self._engine.connect() as conn:
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+            keys = {"tenant": tenant, "request_id": request_id}
+            found = (await conn.execute(_INSTANCE_OF, keys)).scalar_one_or_none()
+        return None if found is None else str(found)
 
     async def recorded_pin(self, owner: str, pin_id: str) -> Pin | None:
         """A pin as the record has it (its blocks are its owner's to tell)."""
@@ -517,6 +560,10 @@ class Journal:
         async with self._engine.connect() as conn:
             params = {"namespace": namespace}
             return (await conn.execute(_NAMESPACE_SALT, params)).scalar_one_or_none()
+
+    async def instances(self) -> list[str]:
+        async with self._engine.connect() as conn:
+            return [r[0] for r in await conn.execute(_INSTANCES)]
 
     async def tenants(self) -> list[TenantSettings]:
         async with self._engine.connect() as conn:
@@ -578,21 +625,8 @@ async def _recorded(
     return RecordedInstance(int(owner["epoch"]), int(owner["batch"]), image)
 
 
-@asynccontextmanager
-async def _fenced(
-    conn: AsyncConnection, instance: str
-) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-    """The driver's own connection under SQLAlchemy's, for pipelined writes; the fence's
-    failure (a newer owner) comes out as Deposed."""
-    raw = await conn.get_raw_connection()
-    driver = raw.driver_connection
-    assert isinstance(driver, psycopg.AsyncConnection)
-    try:
-        yield driver
-    except psycopg.Error as exc:
-        if exc.sqlstate == DEPOSED_SQLSTATE:
-            raise Deposed(instance) from exc
-        raise
+def _rows(rows: list[dict[str, Any]]) -> dict[str, str]:
+    return {"rows": json.dumps(rows, separators=(",", ":"))}
 
 
 def _slots_from_row(row: RowMapping) -> Iterable[SlotContents]:

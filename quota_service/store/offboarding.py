@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from sqlalchemy import text
+from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core.errors import not_found
@@ -61,6 +61,15 @@ _START = text(
     """
 )
 
+# The same, with what it holds counted by its instances' owners (served from memory).
+START_COUNTED = text(
+    """
+    UPDATE tenants SET
+        state = 'DELETING', updated_at = now(), offboard_freed_blocks = :freed,
+        offboard_shared_blocks = :shared, offboard_pinned_by_others = :pinned_by_others
+    WHERE tenant = :tenant AND state IN ('ACTIVE', 'SUSPENDED')
+    """
+)
 _STATE = text("SELECT state FROM tenants WHERE tenant = :tenant")
 
 _QUEUED = text(
@@ -140,6 +149,15 @@ _FINISH = text(
     """
 )
 
+# The same, with what its instances' owners hold of it said by them (:nothing_held).
+FINISH_COUNTED = text(
+    """
+    UPDATE tenants SET state = 'DELETED', namespace = NULL, cache_salt = :salt, updated_at = now()
+    WHERE tenant = :tenant AND state = 'DELETING' AND :nothing_held
+      AND NOT EXISTS (SELECT 1 FROM reservations
+                      WHERE tenant = :tenant AND state IN ('QUEUED', 'ADMITTED'))
+    """
+)
 _REPORT = text(
     """
     SELECT offboard_freed_blocks, offboard_shared_blocks, offboard_pinned_by_others,
@@ -200,32 +218,52 @@ class Offboarding:
 
     async def delete_tenant(self, tenant: str) -> OffboardingReport:
         scope = tenant_name(tenant)
-        keys = {"tenant": tenant, "scope": scope}
-
-        async def start(conn: AsyncConnection) -> None:
-            state = (await conn.execute(_STATE, keys)).scalar_one_or_none()
-            if state is None:
-                raise not_found(Reason.TENANT_NOT_FOUND, scope)
-            await conn.execute(_START, keys)
-
-        await in_transaction(self._engine, start)
+        await self._start(tenant, scope)
         await self._end_reservations(tenant)
         while owned := await self._pins.active_of_tenant(tenant, BATCH):
             for owner, pin_id in owned:
                 await self._pins.unpin(owner, pin_id)
         await self._free_own_cache(tenant, scope)
-
-        async def finish(conn: AsyncConnection) -> OffboardingReport:
-            await conn.execute(_FINISH, {**keys, "salt": new_salt()})
-            row = (await conn.execute(_REPORT, keys)).one()
-            return OffboardingReport(*row)
-
-        report = await in_transaction(self._engine, finish)
+        report = await self._finish(tenant, scope)
         if report.finished:
             log.info("offboarded %s: %s", scope, report)
         else:
             log.info("offboarding %s waits for its engines' aborts: %s", scope, report)
         return report
+
+    async def _start(self, tenant: str, scope: str) -> None:
+        """The tenant admits nothing from now on (DELETING), with what its offboarding will
+        free counted as it holds it now."""
+        await self._mark_deleting(tenant, scope, _START, {})
+
+    async def _mark_deleting(
+        self, tenant: str, scope: str, statement: TextClause, counted: dict[str, int]
+    ) -> None:
+        keys = {"tenant": tenant, "scope": scope, **counted}
+
+        async def start(conn: AsyncConnection) -> None:
+            state = (await conn.execute(_STATE, keys)).scalar_one_or_none()
+            if state is None:
+                raise not_found(Reason.TENANT_NOT_FOUND, scope)
+            await conn.execute(statement, keys)
+
+        await in_transaction(self._engine, start)
+
+    async def _finish(self, tenant: str, scope: str) -> OffboardingReport:
+        """DELETED (a new salt, no namespace) once nothing of the tenant is left."""
+        return await self._mark_deleted(tenant, scope, _FINISH, {})
+
+    async def _mark_deleted(
+        self, tenant: str, scope: str, statement: TextClause, left: dict[str, bool]
+    ) -> OffboardingReport:
+        keys = {"tenant": tenant, "scope": scope, **left}
+
+        async def finish(conn: AsyncConnection) -> OffboardingReport:
+            await conn.execute(statement, {**keys, "salt": new_salt()})
+            row = (await conn.execute(_REPORT, keys)).one()
+            return OffboardingReport(*row)
+
+        return await in_transaction(self._engine, finish)
 
     async def resume_all(self) -> int:
         """Go on with every offboarding a crash interrupted or an engine's abort held up;

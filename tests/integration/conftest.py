@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 import grpc
@@ -11,11 +12,31 @@ from kvquota.v1 import admin_pb2_grpc, admission_pb2_grpc
 from quota_service.api import server
 from quota_service.config import Settings
 
+# What the memory hot path (KVQUOTA_HOT_PATH=memory, `make test-memory`) does not serve yet, and
+# why: these tests are skipped in that run only. Each entry goes once its part moves over.
+NOT_YET_IN_MEMORY = {
+    "test_api_reclaim.py": "reclaim jobs still plan and apply against the per-block tables",
+    "test_api_suspend.py::test_suspend_offload_and_resume_over_grpc": "offload is a reclaim step",
+    "test_client.py::test_a_reservation_preempted_by_a_reclaim_is_lost": "EVICT is a reclaim step",
+    "test_bench_smoke.py": "the suite's reclaim and offboarding scenarios",
+    "test_check.py": "kvquota check reads the per-block tables",
+    "test_metrics_dashboard.py": "reclaim tallies come from the per-block tables",
+    "test_crash.py": "several replicas: ownership and forwarding come next",
+    "test_replicas.py": "several replicas: ownership and forwarding come next",
+    "test_client_failover.py": "several replicas: ownership and forwarding come next",
+    "test_shutdown.py::test_sigterm_drains": "several replicas: ownership and forwarding come next",
+}
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    in_memory = os.environ.get("KVQUOTA_HOT_PATH") == "memory"
     for item in items:
         if "tests/integration" in str(item.path):
             item.add_marker(pytest.mark.integration)
+        if in_memory:
+            for prefix, why in NOT_YET_IN_MEMORY.items():
+                if item.nodeid.removeprefix("tests/integration/").startswith(prefix):
+                    item.add_marker(pytest.mark.skip(reason=f"memory hot path: {why}"))
 
 
 @pytest.fixture

@@ -79,10 +79,10 @@ class HeldJournal(Journal):
         self.gate = asyncio.Event()
         self.writing = asyncio.Event()
 
-    async def write(self, instance: str, epoch: int, rows: BatchRows) -> int:
+    async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
         self.writing.set()
         await self.gate.wait()
-        return await super().write(instance, epoch, rows)
+        await super().write(instance, epoch, rows)
 
 
 async def test_answers_wait_for_the_commit_of_what_they_saw(engine: AsyncEngine) -> None:
@@ -108,7 +108,7 @@ async def test_answers_wait_for_the_commit_of_what_they_saw(engine: AsyncEngine)
 
 
 class FailingJournal(Journal):
-    async def write(self, instance: str, epoch: int, rows: BatchRows) -> int:
+    async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
         raise ConnectionError("PostgreSQL went away")
 
 

@@ -1,0 +1,77 @@
+"""Offboarding with the tenant's holdings in its instances' owners: what it will free is counted
+from their machines, its reservations end through them, and its own cached blocks are dropped
+there. The order and the engine aborts are the ledger's (store/offboarding.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.core.block_pool import NO_SCOPE
+from quota_service.core.instance_machine import InstanceMachine
+from quota_service.core.model import EndReason
+from quota_service.owner.owners import OwnedLedger, Owners
+from quota_service.store.offboarding import (
+    FINISH_COUNTED,
+    START_COUNTED,
+    EngineAborts,
+    Offboarding,
+    OffboardingReport,
+)
+from quota_service.store.pins import Pins
+
+
+class OwnedOffboarding(Offboarding):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        ledger: OwnedLedger,
+        pins: Pins,
+        aborts: EngineAborts,
+        owners: Owners,
+    ) -> None:
+        super().__init__(engine, ledger, pins, aborts)
+        self._owned = ledger
+        self._owners = owners
+
+    async def _start(self, tenant: str, scope: str) -> None:
+        freed = shared = pinned_by_others = 0
+        await self._owners.take_over_all()
+        for owner in self._owners.served():
+            machine = owner.machine
+            pool = machine.pool
+            here = machine.tenants.get(tenant)
+            if here is not None:
+                private = (NO_SCOPE, machine.scope_id(scope))
+                for block, entries in here.held.items():
+                    exclusive = pool.ref_count(block) == entries and pool.scope_id(block) in private
+                    freed += exclusive
+                    shared += not exclusive
+                    pinned_by_others += pool.pin_count(block) > here.pinned.get(block, 0)
+            freed += machine.cached_in_scope(scope)
+        counted = {"freed": freed, "shared": shared, "pinned_by_others": pinned_by_others}
+        await self._mark_deleting(tenant, scope, START_COUNTED, counted)
+        await self._owners.refresh_tenants()
+
+    async def _end_batch(self, instance: str, tenant: str, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            await self._owned.end(tenant, request_id, EndReason.TENANT_DELETED)
+
+    async def _free_own_cache(self, tenant: str, scope: str) -> None:
+        def free(machine: InstanceMachine, now: float) -> int:
+            return machine.free_cached(machine.pool.capacity, scope)
+
+        for owner in self._owners.served():
+            await self._owners.run(owner.instance, free)
+
+    async def _finish(self, tenant: str, scope: str) -> OffboardingReport:
+        nothing_held = all(
+            not (here := o.machine.tenants.get(tenant)) or not here.held
+            for o in self._owners.served()
+        ) and not any(o.machine.cached_in_scope(scope) for o in self._owners.served())
+        report = await self._mark_deleted(
+            tenant, scope, FINISH_COUNTED, {"nothing_held": nothing_held}
+        )
+        await self._owners.refresh_tenants()
+        return report
