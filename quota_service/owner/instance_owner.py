@@ -81,10 +81,9 @@ class InstanceOwner:
         # Each tenant's totals on this instance as the record has them (recovery starts from
         # the machine it rebuilt, which is what the record says).
         self._written = {name: totals_of(machine, name) for name in machine.tenants}
-        # The batch operations join now, and the one being written (None: none).
-        self._open: asyncio.Future[None] | None = None
-        self._open_operations = 0
-        self._writing: asyncio.Future[None] | None = None
+        # The callers waiting on the batch being gathered, and on the one being written.
+        self._open: list[asyncio.Future[None]] | None = None
+        self._writing: list[asyncio.Future[None]] | None = None
         self._writer: asyncio.Task[None] | None = None
         self.failure: str | None = None
         # Told "tenant/request_id" of each reservation a committed batch changed (the waiters of
@@ -107,28 +106,29 @@ class InstanceOwner:
         return result
 
     async def _durable(self) -> None:
-        """Wait until the machine's state as it is now is committed."""
-        if self.machine.changes_pending():
-            if self._open is None:
-                self._open = asyncio.get_running_loop().create_future()
-            self._open_operations += 1
+        """Wait until the machine's state as it is now is committed: join the batch being
+        gathered (a change, or a read of one not written yet), or the one being written."""
+        changed = self.machine.changes_pending()
+        if changed or self._open is not None:
             batch = self._open
+            if batch is None:
+                batch = self._open = []
             if self._writer is None:
                 self._writer = asyncio.create_task(self._write_batches())
-        elif self._open is not None:
-            batch = self._open
         elif self._writing is not None:
             batch = self._writing
         else:
             return
-        # Shielded: a caller that gives up must not cancel the batch others wait for.
-        await asyncio.shield(batch)
+        # One future per caller: a caller that gives up cancels its own wait only.
+        waiter = asyncio.get_running_loop().create_future()
+        batch.append(waiter)
+        await waiter
 
     async def _write_batches(self) -> None:
         try:
             while self._open is not None:
-                self._writing, self._open = self._open, None
-                operations, self._open_operations = self._open_operations, 0
+                waiters = self._writing = self._open
+                self._open = None
                 rows = self._take_batch()
                 try:
                     await self._journal.write(self.instance, self.epoch, rows)
@@ -136,8 +136,10 @@ class InstanceOwner:
                     self._fail(exc)
                     return
                 self.stats.batches += 1
-                self.stats.operations += operations
-                self._writing.set_result(None)
+                self.stats.operations += len(waiters)
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
                 self._writing = None
                 if self.on_committed is not None:
                     for row in rows.reservations:
@@ -153,11 +155,10 @@ class InstanceOwner:
         log.warning("instances/%s: %s (%s); it is no longer served here", self.instance, why, exc)
         self.failure = why
         error = owner_unavailable(self.instance, why)
-        for batch in (self._writing, self._open):
-            if batch is not None and not batch.done():
-                batch.set_exception(error)
-                # Callers that gave up leave nobody to read it.
-                batch.exception()
+        for waiters in (self._writing, self._open):
+            for waiter in waiters or ():
+                if not waiter.done():
+                    waiter.set_exception(error)
         self._writing = self._open = None
 
 

@@ -74,6 +74,7 @@ class Owners:
         self._on_changed = on_changed
         self._owners: dict[str, InstanceOwner] = {}
         self._taking: dict[str, asyncio.Lock] = {}
+        self._lookups = KeyLookups(self.journal)
 
     async def owner(self, instance: str) -> InstanceOwner:
         """The instance's owner here, taken over first when it has none (or lost it)."""
@@ -97,6 +98,11 @@ class Owners:
                 self._owners[instance] = owner
                 log.info("instances/%s: served from memory (epoch %d)", instance, owner.epoch)
             return owner
+
+    async def close(self) -> None:
+        """Stop serving: the owners' journal connections close (what they acknowledged is in
+        the record)."""
+        await self.journal.close()
 
     async def take_over_all(self) -> None:
         """Serve every registered instance here (tenant-wide work needs them all)."""
@@ -145,10 +151,45 @@ class Owners:
         for name, owner in self._owners.items():
             if key in owner.machine.reservations or key in owner.machine.ended:
                 return name
-        return await self.journal.instance_of(tenant, request_id)
+        return await self._lookups.instance_of(key)
 
     def served(self) -> list[InstanceOwner]:
         return [owner for owner in self._owners.values() if owner.failure is None]
+
+
+class KeyLookups:
+    """Where reservations unknown here are recorded, looked up together: keys asked while a
+    lookup is in flight go in the next one (a new Admit's request id must be checked against
+    the record once, and under load one query answers many of them)."""
+
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+        self._waiting: dict[tuple[str, str], asyncio.Future[str | None]] = {}
+        self._looking: asyncio.Task[None] | None = None
+
+    async def instance_of(self, key: tuple[str, str]) -> str | None:
+        found = self._waiting.get(key)
+        if found is None:
+            found = self._waiting[key] = asyncio.get_running_loop().create_future()
+        if self._looking is None:
+            self._looking = asyncio.create_task(self._look_up())
+        return await asyncio.shield(found)
+
+    async def _look_up(self) -> None:
+        try:
+            while self._waiting:
+                asked, self._waiting = self._waiting, {}
+                try:
+                    recorded = await self._journal.instances_of(list(asked))
+                except Exception as exc:
+                    for waiter in asked.values():
+                        waiter.set_exception(exc)
+                        waiter.exception()  # callers that went away leave it unread
+                    continue
+                for key, waiter in asked.items():
+                    waiter.set_result(recorded.get(key))
+        finally:
+            self._looking = None
 
 
 def _answer(machine: InstanceMachine, record: ReservationRecord) -> Reservation:

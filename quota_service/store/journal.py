@@ -208,13 +208,17 @@ def _at(seconds: float | None) -> datetime | None:
     return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
 
 
+def _iso(seconds: float | None) -> str | None:
+    return None if seconds is None else datetime.fromtimestamp(seconds, UTC).isoformat()
+
+
 def _seconds(at: datetime | None) -> float | None:
     return None if at is None else at.timestamp()
 
 
 def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]:
-    """A reservation's row as JSON takes it: times in seconds since the epoch, the prompt's
-    digest in hex (the statement converts them)."""
+    """A reservation's row as JSON takes it: times as ISO 8601 (rounded to the microsecond as
+    the record's readers round them), the prompt's digest in hex."""
     p = record.params
     table = record.table
     digest = record.prompt_digest
@@ -231,20 +235,20 @@ def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]
         "reserved_tokens": record.tokens,
         "prefix_hit_blocks": record.prefix_hit_blocks,
         "lease_ttl_seconds": record.lease_ttl_seconds,
-        "lease_expires_at": record.lease_expires_at,
-        "admitted_at": record.admitted_at,
-        "ended_at": record.ended_at,
+        "lease_expires_at": _iso(record.lease_expires_at),
+        "admitted_at": _iso(record.admitted_at),
+        "ended_at": _iso(record.ended_at),
         "end_reason": record.end_reason.value if record.end_reason is not None else None,
         "output_tokens": record.output_tokens,
-        "queued_at": record.queued_at,
-        "wait_deadline": record.wait_deadline,
+        "queued_at": _iso(record.queued_at),
+        "wait_deadline": _iso(record.wait_deadline),
         "virtual_start": record.tags.start,
         "virtual_finish": record.tags.finish,
         # A queued request's prompt, or a suspended session's tokens (the CPU tier's keys).
         "prompt_token_ids": list(record.prompt_token_ids) or None,
         "prompt_digest": digest.hex() if digest is not None else None,
         "shadow_refusal": record.shadow_refusal,
-        "suspended_at": record.suspended_at,
+        "suspended_at": _iso(record.suspended_at),
         "offloaded_bytes": record.offloaded_bytes,
         "block_ids": table.blocks.tolist() if table is not None else None,
         "block_generations": table.generations.tolist() if table is not None else None,
@@ -287,19 +291,19 @@ _RESERVATION_COLUMNS = (
     ("reserved_tokens", "bigint", None),
     ("prefix_hit_blocks", "int", None),
     ("lease_ttl_seconds", "float8", None),
-    ("lease_expires_at", "float8", "to_timestamp"),
-    ("admitted_at", "float8", "to_timestamp"),
-    ("ended_at", "float8", "to_timestamp"),
+    ("lease_expires_at", "timestamptz", None),
+    ("admitted_at", "timestamptz", None),
+    ("ended_at", "timestamptz", None),
     ("end_reason", "text", None),
     ("output_tokens", "int", None),
-    ("queued_at", "float8", "to_timestamp"),
-    ("wait_deadline", "float8", "to_timestamp"),
+    ("queued_at", "timestamptz", None),
+    ("wait_deadline", "timestamptz", None),
     ("virtual_start", "float8", None),
     ("virtual_finish", "float8", None),
     ("prompt_token_ids", "int[]", None),
     ("prompt_digest", "text", "hex"),
     ("shadow_refusal", "text", None),
-    ("suspended_at", "float8", "to_timestamp"),
+    ("suspended_at", "timestamptz", None),
     ("offloaded_bytes", "bigint", None),
     ("block_ids", "int[]", None),
     ("block_generations", "bigint[]", None),
@@ -309,8 +313,6 @@ _RESERVATION_COLUMNS = (
 
 
 def _from_json(name: str, converted: str | None) -> str:
-    if converted == "to_timestamp":
-        return f"to_timestamp(r.{name})"
     if converted == "hex":
         return f"decode(r.{name}, 'hex')"
     return f"r.{name}"
@@ -407,8 +409,10 @@ _DELETE_COVERED_DELTAS = (
     "DELETE FROM pool_deltas d USING instance_owners o WHERE d.instance = %(instance)s "
     "AND o.instance = d.instance AND o.epoch = %(epoch)s AND d.batch <= o.batch"
 )
-_INSTANCE_OF = text(
-    "SELECT instance FROM reservations WHERE tenant = :tenant AND request_id = :request_id"
+_INSTANCES_OF = text(
+    "SELECT r.tenant, r.request_id, r.instance FROM reservations r "
+    "JOIN unnest(CAST(:tenants AS text[]), CAST(:request_ids AS text[])) AS k(tenant, request_id) "
+    "ON r.tenant = k.tenant AND r.request_id = k.request_id"
 )
 _CLAIM = text(
     "INSERT INTO instance_owners (instance, owner, address, epoch) "
@@ -478,6 +482,8 @@ class Journal:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
+        self._url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._writers: dict[str, psycopg.AsyncConnection[Any]] = {}
 
     async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
         """Commit one batch. Raises Deposed when a newer owner exists."""
@@ -518,36 +524,42 @@ class Journal:
         self, instance: str, statements: Sequence[tuple[str, Mapping[str, Any]]]
     ) -> None:
         """One transaction in one round trip: the statements, bound here, go as one query
-        between BEGIN and COMMIT. A statement that fails (the fence, when a newer owner took
-        the instance) fails the rest, and the transaction is rolled back."""
-        async with self._engine.connect() as conn:
-            raw = await conn.get_raw_connection()
-            driver = raw.driver_connection
-            assert isinstance(driver, psycopg.AsyncConnection)
-            cursor = psycopg.AsyncClientCursor(driver)
-            query = ";".join(
-                ["BEGIN", *(cursor.mogrify(sql, params) for sql, params in statements), "COMMIT"]
-            )
-            # Autocommit, so that the driver adds no BEGIN of its own (a round trip).
-            await driver.set_autocommit(True)
-            try:
-                await cursor.execute(query)
-            except psycopg.Error as exc:
-                await driver.execute("ROLLBACK")
-                if exc.sqlstate == DEPOSED_SQLSTATE:
-                    raise Deposed(instance) from exc
-                raise
-            finally:
-                if driver.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-                    await driver.set_autocommit(False)
+        between BEGIN and COMMIT, on the instance's own connection (an owner writes one batch
+        at a time). A statement that fails (the fence, when a newer owner took the instance)
+        fails the rest, and the transaction is rolled back."""
+        connection = self._writers.get(instance)
+        if connection is None or connection.closed:
+            # Autocommit: the driver adds no BEGIN of its own (a round trip).
+            connection = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
+            self._writers[instance] = connection
+        cursor = psycopg.AsyncClientCursor(connection)
+        query = ";".join(
+            ["BEGIN", *(cursor.mogrify(sql, params) for sql, params in statements), "COMMIT"]
+        )
+        try:
+            await cursor.execute(query)
+        except psycopg.Error as exc:
+            # Whatever failed, this connection is not trusted again.
+            del self._writers[instance]
+            await connection.close()
+            if exc.sqlstate == DEPOSED_SQLSTATE:
+                raise Deposed(instance) from exc
+            raise
 
-    async def instance_of(self, tenant: str, request_id: str) -> str | None:
-        """The instance a reservation is recorded on, if it is (one round trip)."""
+    async def close(self) -> None:
+        """Close the owners' write connections."""
+        writers, self._writers = self._writers, {}
+        for connection in writers.values():
+            await connection.close()
+
+    async def instances_of(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
+        """The instances these reservations are recorded on (the ones that are)."""
+        tenants, request_ids = zip(*keys, strict=True) if keys else ((), ())
+        params = {"tenants": list(tenants), "request_ids": list(request_ids)}
         async with self._engine.connect() as conn:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
-            keys = {"tenant": tenant, "request_id": request_id}
-            found = (await conn.execute(_INSTANCE_OF, keys)).scalar_one_or_none()
-        return None if found is None else str(found)
+            rows = await conn.execute(_INSTANCES_OF, params)
+            return {(tenant, request_id): instance for tenant, request_id, instance in rows}
 
     async def recorded_pin(self, owner: str, pin_id: str) -> Pin | None:
         """A pin as the record has it (its blocks are its owner's to tell)."""

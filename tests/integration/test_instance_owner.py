@@ -6,6 +6,7 @@ acknowledged."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy import text
@@ -31,10 +32,12 @@ async def owner_of(engine: AsyncEngine, journal: Journal, name: str = "replica-a
 
 
 @pytest.fixture
-async def journal(engine: AsyncEngine) -> Journal:
+async def journal(engine: AsyncEngine) -> AsyncIterator[Journal]:
     await add_instance(engine, blocks=512)
     await add_tenant(engine, "acme")
-    return Journal(engine)
+    journal = Journal(engine)
+    yield journal
+    await journal.close()
 
 
 async def admit(owner: InstanceOwner, request_id: str, prompt: int = 100) -> ReservationState:
@@ -90,6 +93,11 @@ async def test_answers_wait_for_the_commit_of_what_they_saw(engine: AsyncEngine)
     await add_tenant(engine, "acme")
     journal = HeldJournal(engine)
     owner = await owner_of(engine, journal)
+    await _answered_after_commit(owner, journal)
+    await journal.close()
+
+
+async def _answered_after_commit(owner: InstanceOwner, journal: HeldJournal) -> None:
     admitting = asyncio.create_task(admit(owner, "r1"))
     await journal.writing.wait()
     # A read and a refusal that saw r1 wait for its batch too.

@@ -49,6 +49,7 @@ class JournalVersusModel(MachinesVersusModel):
         return self.loop.run_until_complete(work)
 
     def teardown(self) -> None:
+        self.run(self.journal.close())
         self.run(self.engine.dispose())
         self.loop.close()
         with psycopg.connect(self.server_url, autocommit=True) as conn:
