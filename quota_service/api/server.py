@@ -35,6 +35,7 @@ from quota_service.api.observability import MetricsInterceptor
 from quota_service.api.payload import PayloadInterceptor
 from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
+from quota_service.core.reclaim import CpuWatermarks
 from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
 from quota_service.enforcement.termination import Termination
 from quota_service.jobs import maintenance
@@ -46,6 +47,7 @@ from quota_service.metrics import LedgerMetrics, PoolMetrics, ServiceMetrics, se
 from quota_service.owner.owned_inspection import OwnedInspection
 from quota_service.owner.owned_offboarding import OwnedOffboarding
 from quota_service.owner.owned_pins import OwnedPins
+from quota_service.owner.owned_reclaim import OwnedReclaimJobs
 from quota_service.owner.owners import OwnedCatalog, OwnedLedger, Owners
 from quota_service.store import migrate
 from quota_service.store.access import ApiKeys, AuditLog
@@ -143,6 +145,11 @@ class HotPath:
     catalog: Catalog
     pins: Pins
     owners: Owners | None = None
+
+    def reclaim(self, engine: AsyncEngine, watermarks: CpuWatermarks) -> ReclaimJobs:
+        if self.owners is None:
+            return ReclaimJobs(engine, watermarks)
+        return OwnedReclaimJobs(engine, self.owners, watermarks)
 
     def inspection(self, engine: AsyncEngine) -> Inspection:
         if self.owners is None:
@@ -262,7 +269,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     )
     offboarding = hot_path.offboarding(engine, termination)
     inspection = hot_path.inspection(engine)
-    reclaim = ReclaimJobs(engine, settings.cpu_watermarks)
+    reclaim = hot_path.reclaim(engine, settings.cpu_watermarks)
     admin = AdminServicer(catalog, pins, offboarding, inspection, reclaim, api_keys, audit)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
     billing_pb2_grpc.add_BillingServiceServicer_to_server(

@@ -130,8 +130,12 @@ class ReservationRecord:
     __slots__ = (
         "admitted_at",
         "arrival",
+        "compress_after_bytes",
+        "compress_before_bytes",
+        "compressed_bytes",
         "end_reason",
         "ended_at",
+        "freed_blocks",
         "lease_expires_at",
         "lease_ttl_seconds",
         "offloaded_bytes",
@@ -172,6 +176,13 @@ class ReservationRecord:
         self.arrival = 0
         self.suspended_at: float | None = None
         self.offloaded_bytes: int | None = None
+        # Tier COMPRESSED: the bytes its demoted chunks hold compressed, and what LMCache
+        # measured of them before and after (their ratio).
+        self.compressed_bytes: int | None = None
+        self.compress_before_bytes: int | None = None
+        self.compress_after_bytes: int | None = None
+        # Preempted by a reclaim: the blocks its end gave back (their last references).
+        self.freed_blocks: int | None = None
         self.shadow_refusal: str | None = None
 
     @property
@@ -220,6 +231,12 @@ class ReservationRecord:
             queue_position=queue_position,
             suspended_at=_time(self.suspended_at),
             offloaded_bytes=self.offloaded_bytes,
+            compressed_bytes=self.compressed_bytes,
+            compression_ratio=(
+                self.compress_after_bytes / self.compress_before_bytes
+                if self.compress_after_bytes is not None and self.compress_before_bytes
+                else None
+            ),
             prompt_digest=self.prompt_digest,
             shadow_refusal=self.shadow_refusal,
         )
@@ -334,6 +351,7 @@ class Usage:
     blocks: Counter[int] = field(default_factory=Counter)
     pinned: int = 0
     cpu_bytes: int = 0
+    compressed_bytes: int = 0
     tokens_reserved: int = 0
     output_tokens: int = 0
     admitted: int = 0
@@ -890,6 +908,12 @@ class InstanceMachine:
                 usage.refused[Reason.QUEUE_TIMEOUT.value] += 1
         else:
             if record.table is not None:
+                if reason is EndReason.PREEMPTED:
+                    # What the reclaim that preempted it really freed: the slots it held last.
+                    pool = self.pool
+                    record.freed_blocks = sum(
+                        1 for b in record.table.live_blocks() if pool.ref_count(b) == 1
+                    )
                 self._drop_all(record.table, here)
                 here.tokens -= record.tokens
             if reason is EndReason.RELEASED:
@@ -899,6 +923,7 @@ class InstanceMachine:
                 self.mean_hold_seconds = _ewma(self.mean_hold_seconds, held_for)
         if record.offloaded_bytes is not None:
             usage.cpu_bytes -= record.offloaded_bytes
+            usage.compressed_bytes -= record.compressed_bytes or 0
         usage.output_tokens += output_tokens or 0
         record.state = ReservationState.ENDED
         record.end_reason = reason
@@ -1019,11 +1044,40 @@ class InstanceMachine:
         self._touch(record)
         return given_back
 
+    def compress(
+        self, tenant: str, request_id: str, kept: int, compressed: int, before: int, after: int
+    ) -> bool:
+        """A COMPRESS step's session demoted in the CPU tier: `kept` bytes stay as they are,
+        `compressed` are held compressed (LMCache measured `before` and `after` of them). False
+        when it is no longer offloaded and suspended, or was compressed already."""
+        record = self.reservations.get((tenant, request_id))
+        if (
+            record is None
+            or record.state is not ReservationState.ADMITTED
+            or record.suspended_at is None
+            or record.offloaded_bytes is None
+            or record.compressed_bytes is not None
+        ):
+            return False
+        usage = self.usage(tenant)
+        usage.cpu_bytes += kept - record.offloaded_bytes
+        usage.compressed_bytes += compressed
+        record.offloaded_bytes = kept
+        record.compressed_bytes = compressed
+        record.compress_before_bytes = before
+        record.compress_after_bytes = after
+        self._touch(record)
+        return True
+
     def _back_from_cpu_tier(self, record: ReservationRecord) -> None:
         """An offloaded session admitted again: the CPU tier no longer holds it for it."""
         assert record.offloaded_bytes is not None
-        self.usage(record.key[0]).cpu_bytes -= record.offloaded_bytes
+        usage = self.usage(record.key[0])
+        usage.cpu_bytes -= record.offloaded_bytes
+        usage.compressed_bytes -= record.compressed_bytes or 0
         record.offloaded_bytes = None
+        record.compressed_bytes = None
+        record.compress_before_bytes = record.compress_after_bytes = None
         record.suspended_at = None
 
     def resume(
@@ -1052,21 +1106,24 @@ class InstanceMachine:
             self._touch(record)
             return record
         p = record.params
-        request = AdmitRequest(p, (), 0.0, record.lease_ttl_seconds)
-        table = self._layout(p, (), here.settings)
+        # The session's tokens, when its suspension gave them, find what is still cached of it.
+        token_ids = admission.prompt_of(record.prompt_token_ids, p.prompt_tokens)
+        request = AdmitRequest(p, token_ids, 0.0, record.lease_ttl_seconds)
+        table = self._layout(p, token_ids, here.settings)
+        hit_blocks = self.pool_prefix(table.hit_candidates, here)
         verdict = admission.judge(
             request,
             self.view(),
             self.account(tenant, elsewhere),
             self.limits,
             table.total,
-            PrefixHits(),
+            self._hit_counts(hit_blocks, here),
         )
         ahead = self._queued_ahead(p.priority)
         if isinstance(verdict, Grant) and ahead == 0:
             self._back_from_cpu_tier(record)
             self._charge_fair_share(record, here)
-            self._grant(record, verdict, [], table, here, now)
+            self._grant(record, verdict, hit_blocks, table, here, now)
             return record
         if wait_seconds <= 0:
             shortfall = (
@@ -1139,17 +1196,33 @@ class InstanceMachine:
 
     # Reclaim and offboarding.
 
-    def free_cached(self, limit: int, scope: str | None = None) -> int:
-        """Drop up to `limit` cached, unreferenced blocks (all of a scope's when given), least
-        recently used first; returns how many."""
-        order = self.pool.lru_order()
+    def free_cached(
+        self, limit: int, scope: str | None = None, keep: frozenset[str] = frozenset()
+    ) -> int:
+        """Drop up to `limit` cached, unreferenced blocks (only a scope's when given), least
+        recently used first, those of the scopes in `keep` (whose tenants have work here) after
+        all others; returns how many."""
+        pool = self.pool
+        order = pool.lru_order()
         if scope is not None:
             scope_id = self._scope_ids.get(scope)
-            order = [b for b in order if self.pool.scope_id(b) == scope_id]
+            order = [b for b in order if pool.scope_id(b) == scope_id]
+        if keep:
+            kept = {self._scope_ids[k] for k in keep if k in self._scope_ids}
+            order.sort(key=lambda b: pool.scope_id(b) in kept)  # stable: LRU within each
         chosen = order[:limit]
         for block in chosen:
-            self.pool.drop_contents(block)
+            pool.drop_contents(block)
         return len(chosen)
+
+    def active_scopes(self) -> frozenset[str]:
+        """The scopes (own and namespace salts) of tenants with admitted reservations here."""
+        scopes = set()
+        for (tenant, _), record in self.reservations.items():
+            if record.state is ReservationState.ADMITTED:
+                scopes.add(f"tenants/{tenant}")
+                scopes.add(self.tenants[tenant].settings.scope)
+        return frozenset(scopes)
 
     def cached_in_scope(self, scope: str) -> int:
         """Cached blocks whose hash was made under `scope` (a tenant's or a namespace's)."""

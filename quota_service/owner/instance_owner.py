@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -33,6 +33,7 @@ from quota_service.store.journal import (
     BatchRows,
     Deposed,
     Journal,
+    Statement,
     batch_rows,
     totals_of,
 )
@@ -84,20 +85,30 @@ class InstanceOwner:
         # The callers waiting on the batch being gathered, and on the one being written.
         self._open: list[asyncio.Future[None]] | None = None
         self._writing: list[asyncio.Future[None]] | None = None
+        # Statements the batch being gathered commits besides the machine's changes.
+        self._statements: list[Statement] = []
         self._writer: asyncio.Task[None] | None = None
         self.failure: str | None = None
         # Told "tenant/request_id" of each reservation a committed batch changed (the waiters of
         # queued Admits and watches wake on it).
         self.on_committed: Callable[[str], None] | None = None
 
-    async def apply(self, operation: Callable[[InstanceMachine, float], T]) -> T:
+    async def apply(
+        self,
+        operation: Callable[[InstanceMachine, float], T],
+        recorded_with: Callable[[T], Sequence[Statement]] | None = None,
+    ) -> T:
         """Run `operation(machine, now)` now and answer once what it did, or saw, is durable.
-        A KvQuotaError it raises changed nothing; it is raised after the same wait."""
+        A KvQuotaError it raises changed nothing; it is raised after the same wait.
+        `recorded_with` gives statements of the record's own (a reclaim step marked applied,
+        say) that commit in the same transaction as what the operation did."""
         if self.failure is not None:
             raise owner_unavailable(self.instance, self.failure)
         refusal: KvQuotaError | None = None
         try:
             result = operation(self.machine, self._clock())
+            if recorded_with is not None:
+                self._statements += recorded_with(result)
         except KvQuotaError as exc:
             refusal = exc
         await self._durable()
@@ -108,7 +119,7 @@ class InstanceOwner:
     async def _durable(self) -> None:
         """Wait until the machine's state as it is now is committed: join the batch being
         gathered (a change, or a read of one not written yet), or the one being written."""
-        changed = self.machine.changes_pending()
+        changed = self.machine.changes_pending() or bool(self._statements)
         if changed or self._open is not None:
             batch = self._open
             if batch is None:
@@ -148,7 +159,9 @@ class InstanceOwner:
             self._writer = None
 
     def _take_batch(self) -> BatchRows:
-        return batch_rows(self.machine, self.machine.drain_changes(), self._written)
+        rows = batch_rows(self.machine, self.machine.drain_changes(), self._written)
+        rows.statements, self._statements = self._statements, []
+        return rows
 
     def _fail(self, exc: BaseException) -> None:
         why = "a newer owner took it" if isinstance(exc, Deposed) else "its journal failed"

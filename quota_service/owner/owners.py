@@ -44,7 +44,7 @@ from quota_service.core.queueing import QueuePolicy
 from quota_service.core.reasons import Reason
 from quota_service.owner.instance_owner import InstanceOwner, take_over
 from quota_service.store.catalog import Catalog
-from quota_service.store.journal import Journal
+from quota_service.store.journal import Journal, Statement
 from quota_service.store.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -109,17 +109,22 @@ class Owners:
         for instance in await self.journal.instances():
             await self.owner(instance)
 
-    async def run(self, instance: str, operation: Callable[[InstanceMachine, float], T]) -> T:
-        """Apply an operation on the instance's machine; a tenant the machine has not heard of
-        yet is looked up in the catalog once."""
+    async def run(
+        self,
+        instance: str,
+        operation: Callable[[InstanceMachine, float], T],
+        recorded_with: Callable[[T], Sequence[Statement]] | None = None,
+    ) -> T:
+        """Apply an operation on the instance's machine (InstanceOwner.apply); a tenant the
+        machine has not heard of yet is looked up in the catalog once."""
         owner = await self.owner(instance)
         try:
-            return await owner.apply(operation)
+            return await owner.apply(operation, recorded_with)
         except KvQuotaError as refused:
             if refused.reason is not Reason.TENANT_NOT_FOUND:
                 raise
         await self.refresh_tenants()
-        return await owner.apply(operation)
+        return await owner.apply(operation, recorded_with)
 
     async def refresh_tenants(self) -> None:
         """Every machine learns the catalog's tenants as they are now (quotas, states, salts)."""

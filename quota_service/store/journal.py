@@ -83,6 +83,10 @@ def totals_of(machine: InstanceMachine, tenant: str) -> TenantTotals:
     return TenantTotals(len(here.held), here.tokens, len(here.pinned), here.queued)
 
 
+# A statement in the driver's placeholders (%(name)s) with its parameters.
+Statement = tuple[str, Mapping[str, Any]]
+
+
 @dataclass(slots=True)
 class BatchRows:
     """One batch as rows, taken from the machine in one synchronous step (the records go on
@@ -96,6 +100,8 @@ class BatchRows:
     totals: list[dict[str, Any]] = field(default_factory=list)
     pool: dict[str, Any] = field(default_factory=dict)
     usage: list[dict[str, Any]] = field(default_factory=list)
+    # The record's own statements that commit with the batch (InstanceOwner.apply).
+    statements: list[Statement] = field(default_factory=list)
 
     @property
     def operations(self) -> int:
@@ -171,6 +177,7 @@ def _usage_row(tenant: str, usage: Usage) -> dict[str, Any] | None:
     counts = {
         "pinned": usage.pinned,
         "cpu_bytes": usage.cpu_bytes,
+        "compressed_bytes": usage.compressed_bytes,
         "tokens_reserved": usage.tokens_reserved,
         "output_tokens": usage.output_tokens,
         "admitted": usage.admitted,
@@ -250,6 +257,10 @@ def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]
         "shadow_refusal": record.shadow_refusal,
         "suspended_at": _iso(record.suspended_at),
         "offloaded_bytes": record.offloaded_bytes,
+        "compressed_bytes": record.compressed_bytes,
+        "compress_before_bytes": record.compress_before_bytes,
+        "compress_after_bytes": record.compress_after_bytes,
+        "freed_blocks": record.freed_blocks,
         "block_ids": table.blocks.tolist() if table is not None else None,
         "block_generations": table.generations.tolist() if table is not None else None,
         "released_positions": (
@@ -305,6 +316,10 @@ _RESERVATION_COLUMNS = (
     ("shadow_refusal", "text", None),
     ("suspended_at", "timestamptz", None),
     ("offloaded_bytes", "bigint", None),
+    ("compressed_bytes", "bigint", None),
+    ("compress_before_bytes", "bigint", None),
+    ("compress_after_bytes", "bigint", None),
+    ("freed_blocks", "int", None),
     ("block_ids", "int[]", None),
     ("block_generations", "bigint[]", None),
     ("released_positions", "int[]", None),
@@ -381,13 +396,13 @@ _MOVE_TOTALS = (
     "WHERE t.tenant = m.tenant"
 )
 _INSERT_USAGE = (
-    "INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, tokens_reserved, "
-    "output_tokens, admitted, queued, refused, shadow_refused) "
-    "SELECT u.tenant, %(instance)s, u.blocks, u.pinned, u.cpu_bytes, u.tokens_reserved, "
-    "u.output_tokens, u.admitted, u.queued, u.refused, u.shadow_refused "
+    "INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, compressed_bytes, "
+    "tokens_reserved, output_tokens, admitted, queued, refused, shadow_refused) "
+    "SELECT u.tenant, %(instance)s, u.blocks, u.pinned, u.cpu_bytes, u.compressed_bytes, "
+    "u.tokens_reserved, u.output_tokens, u.admitted, u.queued, u.refused, u.shadow_refused "
     "FROM jsonb_to_recordset(%(rows)s::jsonb) AS u(tenant text, blocks jsonb, pinned int, "
-    "cpu_bytes bigint, tokens_reserved bigint, output_tokens bigint, admitted int, queued int, "
-    "refused jsonb, shadow_refused jsonb)"
+    "cpu_bytes bigint, compressed_bytes bigint, tokens_reserved bigint, output_tokens bigint, "
+    "admitted int, queued int, refused jsonb, shadow_refused jsonb)"
 )
 # The instance's counters as the catalog shows them, kept with each batch (one row).
 _POOL_COUNTERS = (
@@ -488,9 +503,7 @@ class Journal:
     async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
         """Commit one batch. Raises Deposed when a newer owner exists."""
         fenced = {"instance": instance, "epoch": epoch}
-        statements: list[tuple[str, Mapping[str, Any]]] = [
-            (_NEXT_BATCH, {**fenced, "clocks": json.dumps(rows.clocks)})
-        ]
+        statements: list[Statement] = [(_NEXT_BATCH, {**fenced, "clocks": json.dumps(rows.clocks)})]
         if rows.reservations:
             statements.append((_UPSERT_RESERVATIONS, _rows(rows.reservations)))
         statements += [(_UPSERT_PIN, pin) for pin in rows.pins]
@@ -502,7 +515,7 @@ class Journal:
         if rows.usage:
             statements.append((_INSERT_USAGE, {**_rows(rows.usage), **fenced}))
         statements.append((_POOL_COUNTERS, rows.pool))
-        await self._commit(instance, statements)
+        await self._commit(instance, [*statements, *rows.statements])
 
     async def write_checkpoint(
         self, instance: str, epoch: int, scopes: Sequence[str], slots: Sequence[SlotContents]
@@ -520,9 +533,7 @@ class Journal:
             ],
         )
 
-    async def _commit(
-        self, instance: str, statements: Sequence[tuple[str, Mapping[str, Any]]]
-    ) -> None:
+    async def _commit(self, instance: str, statements: Sequence[Statement]) -> None:
         """One transaction in one round trip: the statements, bound here, go as one query
         between BEGIN and COMMIT, on the instance's own connection (an owner writes one batch
         at a time). A statement that fails (the fence, when a newer owner took the instance)
@@ -695,6 +706,10 @@ def _record_from_row(row: RowMapping) -> ReservationRecord:
     record.arrival = row["queue_arrival"] or 0
     record.suspended_at = _seconds(row["suspended_at"])
     record.offloaded_bytes = row["offloaded_bytes"]
+    record.compressed_bytes = row["compressed_bytes"]
+    record.compress_before_bytes = row["compress_before_bytes"]
+    record.compress_after_bytes = row["compress_after_bytes"]
+    record.freed_blocks = row["freed_blocks"]
     record.shadow_refusal = row["shadow_refusal"]
     return record
 

@@ -6,6 +6,7 @@ applied in the transaction that marks it done (a FREE step a batch of blocks per
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -121,6 +122,8 @@ _CPU_ROOM = text(
     """
 )
 
+_CPU_ROOM_OF_TENANT = text(f"SELECT {_CPU_ROOM_OF_T} FROM tenants t WHERE t.tenant = :tenant")
+
 # Whether an OFFLOAD still fits in its tenant's quota, read under the tenant's row lock (two
 # offloads of one tenant on two instances must not both fit in the same room).
 # (No row: it cannot be offloaded any more, whatever the quota.)
@@ -135,10 +138,24 @@ _FITS_TENANT_CPU_QUOTA = text(
 )
 
 
+@dataclass(frozen=True, slots=True)
+class PoolBlocks:
+    """What the planner needs of an instance's slots: cached blocks by scope, the admitted
+    reservations' tables, blocks only pins hold by scope."""
+
+    cached: tuple[CachedScope, ...]
+    reservations: tuple[LiveReservation, ...]
+    pinned_only: tuple[tuple[str, int], ...]
+
+
 async def load_snapshot(
-    engine: AsyncEngine, instance: str, watermarks: CpuWatermarks = DEFAULT_WATERMARKS
+    engine: AsyncEngine,
+    instance: str,
+    watermarks: CpuWatermarks = DEFAULT_WATERMARKS,
+    blocks: PoolBlocks | None = None,
 ) -> PoolSnapshot:
-    """The instance's pool as the planner sees it, with its CPU tier as last read."""
+    """The instance's pool as the planner sees it, with its CPU tier as last read. `blocks`:
+    its slots as read elsewhere (its owner's memory); None: from the per-block tables."""
     # Geometry never changes and the CPU tier is read apart anyway (NOT_FOUND for no instance).
     found = await Catalog(engine).get_instance(instance)
     bytes_per_block = found.spec.bytes_per_block or 0
@@ -155,26 +172,41 @@ async def load_snapshot(
     args = {"instance": instance}
     async with engine.connect() as conn:
         await conn.execution_options(isolation_level="REPEATABLE READ")
-        unreferenced = (await conn.execute(_UNREFERENCED, args)).all()
-        reservations = tuple(
-            LiveReservation(
-                r.tenant,
-                r.request_id,
-                r.priority,
-                r.admitted_seq,
-                r.suspended,
-                r.entries,
-                r.pinned_entries,
-                tuple(SharedEntry(*entry) for entry in r.shared or ()),
-            )
-            for r in await conn.execute(_LIVE, args)
-        )
+        if blocks is None:
+            blocks = await _pool_blocks(conn, instance)
         cpu_room = {tenant: room for tenant, room in await conn.execute(_CPU_ROOM, args)}
         offloaded = tuple(OffloadedSession(*row) for row in await conn.execute(_OFFLOADED, args))
         await conn.rollback()
+    return PoolSnapshot(
+        bytes_per_block,
+        blocks.cached,
+        blocks.reservations,
+        blocks.pinned_only,
+        cpu,
+        offloaded,
+        cpu_room,
+    )
+
+
+async def _pool_blocks(conn: AsyncConnection, instance: str) -> PoolBlocks:
+    args = {"instance": instance}
+    unreferenced = (await conn.execute(_UNREFERENCED, args)).all()
+    reservations = tuple(
+        LiveReservation(
+            r.tenant,
+            r.request_id,
+            r.priority,
+            r.admitted_seq,
+            r.suspended,
+            r.entries,
+            r.pinned_entries,
+            tuple(SharedEntry(*entry) for entry in r.shared or ()),
+        )
+        for r in await conn.execute(_LIVE, args)
+    )
     cached = tuple(CachedScope(r.hash_scope, r.blocks) for r in unreferenced if r.state == "CACHED")
     pinned = tuple((r.hash_scope, r.blocks) for r in unreferenced if r.state == "PINNED")
-    return PoolSnapshot(bytes_per_block, cached, reservations, pinned, cpu, offloaded, cpu_room)
+    return PoolBlocks(cached, reservations, pinned)
 
 
 _INSERT_JOB = text(
@@ -220,6 +252,15 @@ _NEXT_STEP = text(
     """
 )
 
+_PEEK_STEP = text(
+    """
+    SELECT j.instance, j.tenant AS job_tenant, s.seq, s.tier, s.block_id, s.generation,
+           s.tenant, s.request_id, s.expected_blocks, s.actual_blocks
+    FROM reclaim_steps s JOIN reclaim_jobs j USING (job_id)
+    WHERE s.job_id = :job_id AND s.state = 'PLANNED' AND j.state IN ('PLANNED', 'RUNNING')
+    ORDER BY s.seq LIMIT 1
+    """
+)
 _LOCK_JOB = text("SELECT 1 FROM reclaim_jobs WHERE job_id = :job_id FOR UPDATE")
 
 _FREE_BLOCK = text(
@@ -257,34 +298,44 @@ _RESERVATION_END = text(
     "WHERE tenant = :tenant AND request_id = :request_id"
 )
 
-_STEP_DONE = text(
-    """
+# A step's outcome, and the job RUNNING from its first: in the driver's placeholders, so that a
+# step applied in an instance's owner commits in the owner's batch (`step_done`).
+STEP_DONE = """
     WITH step AS (
-        UPDATE reclaim_steps SET state = :state, actual_blocks = :actual, note = :note,
+        UPDATE reclaim_steps SET state = %(state)s, actual_blocks = %(actual)s, note = %(note)s,
                                  applied_at = now()
-        WHERE job_id = :job_id AND seq = :seq
+        WHERE job_id = %(job_id)s AND seq = %(seq)s
         RETURNING tier, tenant
     ), counted AS (
         -- Metered for the tenant whose reservation the step took (FREE takes blocks nobody
         -- holds).
         INSERT INTO usage_events (tenant, instance, reclaimed)
-        SELECT s.tenant, j.instance, jsonb_build_object(s.tier, :actual)
-        FROM step s JOIN reclaim_jobs j ON j.job_id = :job_id
-        WHERE s.tenant IS NOT NULL AND :actual > 0
+        SELECT s.tenant, j.instance, jsonb_build_object(s.tier, %(actual)s)
+        FROM step s JOIN reclaim_jobs j ON j.job_id = %(job_id)s
+        WHERE s.tenant IS NOT NULL AND %(actual)s > 0
     )
-    UPDATE reclaim_jobs SET state = 'RUNNING' WHERE job_id = :job_id AND state = 'PLANNED'
-    """
+    UPDATE reclaim_jobs SET state = 'RUNNING' WHERE job_id = %(job_id)s AND state = 'PLANNED'
+"""
+STEP_PROGRESS = """
+    WITH step AS (
+        UPDATE reclaim_steps SET actual_blocks = %(actual)s
+        WHERE job_id = %(job_id)s AND seq = %(seq)s
+    )
+    UPDATE reclaim_jobs SET state = 'RUNNING' WHERE job_id = %(job_id)s AND state = 'PLANNED'
+"""
+# The instance keeps the ratio a COMPRESS step measured, for its next plans.
+COMPRESSION_RATIO = (
+    "UPDATE instances SET cpu_compression_ratio = %(ratio)s WHERE instance = %(instance)s"
 )
 
-# A FREE step's blocks freed so far, while it has more to free.
-_STEP_PROGRESS = text(
-    """
-    WITH step AS (
-        UPDATE reclaim_steps SET actual_blocks = :actual WHERE job_id = :job_id AND seq = :seq
-    )
-    UPDATE reclaim_jobs SET state = 'RUNNING' WHERE job_id = :job_id AND state = 'PLANNED'
-    """
-)
+
+def _named(statement: str) -> TextClause:
+    """A statement in the driver's placeholders, for SQLAlchemy."""
+    return text(re.sub(r"%\((\w+)\)s", r":\1", statement))
+
+
+_STEP_DONE = _named(STEP_DONE)
+_STEP_PROGRESS = _named(STEP_PROGRESS)
 
 _FINISH = text(
     """
@@ -331,6 +382,11 @@ _TENANTS_OVER_QUOTA = text(
       AND NOT t.shadow_mode
     GROUP BY t.tenant, t.blocks_in_use, t.max_blocks ORDER BY t.tenant
     """
+)
+_OVER_QUOTA = text(
+    "SELECT tenant, blocks_in_use - max_blocks FROM tenants "
+    "WHERE state IN ('ACTIVE', 'SUSPENDED') AND blocks_in_use > max_blocks AND NOT shadow_mode "
+    "ORDER BY tenant"
 )
 _OPEN_SCOPES = text(
     "SELECT DISTINCT instance, tenant FROM reclaim_jobs "
@@ -570,7 +626,25 @@ class ReclaimJobs:
     async def preview(self, instance: str, target: ReclaimTarget) -> ReclaimPlan:
         """The plan a job would get now, stored nowhere."""
         check_target(target)
-        return plan(await load_snapshot(self._engine, instance, self._watermarks), target)
+        blocks = await self._pool_blocks(instance)
+        return plan(await load_snapshot(self._engine, instance, self._watermarks, blocks), target)
+
+    async def _pool_blocks(self, instance: str) -> PoolBlocks | None:
+        """The instance's slots when something else than the per-block tables holds them."""
+        return None
+
+    async def next_step(self, job_id: str) -> RowMapping | None:
+        """The job's next planned step as it is now (None: none left), without claiming it."""
+        async with self._engine.connect() as conn:
+            return (await conn.execute(_PEEK_STEP, {"job_id": job_id})).mappings().first()
+
+    async def claimed_compression(self, job_id: str, seq: int) -> CompressMeasurement | None:
+        """What a COMPRESS step measured, while it is planned and its job open."""
+        async with self._engine.connect() as conn:
+            found = await conn.execute(_CLAIM_STEP, {"job_id": job_id, "seq": seq})
+            claimed = found.mappings().first()
+            await conn.rollback()
+        return None if claimed is None else _measurement(claimed)
 
     async def get(self, job_id: str) -> ReclaimJob:
         async with self._engine.connect() as conn:
@@ -697,12 +771,32 @@ class ReclaimJobs:
         tenant) scopes that have a job open."""
         async with self._engine.connect() as conn:
             loads = [InstanceLoad(*row) for row in await conn.execute(_LOADED_INSTANCES)]
-            excesses = [
+            open_scopes = {(i, t) for i, t in await conn.execute(_OPEN_SCOPES)}
+        return loads, await self.tenant_excesses(), open_scopes
+
+    async def tenant_excesses(self) -> list[TenantExcess]:
+        """Tenants over their block quota, with what they hold on each instance."""
+        async with self._engine.connect() as conn:
+            return [
                 TenantExcess(tenant, excess, tuple(zip(instances, held, strict=True)))
                 for tenant, excess, instances, held in await conn.execute(_TENANTS_OVER_QUOTA)
             ]
-            open_scopes = {(i, t) for i, t in await conn.execute(_OPEN_SCOPES)}
-        return loads, excesses, open_scopes
+
+    async def cpu_room(self, tenant: str) -> int:
+        """The CPU-tier bytes the tenant's quota still allows, over every instance."""
+        async with self._engine.connect() as conn:
+            room = await conn.execute(_CPU_ROOM_OF_TENANT, {"tenant": tenant})
+            return int(room.scalar_one())
+
+    async def finish_if_done(self, job_id: str) -> None:
+        """SUCCEEDED once no step is left planned."""
+        async with self._engine.begin() as conn:
+            await conn.execute(_FINISH, {"job_id": job_id})
+
+    async def tenants_over_quota(self) -> list[tuple[str, int]]:
+        """Tenants over their block quota (not in shadow mode), and by how many blocks."""
+        async with self._engine.connect() as conn:
+            return [(t, excess) for t, excess in await conn.execute(_OVER_QUOTA)]
 
     async def tallies(self) -> list[ReclaimTally]:
         """Blocks (and their GPU bytes) that applied steps gave back, and the steps skipped,
@@ -725,11 +819,15 @@ class ReclaimJobs:
 _StepResult = tuple[int, str | None]
 
 
-async def _step_done(conn: AsyncConnection, job_id: str, seq: int, outcome: _StepResult) -> None:
+def step_done(job_id: str, seq: int, outcome: _StepResult) -> dict[str, object]:
+    """STEP_DONE's parameters for a step's outcome."""
     actual, note = outcome
     state = StepState.SKIPPED if note is not None and actual == 0 else StepState.APPLIED
-    args = {"job_id": job_id, "seq": seq, "state": state.value, "actual": actual, "note": note}
-    await conn.execute(_STEP_DONE, args)
+    return {"job_id": job_id, "seq": seq, "state": state.value, "actual": actual, "note": note}
+
+
+async def _step_done(conn: AsyncConnection, job_id: str, seq: int, outcome: _StepResult) -> None:
+    await conn.execute(_STEP_DONE, step_done(job_id, seq, outcome))
 
 
 def _measurement(row: RowMapping) -> CompressMeasurement:

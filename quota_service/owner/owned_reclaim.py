@@ -1,0 +1,210 @@
+"""Reclaim jobs on instances served from memory: plans read the pool from its owner, and FREE,
+OFFLOAD and COMPRESS steps change the owner's machine in the same batch that marks them
+applied (a crash leaves a step planned with nothing done, or applied with all of it). EVICT
+steps need nothing of the machine but what ending a reservation does (store/reclaim.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.core.instance_machine import InstanceMachine
+from quota_service.core.model import ReservationState
+from quota_service.core.names import tenant_name
+from quota_service.core.reclaim import (
+    DEFAULT_WATERMARKS,
+    CachedScope,
+    CpuWatermarks,
+    Demotion,
+    LiveReservation,
+    Preemption,
+    SharedEntry,
+    TenantExcess,
+    Tier,
+)
+from quota_service.owner.owners import Owners
+from quota_service.store.journal import Statement
+from quota_service.store.reclaim import (
+    CHANGED_SINCE_PLAN,
+    COMPRESSED_SINCE_PLAN,
+    COMPRESSION_RATIO,
+    FEWER_CACHED_SINCE_PLAN,
+    NOT_OFFLOADED_ANY_MORE,
+    NOT_SUSPENDED_ANY_MORE,
+    NOTHING_TO_DEMOTE,
+    OVER_TENANT_CPU_QUOTA,
+    STEP_DONE,
+    STEP_PROGRESS,
+    PoolBlocks,
+    ReclaimJobs,
+    step_done,
+)
+
+
+class OwnedReclaimJobs(ReclaimJobs):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        owners: Owners,
+        watermarks: CpuWatermarks = DEFAULT_WATERMARKS,
+    ) -> None:
+        super().__init__(engine, watermarks)
+        self._owners = owners
+
+    async def _pool_blocks(self, instance: str) -> PoolBlocks:
+        return await self._owners.run(instance, lambda m, now: pool_blocks(m))
+
+    async def tenant_excesses(self) -> list[TenantExcess]:
+        over = await self.tenants_over_quota()
+        if not over:
+            return []
+        await self._owners.take_over_all()
+        excesses = []
+        for tenant, excess in over:
+            held = tuple(
+                (owner.instance, len(here.held))
+                for owner in sorted(self._owners.served(), key=lambda o: o.instance)
+                if (here := owner.machine.tenants.get(tenant)) is not None and here.held
+            )
+            excesses.append(TenantExcess(tenant, excess, held))
+        return excesses
+
+    async def run_step(self, job_id: str) -> bool | Preemption | Demotion:
+        step = await self.next_step(job_id)
+        if step is None:
+            await self.finish_if_done(job_id)
+            return False
+        if step["tier"] == Tier.FREE.name:
+            await self._free(job_id, step)
+            return True
+        if step["tier"] == Tier.OFFLOAD.name:
+            await self._offload(job_id, step)
+            return True
+        # COMPRESS and EVICT read the reservation's row and change nothing here.
+        return await super().run_step(job_id)
+
+    async def _free(self, job_id: str, step: RowMapping) -> None:
+        """FREE: the next batch of the step's cached blocks, least recently used first and
+        those of tenants with work here last, until it freed what was planned or none is left
+        to it."""
+        done, planned = step["actual_blocks"] or 0, step["expected_blocks"]
+        if step["block_id"] is not None:  # one block, as planned before FREE steps counted
+            statement = (STEP_DONE, step_done(job_id, step["seq"], (0, CHANGED_SINCE_PLAN)))
+            await self._owners.run(step["instance"], lambda m, now: None, lambda _: [statement])
+            return
+        asked = min(self._free_batch_blocks, planned - done)
+        tenant = step["job_tenant"]
+        scope = None if tenant is None else tenant_name(tenant)
+
+        def free(machine: InstanceMachine, now: float) -> int:
+            return machine.free_cached(asked, scope, machine.active_scopes())
+
+        def marked(freed: int) -> list[Statement]:
+            total = done + freed
+            if total == planned or freed < asked:
+                note = None if total == planned else FEWER_CACHED_SINCE_PLAN
+                return [(STEP_DONE, step_done(job_id, step["seq"], (total, note)))]
+            progress = {"job_id": job_id, "seq": step["seq"], "actual": total}
+            return [(STEP_PROGRESS, progress)]
+
+        await self._owners.run(step["instance"], free, marked)
+
+    async def _offload(self, job_id: str, step: RowMapping) -> None:
+        """OFFLOAD: the suspended reservation's blocks leave the GPU, unless it was resumed or
+        ended meanwhile, or its tenant's CPU-tier quota has no room for them any more."""
+        tenant, request_id, seq = step["tenant"], step["request_id"], step["seq"]
+        room = await self.cpu_room(tenant)
+
+        def offload(machine: InstanceMachine, now: float) -> tuple[int, str | None]:
+            record = machine.reservations.get((tenant, request_id))
+            if record is None or not record.on_gpu or record.suspended_at is None:
+                return 0, NOT_SUSPENDED_ANY_MORE
+            assert record.table is not None
+            held = (machine.spec.bytes_per_block or 0) * record.table.live_entries
+            if held > room:
+                return 0, OVER_TENANT_CPU_QUOTA
+            freed = machine.offload(tenant, request_id, held)
+            return (0, NOT_SUSPENDED_ANY_MORE) if freed is None else (freed, None)
+
+        await self._owners.run(
+            step["instance"],
+            offload,
+            lambda outcome: [(STEP_DONE, step_done(job_id, seq, outcome))],
+        )
+
+    async def compress(self, job_id: str, seq: int) -> bool:
+        measured = await self.claimed_compression(job_id, seq)
+        step = await self.next_step(job_id)
+        if measured is None or step is None or step["seq"] != seq:
+            return False
+        tenant, request_id, instance = step["tenant"], step["request_id"], step["instance"]
+
+        def compress(machine: InstanceMachine, now: float) -> tuple[int, str | None]:
+            record = machine.reservations.get((tenant, request_id))
+            if (
+                record is None
+                or record.state is not ReservationState.ADMITTED
+                or record.suspended_at is None
+                or record.offloaded_bytes is None
+            ):
+                return 0, NOT_OFFLOADED_ANY_MORE
+            if record.compressed_bytes is not None:
+                return 0, COMPRESSED_SINCE_PLAN
+            if not measured.before_bytes:
+                return 0, NOTHING_TO_DEMOTE
+            kept, compressed = measured.booked(record.offloaded_bytes)
+            machine.compress(
+                tenant, request_id, kept, compressed, measured.before_bytes, measured.after_bytes
+            )
+            return 0, None
+
+        def marked(outcome: tuple[int, str | None]) -> list[Statement]:
+            statements: list[Statement] = [(STEP_DONE, step_done(job_id, seq, outcome))]
+            if outcome[1] is None:
+                ratio = {"instance": instance, "ratio": measured.ratio}
+                statements.append((COMPRESSION_RATIO, ratio))
+            return statements
+
+        await self._owners.run(instance, compress, marked)
+        return True
+
+
+def pool_blocks(machine: InstanceMachine) -> PoolBlocks:
+    """What the planner needs of a machine's slots (store/reclaim.py reads the same from the
+    per-block tables)."""
+    pool = machine.pool
+    scopes = machine.scopes
+    cached = Counter(scopes[pool.scope_id(b)] for b in pool.lru_order())
+    pinned = {b for pin in machine.pins.values() for b in pin.table.live_blocks()}
+    pinned_only = Counter(scopes[pool.scope_id(b)] for b in pinned if pool.state(b) == "PINNED")
+    admitted = sorted(
+        (r for r in machine.reservations.values() if r.on_gpu),
+        key=lambda r: (r.admitted_at or 0.0, r.arrival),
+    )
+    reservations = []
+    for seq, record in enumerate(admitted, start=1):
+        assert record.table is not None
+        live = record.table.live_handles()
+        reservations.append(
+            LiveReservation(
+                record.key[0],
+                record.key[1],
+                record.params.priority,
+                seq,
+                record.suspended_at is not None,
+                len(live),
+                sum(1 for b, _ in live if pool.pin_count(b) > 0),
+                tuple(
+                    SharedEntry(b, g, pool.ref_count(b))
+                    for b, g in live
+                    if pool.ref_count(b) > 1 and pool.pin_count(b) == 0
+                ),
+            )
+        )
+    return PoolBlocks(
+        tuple(CachedScope(scope, n) for scope, n in sorted(cached.items())),
+        tuple(reservations),
+        tuple(sorted(pinned_only.items())),
+    )
