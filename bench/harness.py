@@ -113,6 +113,23 @@ def server(database_url: str, env: Mapping[str, str] | None = None) -> Iterator[
 
 
 @contextmanager
+def grpc_floor() -> Iterator[Server]:
+    """The bare gRPC floor (bench/grpc_floor.py) in a process of its own, stopped afterwards."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.grpc_floor"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        address = next((m.group(1) for line in process.stdout if (m := ADDRESS.search(line))), None)
+        if address is None:
+            raise RuntimeError(f"the gRPC floor exited ({process.wait()}) before serving")
+        yield Server(address, process)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@contextmanager
 def servers(
     database_url: str, count: int, env: Mapping[str, str] | None = None
 ) -> Iterator[list[Server]]:

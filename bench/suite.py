@@ -95,57 +95,92 @@ class Target:
 
 TARGETS = [
     Target(
-        "throughput_no_prefix",
-        "Admit+Release pairs/s >= 0.5 x pgbench -N tps, no prefix",
-        "ratio_no_prefix",
-        0.5,
+        "throughput_of_floor",
+        "Admit+Release pairs/s >= 0.6 x the bare gRPC floor's, no prefix",
+        "of_grpc_floor_no_prefix",
+        0.6,
+        False,
+    ),
+    Target(
+        "throughput_of_floor_prefix",
+        "Admit+Release pairs/s >= 0.6 x the bare gRPC floor's, 1024-token shared prefix",
+        "of_grpc_floor_prefix",
+        0.6,
+        False,
+    ),
+    Target(
+        "throughput",
+        "Admit+Release pairs/s >= 1,000, no prefix",
+        "pairs_per_second_no_prefix",
+        1000.0,
         False,
     ),
     Target(
         "throughput_prefix",
-        "Admit+Release pairs/s >= 0.5 x pgbench -N tps, 1024-token shared prefix",
-        "ratio_prefix",
-        0.5,
+        "Admit+Release pairs/s >= 1,000, 1024-token shared prefix",
+        "pairs_per_second_prefix",
+        1000.0,
         False,
     ),
     Target(
-        "p99_half_load",
-        "Admit p99 <= 20 ms at half of the maximum throughput (no prefix)",
-        "half_no_prefix_admit_p99_ms",
-        20.0,
-        True,
-    ),
-    Target(
-        "p99_half_load_prefix",
-        "Admit p99 <= 20 ms at half of the maximum throughput (with prefix)",
-        "half_prefix_admit_p99_ms",
-        20.0,
-        True,
-    ),
-    Target(
-        "pool_size",
-        "Admit latency (p50) with 1,000,000 slots <= 1.5 x with 1,000 slots",
-        "pool_ratio_p50",
-        1.5,
-        True,
-    ),
-    Target(
-        "offboarding",
-        "Offboarding a tenant holding 100,000 blocks <= 10 s",
-        "offboard_seconds",
-        10.0,
-        True,
-    ),
-    Target(
-        "reclaim_plan",
-        "Planning a reclaim over 1,000,000 blocks <= 2 s",
-        "reclaim_plan_seconds",
+        "server_cpu",
+        "Server CPU per pair <= 2 x the bare gRPC floor's (no prefix)",
+        "server_cpu_of_grpc_floor_no_prefix",
         2.0,
         True,
     ),
     Target(
+        "postgres_cpu",
+        "PostgreSQL CPU per pair <= 0.3 ms (no prefix)",
+        "postgres_cpu_ms_per_pair_no_prefix",
+        0.3,
+        True,
+    ),
+    Target(
+        "p50_one_client",
+        "Admit p50 <= 2 ms with one client (1,000-slot pool)",
+        "pool_small_admit_p50_ms",
+        2.0,
+        True,
+    ),
+    Target(
+        "p99_half_load",
+        "Admit p99 <= 10 ms at half of the best throughput (no prefix)",
+        "half_no_prefix_admit_p99_ms",
+        10.0,
+        True,
+    ),
+    Target(
+        "fleet",
+        "Eight instances: pairs/s >= the one-instance figure",
+        "fleet_of_one_instance",
+        1.0,
+        False,
+    ),
+    Target(
+        "pool_size",
+        "Admit latency (p50) with 1,000,000 slots <= 1.2 x with 1,000 slots",
+        "pool_ratio_p50",
+        1.2,
+        True,
+    ),
+    Target(
+        "offboarding",
+        "Offboarding a tenant holding 100,000 blocks <= 2 s",
+        "offboard_seconds",
+        2.0,
+        True,
+    ),
+    Target(
+        "reclaim_plan",
+        "Planning a reclaim over 1,000,000 blocks <= 0.2 s",
+        "reclaim_plan_seconds",
+        0.2,
+        True,
+    ),
+    Target(
         "memory",
-        "Server resident memory <= 300 MB under the load above (peak VmHWM)",
+        "Server resident memory <= 300 MB with a 1,000,000-slot instance (peak VmHWM)",
         "server_peak_rss_mib",
         300 * 1e6 / 2**20,
         True,
@@ -301,6 +336,7 @@ class Suite:
         self.token: str | None = None
         self.spied: harness.Server  # the server py-spy watches (the one admin calls go to)
         self.floor: PerBlockFloor  # made by setup, once the database is
+        self.grpc_floor: harness.Server | None = None  # started by measure
         self.scratch = tempfile.mkdtemp(prefix="kvq-bench-")
 
     # -- setup -----------------------------------------------------------------------------
@@ -357,6 +393,10 @@ class Suite:
         floor = max(self.floor.run(c, args.seconds).tps for c in args.concurrency)
         f["floor_pairs_per_second"] = floor
         f["floor_ratio"] = floor / best_tps if best_tps else math.nan
+        watch.phase = f"run{number}-grpc-floor"
+        grpc_floor = await self.grpc_floor_point(number)
+        f["grpc_floor_pairs_per_second"] = grpc_floor.pairs_per_second
+        f["grpc_floor_server_cpu_ms_per_pair"] = grpc_floor.server_cpu_ms_per_pair
 
         for prefix, kind in ((0, "no_prefix"), (PREFIX_TOKENS, "prefix")):
             watch.phase = f"run{number}-{kind}"
@@ -371,6 +411,10 @@ class Suite:
             f[f"best_concurrency_{kind}"] = best.concurrency
             f[f"ratio_{kind}"] = best.pairs_per_second / best_tps if best_tps else math.nan
             f[f"of_floor_{kind}"] = best.pairs_per_second / floor if floor else math.nan
+            f[f"of_grpc_floor_{kind}"] = best.pairs_per_second / grpc_floor.pairs_per_second
+            f[f"server_cpu_of_grpc_floor_{kind}"] = (
+                best.server_cpu_ms_per_pair / grpc_floor.server_cpu_ms_per_pair
+            )
             f[f"server_cpu_ms_per_pair_{kind}"] = best.server_cpu_ms_per_pair
             f[f"postgres_cpu_ms_per_pair_{kind}"] = best.postgres_cpu_ms_per_pair
             f[f"driver_cpu_ms_per_pair_{kind}"] = best.driver_cpu_ms_per_pair
@@ -424,6 +468,45 @@ class Suite:
             [p for p in watch.peaks if p.startswith(f"run{number}-")]
         )
         return run
+
+    async def grpc_floor_point(self, number: int) -> Point:
+        """The bare gRPC floor (bench/grpc_floor.py) under the same load generator: its best
+        point over the sweep, without a prefix."""
+        assert self.grpc_floor is not None
+        best: Point | None = None
+        async with Gateway([self.grpc_floor.address]) as floor:
+            for concurrency in self.args.concurrency:
+                say(f"gRPC floor: {concurrency} clients, {self.args.seconds:g} s")
+                before = harness.cpu_seconds(self.grpc_floor.pid)
+                result = await load.closed_loop(
+                    floor,
+                    "floor",
+                    TENANTS,
+                    Shape(),
+                    concurrency,
+                    self.args.seconds,
+                    label=f"grpc-floor-c{concurrency}-r{number}",
+                )
+                pairs = max(result.pairs, 1)
+                spanned = (result.seconds + 0.5) / result.seconds if result.seconds else 1.0
+                cpu = (harness.cpu_seconds(self.grpc_floor.pid) - before) * 1000 / pairs
+                point = Point(
+                    0,
+                    concurrency,
+                    result.pairs_per_second,
+                    percentile(result.admit_ms, 50),
+                    percentile(result.admit_ms, 99),
+                    percentile(result.release_ms, 50),
+                    sum(result.refused.values()),
+                    cpu / spanned,
+                    0.0,
+                    result.driver_cpu_seconds * 1000 / pairs / spanned,
+                    {},
+                )
+                if best is None or point.pairs_per_second > best.pairs_per_second:
+                    best = point
+        assert best is not None
+        return best
 
     async def point(
         self, gateway: Gateway, meter: CpuMeter, prefix: int, concurrency: int, tag: str
@@ -490,6 +573,7 @@ class Suite:
         f["fleet_admit_p99_ms"] = percentile(result.admit_ms, 99)
         f["fleet_server_cpu_ms_per_pair"] = servers * 1000 / pairs
         f["fleet_postgres_cpu_ms_per_pair"] = postgres * 1000 / pairs
+        f["fleet_of_one_instance"] = result.pairs_per_second / f["pairs_per_second_no_prefix"]
 
     async def queue_mix(self, gateway: Gateway, run: Run, number: int) -> None:
         """48 clients of four tenants (weights 1, 1, 2, 4) on an instance that holds 10 requests;
@@ -758,7 +842,8 @@ async def measure(suite: Suite, database_url: str, servers: list[harness.Server]
     root = harness.server_url()
     suite.spied = servers[0]
     async with Gateway([s.address for s in servers], suite.token) as gateway:
-        with _watching([s.pid for s in servers]) as watch:
+        with _watching([s.pid for s in servers]) as watch, harness.grpc_floor() as floor:
+            suite.grpc_floor = floor
             watch.start()
             await suite.setup(gateway, database_url)
             meter = CpuMeter(database_url, [s.pid for s in servers])
@@ -778,7 +863,7 @@ async def measure(suite: Suite, database_url: str, servers: list[harness.Server]
             suite.extra["server_vmhwm_mib"] = round(watch.hwm(), 1)
             suite.extra["rss_by_phase_mib"] = {k: round(v, 1) for k, v in watch.peaks.items()}
             suite.once["server_peak_rss_mib"] = [watch.hwm()]
-    if args.profile:
+    if args.profile and args.hot_path == "ledger":
         say("profile: round trips, statement costs and EXPLAIN ANALYZE of Admit and Release")
         iterations = 10 if args.quick else 50
         suite.extra["hot_path"] = await profile.hot_path(database_url, "tput", "t0", iterations)
@@ -805,6 +890,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=["on", "off", "both"],
         help="API keys required by the servers; both: also the best point without (default "
         "both; on with --quick)",
+    )
+    parser.add_argument(
+        "--hot-path",
+        choices=["memory", "ledger"],
+        default="memory",
+        help="what the servers decide reservations with (KVQUOTA_HOT_PATH; default memory)",
     )
     parser.add_argument("--quick", action="store_true", help="smoke form: short, small, one run")
     parser.add_argument(
@@ -844,7 +935,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     suite = Suite(args, sizes)
     started = datetime.now(UTC)
     root = harness.server_url()
-    env = {"KVQUOTA_AUTH_REQUIRED": "false" if args.auth == "off" else "true"}
+    env = {
+        "KVQUOTA_AUTH_REQUIRED": "false" if args.auth == "off" else "true",
+        "KVQUOTA_HOT_PATH": args.hot_path,
+    }
     with harness.throwaway_database(root) as database_url:
         if args.auth != "off":
             _, suite.token = asyncio.run(create_bootstrap_key(database_url, "bench"))
@@ -864,6 +958,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "concurrency": args.concurrency,
             "servers": args.servers,
             "auth": args.auth,
+            "hot_path": args.hot_path,
             "quick": args.quick,
             "sizes": asdict(sizes),
             "db_pool_size": os.environ.get("KVQUOTA_DB_POOL_SIZE", "10 (default)"),
