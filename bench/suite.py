@@ -109,7 +109,7 @@ TARGETS = [
         False,
     ),
     Target(
-        "throughput",
+        "throughput_no_prefix",
         "Admit+Release pairs/s >= 1,000, no prefix",
         "pairs_per_second_no_prefix",
         1000.0,

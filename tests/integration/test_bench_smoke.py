@@ -34,6 +34,9 @@ def test_quick_suite_measures_every_scenario(server_url: str, tmp_path: Path) ->
     assert {t["key"] for t in result["targets"]} >= {
         "throughput_no_prefix",
         "throughput_prefix",
+        "throughput_of_floor",
+        "server_cpu",
+        "fleet",
         "p99_half_load",
         "pool_size",
         "offboarding",
@@ -46,6 +49,7 @@ def test_quick_suite_measures_every_scenario(server_url: str, tmp_path: Path) ->
     figures = result["figures"]
     for key in (
         "pgbench_tps",
+        "grpc_floor_pairs_per_second",
         "pairs_per_second_no_prefix",
         "pairs_per_second_prefix",
         "half_no_prefix_admit_p99_ms",
