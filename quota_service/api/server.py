@@ -48,6 +48,7 @@ from quota_service.owner.owned_inspection import OwnedInspection
 from quota_service.owner.owned_offboarding import OwnedOffboarding
 from quota_service.owner.owned_pins import OwnedPins
 from quota_service.owner.owned_reclaim import OwnedReclaimJobs
+from quota_service.owner.owned_reconcile import OwnedReconciler
 from quota_service.owner.owners import OwnedCatalog, OwnedLedger, Owners
 from quota_service.store import migrate
 from quota_service.store.access import ApiKeys, AuditLog
@@ -145,6 +146,12 @@ class HotPath:
     catalog: Catalog
     pins: Pins
     owners: Owners | None = None
+
+    def reconciler(self, engine: AsyncEngine) -> Reconciler:
+        if self.owners is None:
+            return Reconciler(engine, self.ledger)
+        assert isinstance(self.ledger, OwnedLedger)
+        return OwnedReconciler(engine, self.ledger, self.owners)
 
     def reclaim(self, engine: AsyncEngine, watermarks: CpuWatermarks) -> ReclaimJobs:
         if self.owners is None:
@@ -292,7 +299,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     await asyncio.wait_for(listener.connected.wait(), LISTEN_TIMEOUT_SECONDS)
     await _set_health(health_servicer, True)
     stop = asyncio.Event()
-    followers = Followers(database_url, Reconciler(engine, ledger), metrics=observed)
+    followers = Followers(database_url, hot_path.reconciler(engine), metrics=observed)
     await followers.scan()
     metrics = LedgerMetrics(catalog, inspection, reclaim, settings.metrics_refresh_seconds)
     await metrics.refresh()

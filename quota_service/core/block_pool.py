@@ -328,6 +328,16 @@ class BlockPool:
         """Whether any slot's recorded contents changed since `drain_dirty`."""
         return bool(self._dirty)
 
+    def clear_copies(self) -> None:
+        """The engine holds no copy of anything (it cleared its cache, or is being
+        resynchronised): every slot's count of engine copies goes to zero."""
+        copies = self._copies
+        hashed = [*self._by_key.values(), *(b for more in self._more_by_key.values() for b in more)]
+        for block in hashed:
+            if copies[block]:
+                copies[block] = 0
+                self._dirty.add(block)
+
     def drain_dirty(self) -> tuple[list[SlotContents], list[int]]:
         """What the record must learn since the last call: the slots that hold contents now
         (as `contents` gives them) and the slots whose contents were dropped."""

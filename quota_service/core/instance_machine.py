@@ -1263,7 +1263,7 @@ class InstanceMachine:
         pool = self.pool
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
-                freed += self.free_cached(pool.capacity)
+                freed += self.engine_forgotten()
                 continue
             if event.medium not in (None, "GPU"):
                 continue
@@ -1295,13 +1295,19 @@ class InstanceMachine:
         self.drift_blocks += drift
         return EngineReport(freed, drift)
 
+    def engine_forgotten(self) -> int:
+        """The engine holds nothing (a cleared cache, a resynchronisation): no copies anywhere,
+        and every cached block is freed. Returns how many were."""
+        self.pool.clear_copies()
+        return self.free_cached(self.pool.capacity)
+
     def engine_restarted(self, now: float) -> int:
         """The engine lost everything: live reservations end (ENGINE_RESTARTED) and the cache is
         forgotten. Returns how many reservations ended."""
         live = [k for k, r in self.reservations.items() if r.state is ReservationState.ADMITTED]
         for key in live:
             self.end(*key, EndReason.ENGINE_RESTARTED, now)
-        self.free_cached(self.pool.capacity)
+        self.engine_forgotten()
         return len(live)
 
     # Metering.

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from psycopg import errors as pg_errors
-from sqlalchemy import make_url, text
+from sqlalchemy import TextClause, make_url, text
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import QueuePool
@@ -27,6 +28,12 @@ T = TypeVar("T")
 _RETRYABLE = (pg_errors.DeadlockDetected, pg_errors.SerializationFailure)
 MAX_ATTEMPTS = 5
 RETRY_BACKOFF_SECONDS = 0.005
+
+
+def driver_statement(statement: str) -> TextClause:
+    """A statement written in the driver's placeholders (`%(name)s`, as an instance's owner
+    sends them in its batches), for SQLAlchemy (`:name`)."""
+    return text(re.sub(r"%\((\w+)\)s", r":\1", statement))
 
 
 def sqlalchemy_url(url: str) -> str:

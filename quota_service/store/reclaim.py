@@ -6,7 +6,6 @@ applied in the transaction that marks it done (a FREE step a batch of blocks per
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -51,7 +50,7 @@ from quota_service.core.reclaim import (
 from quota_service.store import blocks, ledger
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import COMPRESSIBLE
-from quota_service.store.database import in_transaction
+from quota_service.store.database import driver_statement, in_transaction
 
 # Blocks no reservation references, by state (CACHED, or PINNED: only pins hold them) and by
 # whose salt hashed them: one scan of the pool, a row per scope.
@@ -329,13 +328,8 @@ COMPRESSION_RATIO = (
 )
 
 
-def _named(statement: str) -> TextClause:
-    """A statement in the driver's placeholders, for SQLAlchemy."""
-    return text(re.sub(r"%\((\w+)\)s", r":\1", statement))
-
-
-_STEP_DONE = _named(STEP_DONE)
-_STEP_PROGRESS = _named(STEP_PROGRESS)
+_STEP_DONE = driver_statement(STEP_DONE)
+_STEP_PROGRESS = driver_statement(STEP_PROGRESS)
 
 _FINISH = text(
     """

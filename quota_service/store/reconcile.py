@@ -31,7 +31,7 @@ from quota_service.core.kv_events import (
 )
 from quota_service.core.model import EndReason
 from quota_service.store import blocks
-from quota_service.store.database import in_transaction
+from quota_service.store.database import driver_statement, in_transaction
 from quota_service.store.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -99,12 +99,14 @@ _CLEAR = text(
     )
 )
 
-_APPLIED = text("UPDATE instances SET last_event_seq = :seq WHERE instance = :instance")
-
-_RESYNCED = text(
-    "UPDATE instances SET engine_resyncs = engine_resyncs + 1, last_event_seq = :seq "
-    "WHERE instance = :instance"
+# In the driver's placeholders: an instance's owner commits them with the batch of events.
+APPLIED = "UPDATE instances SET last_event_seq = %(seq)s WHERE instance = %(instance)s"
+RESYNCED = (
+    "UPDATE instances SET engine_resyncs = engine_resyncs + 1, last_event_seq = %(seq)s "
+    "WHERE instance = %(instance)s"
 )
+_APPLIED = driver_statement(APPLIED)
+_RESYNCED = driver_statement(RESYNCED)
 
 _LIVE_ON_INSTANCE = text(
     "SELECT tenant, request_id FROM reservations WHERE instance = :instance AND state = 'ADMITTED'"
@@ -187,13 +189,18 @@ class Reconciler:
             if lost:
                 log.warning("engine of %s restarted: %d reservations ended", instance, len(lost))
 
+        await self._forget_engine(instance, seq)
+        return len(lost)
+
+    async def _forget_engine(self, instance: str, seq: int) -> None:
+        """The engine holds nothing any more, from batch `seq` on."""
+
         async def forget(conn: AsyncConnection) -> None:
             await conn.execute(blocks.LOCK_INSTANCE, {"instance": instance})
             await self._forget(conn, instance)
             await conn.execute(_RESYNCED, {"instance": instance, "seq": seq})
 
         await in_transaction(self._engine, forget)
-        return len(lost)
 
     async def record_engine_load(self, instance: str, running: int) -> None:
         """What the engine says it runs, beside the ledger's live reservations (GetInstance)."""

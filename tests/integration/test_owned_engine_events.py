@@ -1,0 +1,99 @@
+"""The engine followed on the memory hot path: KV events change the instance's machine in the
+owner's batch that records their sequence number, as the ledger's reconciler does on the
+per-block tables (tests/integration/test_reconcile.py), and the record rebuilds what memory
+holds afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.core.hashing import block_hashes, event_hash
+from quota_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from quota_service.core.model import EndReason, ReservationState
+from quota_service.core.queueing import QueuePolicy
+from quota_service.owner.owned_reconcile import OwnedReconciler
+from quota_service.owner.owners import OwnedLedger, Owners
+from tests.integration.ledger_fixtures import add_instance, add_tenant, request
+from tests.integration.test_reconcile import BS, PROMPT, batch
+from tests.unit.machine_fixtures import assert_same_machine
+
+LIMITS = Settings().admission_limits
+
+
+@pytest.fixture
+async def owners(engine: AsyncEngine) -> AsyncIterator[Owners]:
+    await add_instance(engine, blocks=16)
+    await add_tenant(engine, "acme")
+    owners = Owners(engine, LIMITS, QueuePolicy(), "replica-a")
+    yield owners
+    await owners.close()
+
+
+async def instance_row(engine: AsyncEngine) -> tuple[int, int, int]:
+    async with engine.connect() as conn:
+        row = await conn.execute(
+            text("SELECT drift_blocks, last_event_seq, engine_resyncs FROM instances")
+        )
+        drift, seq, resyncs = row.one()
+        return drift, seq, resyncs
+
+
+async def test_events_confirm_evict_count_drift_and_are_recorded(
+    engine: AsyncEngine, owners: Owners
+) -> None:
+    ledger = OwnedLedger(engine, owners, LIMITS)
+    reconciler = OwnedReconciler(engine, ledger, owners)
+    _, salt = await ledger.admit(
+        replace(request("a", len(PROMPT), 1), prompt_token_ids=tuple(PROMPT))
+    )
+    hashes = tuple(event_hash(h) for h in block_hashes(PROMPT, BS, salt))
+    machine = (await owners.owner("gpu-0")).machine
+    pool = machine.pool
+
+    stored = BlockStored(hashes, None, tuple(PROMPT), BS, "GPU")
+    assert await reconciler.apply("gpu-0", 0, batch(stored, stored)) == (0, 0)
+    assert [pool.engine_copies(b) for b in range(4)] == [2, 2, 2, 2]
+    # The engine evicts blocks the ledger still references: drift, nothing freed.
+    removed = BlockRemoved(tuple(hashes[2:]), "GPU")
+    assert await reconciler.apply("gpu-0", 1, batch(removed, removed)) == (0, 2)
+    assert await instance_row(engine) == (2, 1, 0)
+    # Released, they are cached; their last copies evicted, they are freed.
+    await ledger.end("acme", "a", EndReason.RELEASED, 1)
+    assert [pool.state(b) for b in range(4)] == ["CACHED"] * 4
+    assert await reconciler.apply("gpu-0", 2, batch(BlockRemoved(tuple(hashes[:1]), "GPU"))) == (
+        0,
+        0,
+    )
+    assert await reconciler.apply("gpu-0", 3, batch(BlockRemoved(tuple(hashes[:1]), "GPU"))) == (
+        1,
+        0,
+    )
+    # Another medium's events are not about this pool; a clear forgets every copy.
+    assert await reconciler.apply("gpu-0", 4, batch(BlockRemoved(hashes, "CPU"))) == (0, 0)
+    assert await reconciler.apply("gpu-0", 5, batch(AllBlocksCleared())) == (3, 0)
+    assert pool.counts()["CACHED"] == 0
+    assert all(pool.engine_copies(b) == 0 for b in range(pool.capacity))
+    assert await instance_row(engine) == (2, 5, 0)
+
+    rebuilt = await Owners(engine, LIMITS, QueuePolicy(), "replica-b").owner("gpu-0")
+    assert_same_machine(machine, rebuilt.machine)
+
+
+async def test_an_engine_restart_ends_what_ran_on_it(engine: AsyncEngine, owners: Owners) -> None:
+    ledger = OwnedLedger(engine, owners, LIMITS)
+    reconciler = OwnedReconciler(engine, ledger, owners)
+    await ledger.admit(replace(request("a", len(PROMPT), 1), prompt_token_ids=tuple(PROMPT)))
+    await ledger.admit(request("b", 40, 10))
+    await ledger.end("acme", "b", EndReason.RELEASED, 1)
+    assert await reconciler.resynchronise("gpu-0", 7, restarted=True) == 1
+    a = await ledger.get("acme", "a")
+    assert (a.state, a.end_reason) == (ReservationState.ENDED, EndReason.ENGINE_RESTARTED)
+    counts = (await owners.owner("gpu-0")).machine.pool.counts()
+    assert (counts["IN_USE"], counts["CACHED"]) == (0, 0)
+    assert await instance_row(engine) == (0, 7, 1)
