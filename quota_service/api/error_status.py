@@ -9,6 +9,7 @@ import inspect
 import logging
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import cached_property
 from typing import Any, TypeVar
 
 import grpc
@@ -214,6 +215,20 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or not self.covers(method):
             return handler
+        # grpc asks every interceptor on every call: the wrapped handler of a method is made
+        # once, for as long as the handler beneath it is the same.
+        wrapped = self._wrapped.get(method)
+        if wrapped is None or wrapped[0] is not handler:
+            wrapped = self._wrapped[method] = (handler, self._wrap(handler, method))
+        return wrapped[1]
+
+    @cached_property
+    def _wrapped(self) -> dict[str, tuple[grpc.RpcMethodHandler[Any, Any], Any]]:
+        return {}
+
+    def _wrap(
+        self, handler: grpc.RpcMethodHandler[Request, Response], method: str
+    ) -> grpc.RpcMethodHandler[Request, Response]:
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self.stream(handler.unary_stream, method),  # type: ignore[arg-type]
