@@ -46,8 +46,9 @@ from quota_service.core.model import (
 from quota_service.core.queueing import FairTags
 from quota_service.store.pins import pin_from_row
 
-# Generations a new owner's free slots start at: its epoch times this, above any generation the
-# instance issued before (a slot would need 2**40 drops within one epoch to reach the next).
+# Generations a new owner's free slots start at: the epochs before its own times this, above
+# any generation the instance issued before (a slot would need 2**40 drops within one epoch to
+# reach the next); the first owner starts at 0.
 GENERATIONS_PER_EPOCH = 1 << 40
 
 
@@ -476,7 +477,7 @@ class RecordedInstance:
 
     @property
     def generation_floor(self) -> int:
-        return self.epoch * GENERATIONS_PER_EPOCH
+        return max(self.epoch - 1, 0) * GENERATIONS_PER_EPOCH
 
 
 def tenant_settings_from_row(row: RowMapping) -> TenantSettings:

@@ -26,7 +26,7 @@ from quota_service.store.database import connect
 from quota_service.store.journal import Journal
 from tests.integration.ledger_fixtures import add_instance
 from tests.model.rules import BS, INSTANCES, NAMESPACE, SHARED, TENANTS
-from tests.unit.machine_fixtures import assert_same_machine
+from tests.unit.machine_fixtures import assert_same_machine, next_generation
 from tests.unit.test_instance_machine_model import MachinesVersusModel
 
 
@@ -98,7 +98,7 @@ class JournalVersusModel(MachinesVersusModel):
             machine.limits,
             settings.values(),
             recorded.image,
-            recorded.generation_floor,
+            next_generation(machine),
         )
         assert_same_machine(machine, fresh)
         self._check_views(name, machine)

@@ -75,6 +75,11 @@ def recount(machine: InstanceMachine) -> None:
         assert here.tokens == tokens[name], f"tenant {name}: tokens in flight"
 
 
+def next_generation(machine: InstanceMachine) -> int:
+    """A generation floor above every handle the machine issued (a new owner's)."""
+    return max(machine.pool.generation(b) for b in range(machine.pool.capacity)) + 1
+
+
 def shares_held(machine: InstanceMachine) -> dict[str, Counter[int]]:
     """Each tenant's blocks by how many tenants hold each (metering's k), recounted."""
     holders: Counter[int] = Counter()
@@ -95,9 +100,8 @@ def check_recovery(live: InstanceMachine, recorded: dict[int, SlotContents] | No
     if recorded is not None:
         assert recorded == {slot.block: slot for slot in image.slots}
         image = replace(image, slots=tuple(recorded.values()))
-    floor = max(live.pool.generation(b) for b in range(live.pool.capacity)) + 1
     settings = [here.settings for here in live.tenants.values()]
-    fresh = InstanceMachine.recover(live.spec, live.limits, settings, image, floor)
+    fresh = InstanceMachine.recover(live.spec, live.limits, settings, image, next_generation(live))
     assert_same_machine(live, fresh)
 
 
