@@ -882,7 +882,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--runs", type=int, help="runs of every figure (default 3; quick 1)")
-    parser.add_argument("--seconds", type=float, help="per load point (default 10; quick 1.5)")
+    parser.add_argument("--seconds", type=float, help="per load point (default 10; quick 0.5)")
     parser.add_argument("--concurrency", type=int, nargs="+", help="default 1 4 16 32")
     parser.add_argument("--servers", type=int, default=1, help="kvquota server processes")
     parser.add_argument(
@@ -918,7 +918,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     quick = args.quick
     args.runs = args.runs or (1 if quick else 3)
-    args.seconds = args.seconds or (1.5 if quick else 10.0)
+    args.seconds = args.seconds or (0.5 if quick else 10.0)
     args.concurrency = args.concurrency or ([1, 4] if quick else [1, 4, 16, 32])
     args.auth = args.auth or ("on" if quick else "both")
     if args.docs is None:
