@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -46,7 +45,12 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
         return configured
     if _reachable(LOCAL_SERVER):
         return LOCAL_SERVER
-    return embedded.start(Path(tmp_path_factory.mktemp("embedded-pg")))
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # pytest-xdist's workers share their run's directory and so one embedded server:
+        # pgserver starts it under a lock and stops it when the last process using it exits.
+        base = base.parent
+    return embedded.start(base / "embedded-pg")
 
 
 @pytest.fixture(scope="session")
