@@ -29,8 +29,11 @@ define PYTEST
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 endef
 
-test: $(STAMP) ## Unit and integration tests against a real PostgreSQL
-	$(call PYTEST,)
+# Tests run in parallel, each with a database of its own. They wait on PostgreSQL and on the
+# servers they start as much as they compute, so on two cores four workers beat two.
+TEST_WORKERS ?= 4
+test: $(STAMP) ## Unit and integration tests against a real PostgreSQL, in TEST_WORKERS processes
+	$(call PYTEST,-n $(TEST_WORKERS))
 
 # The integration tests again with reservations decided in memory by instance owners (what the
 # hot path is moving to); tests/integration/conftest.py lists what it does not serve yet.
