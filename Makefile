@@ -31,9 +31,11 @@ endef
 
 # Tests run in parallel, each with a database of its own. They wait on PostgreSQL and on the
 # servers they start as much as they compute, so on two cores four workers beat two.
+# --maxschedchunk 1: a worker is handed two tests at a time, so the slow ones, collected
+# first (tests/conftest.py), go to different workers.
 TEST_WORKERS ?= 4
 test: $(STAMP) ## Unit and integration tests against a real PostgreSQL, in TEST_WORKERS processes
-	$(call PYTEST,-n $(TEST_WORKERS))
+	$(call PYTEST,-n $(TEST_WORKERS) --maxschedchunk 1)
 
 # The integration tests again with reservations decided in memory by instance owners (what the
 # hot path is moving to); tests/integration/conftest.py lists what it does not serve yet.

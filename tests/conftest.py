@@ -21,6 +21,12 @@ from quota_service.store.database import connect
 LOCAL_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The slow tests first: under pytest-xdist a worker that starts one last keeps the whole run
+    # waiting for it. The sort is stable, so the rest keep their order.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def _reachable(url: str) -> bool:
     try:
         with psycopg.connect(url, connect_timeout=2):

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.bench_smoke
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_suite_measures_every_scenario(server_url: str, tmp_path: Path) -> None:
     docs = tmp_path / "benchmarks.md"

@@ -253,6 +253,7 @@ async def test_a_cancelled_task_cancels_its_reservation(client: AsyncKvquotaClie
     assert await free_blocks(client) == CAPACITY
 
 
+@pytest.mark.slow
 async def test_renewal_keeps_a_two_second_lease_alive_for_ten_seconds(
     client: AsyncKvquotaClient,
 ) -> None:

@@ -186,4 +186,4 @@ def test_journal_matches_the_reference_model(server_url: str, template_database:
     )
 
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]

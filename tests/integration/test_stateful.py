@@ -142,4 +142,4 @@ def test_ledger_matches_the_reference_model(server_url: str, template_database: 
     )
 
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
