@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-memory test-unit test-engines test-gateways bench-fidelity stress stress-short lint format proto bench clean
+.PHONY: help venv run test test-memory test-long test-unit test-engines test-gateways bench-fidelity stress stress-short lint format proto bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -41,6 +41,12 @@ test: $(STAMP) ## Unit and integration tests against a real PostgreSQL, in TEST_
 # hot path is moving to); tests/integration/conftest.py lists what it does not serve yet.
 test-memory: $(STAMP) ## Integration tests with the memory hot path (KVQUOTA_HOT_PATH=memory)
 	KVQUOTA_HOT_PATH=memory $(call PYTEST,tests/integration)
+
+# The property-based tests (their example counts: tests/examples.py), one worker each.
+PROPERTY_TESTS := tests/unit/test_instance_machine_model.py tests/integration/test_stateful.py \
+	tests/integration/test_journal_model.py
+test-long: $(STAMP) ## The property-based tests with ten times the examples `make test` gives them
+	KVQUOTA_EXAMPLES_SCALE=10 $(call PYTEST,-n 3 --timeout 900 $(PROPERTY_TESTS))
 
 test-unit: $(STAMP) ## Unit tests only (no database)
 	$(call PYTEST,tests/unit)

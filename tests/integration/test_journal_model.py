@@ -24,6 +24,7 @@ from quota_service.owner.instance_owner import InstanceOwner
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
 from quota_service.store.journal import Journal
+from tests.examples import examples
 from tests.integration.ledger_fixtures import add_instance
 from tests.model.rules import BS, INSTANCES, NAMESPACE, SHARED, TENANTS
 from tests.unit.machine_fixtures import assert_same_machine, next_generation
@@ -178,7 +179,7 @@ def test_journal_matches_the_reference_model(server_url: str, template_database:
     run_state_machine_as_test(
         JournalVersusModel,
         settings=settings(
-            max_examples=15,
+            max_examples=examples(8),
             stateful_step_count=50,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -26,6 +26,7 @@ from quota_service.store.database import connect
 from quota_service.store.invariants import check_record
 from quota_service.store.ledger import Ledger
 from quota_service.store.pins import Pins
+from tests.examples import examples
 from tests.integration.ledger_fixtures import add_instance, offboarding_service
 from tests.model.rules import (
     BS,
@@ -134,7 +135,7 @@ def test_ledger_matches_the_reference_model(server_url: str, template_database: 
     run_state_machine_as_test(
         LedgerMachine,
         settings=settings(
-            max_examples=20,
+            max_examples=examples(10),
             stateful_step_count=60,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -21,6 +21,7 @@ from quota_service.core.block_table import BlockHandle
 from quota_service.core.instance_machine import Elsewhere, InstanceMachine, TenantSettings
 from quota_service.core.model import AdmitParams, EndReason, InstanceSpec, TenantState
 from quota_service.core.pins import pin_id_reused
+from tests.examples import examples
 from tests.model.rules import (
     BS,
     INSTANCES,
@@ -179,7 +180,7 @@ def test_machines_match_the_reference_model() -> None:
     run_state_machine_as_test(
         MachinesVersusModel,
         settings=settings(
-            max_examples=60,
+            max_examples=examples(60),
             stateful_step_count=60,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
