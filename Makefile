@@ -40,7 +40,7 @@ test: $(STAMP) ## Unit and integration tests against a real PostgreSQL, in TEST_
 # The integration tests again with reservations decided in memory by instance owners (what the
 # hot path is moving to); tests/integration/conftest.py lists what it does not serve yet.
 test-memory: $(STAMP) ## Integration tests with the memory hot path (KVQUOTA_HOT_PATH=memory)
-	KVQUOTA_HOT_PATH=memory $(call PYTEST,tests/integration)
+	KVQUOTA_HOT_PATH=memory $(call PYTEST,-n $(TEST_WORKERS) --maxschedchunk 1 tests/integration)
 
 # The property-based tests (their example counts: tests/examples.py), one worker each.
 PROPERTY_TESTS := tests/unit/test_instance_machine_model.py tests/integration/test_stateful.py \
