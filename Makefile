@@ -42,11 +42,11 @@ test: $(STAMP) ## Unit and integration tests against a real PostgreSQL, in TEST_
 test-memory: $(STAMP) ## Integration tests with the memory hot path (KVQUOTA_HOT_PATH=memory)
 	KVQUOTA_HOT_PATH=memory $(call PYTEST,-n $(TEST_WORKERS) --maxschedchunk 1 tests/integration)
 
-# The property-based tests (their example counts: tests/examples.py), one worker each.
+# The property-based tests (their example counts: tests/examples.py).
 PROPERTY_TESTS := tests/unit/test_instance_machine_model.py tests/integration/test_stateful.py \
-	tests/integration/test_journal_model.py
+	tests/integration/test_journal_model.py tests/integration/test_served_model.py
 test-long: $(STAMP) ## The property-based tests with ten times the examples `make test` gives them
-	KVQUOTA_EXAMPLES_SCALE=10 $(call PYTEST,-n 3 --timeout 900 $(PROPERTY_TESTS))
+	KVQUOTA_EXAMPLES_SCALE=10 $(call PYTEST,-n $(TEST_WORKERS) --timeout 900 $(PROPERTY_TESTS))
 
 test-unit: $(STAMP) ## Unit tests only (no database)
 	$(call PYTEST,tests/unit)

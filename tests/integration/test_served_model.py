@@ -21,6 +21,7 @@ from quota_service.enforcement.termination import Termination
 from quota_service.owner.owned_offboarding import OwnedOffboarding
 from quota_service.owner.owned_pins import OwnedPins
 from quota_service.owner.owners import OwnedLedger, Owners
+from tests.examples import examples
 from tests.integration.test_stateful import LedgerMachine
 from tests.model.rules import INSTANCES, SlotRow, TenantRow
 from tests.unit.machine_fixtures import assert_same_machine, next_generation, recount
@@ -95,7 +96,7 @@ def test_the_served_memory_path_matches_the_reference_model(
     run_state_machine_as_test(
         ServedVersusModel,
         settings=settings(
-            max_examples=15,
+            max_examples=examples(8),
             stateful_step_count=50,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -103,4 +104,4 @@ def test_the_served_memory_path_matches_the_reference_model(
     )
 
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
