@@ -391,9 +391,10 @@ class BlockPool:
         return pool
 
     def contents(self) -> list[SlotContents]:
-        """What `rebuild` needs of the slots besides the tables: every slot holding a hash."""
-        scopes = self._scope
-        return [self._contents(b) for b in range(self.capacity) if scopes[b] != NO_SCOPE]
+        """What `rebuild` needs of the slots besides the tables: every slot holding a hash, in
+        slot order. Costs what is hashed, not the pool's size."""
+        hashed = [*self._by_key.values(), *(b for more in self._more_by_key.values() for b in more)]
+        return [self._contents(b) for b in sorted(hashed)]
 
     def _contents(self, block: int) -> SlotContents:
         start = block * DIGEST_BYTES

@@ -25,6 +25,7 @@ from typing import TypeVar
 
 from quota_service.core.admission import AdmissionLimits
 from quota_service.core.errors import KvQuotaError
+from quota_service.core.hashing import DIGEST_BYTES
 from quota_service.core.instance_machine import InstanceMachine
 from quota_service.core.queueing import QueuePolicy
 from quota_service.core.reasons import Reason
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Slot changes recorded in deltas before a checkpoint is due, however little is cached.
+CHECKPOINT_MIN_SLOTS = 100_000
 # What a caller of a failed batch is told to wait before retrying: the time a new owner takes
 # to rebuild the instance, about.
 RETRY_AFTER_FAILED_COMMIT_SECONDS = 0.2
@@ -72,6 +75,7 @@ class InstanceOwner:
         journal: Journal,
         epoch: int,
         clock: Callable[[], float] = time.time,
+        checkpoint_min_slots: int = CHECKPOINT_MIN_SLOTS,
     ) -> None:
         self.machine = machine
         self.instance = machine.spec.instance
@@ -87,6 +91,11 @@ class InstanceOwner:
         self._writing: list[asyncio.Future[None]] | None = None
         # Statements the batch being gathered commits besides the machine's changes.
         self._statements: list[Statement] = []
+        # Slot changes the deltas recorded since the last checkpoint, and how many call for
+        # the next (recovery then replays at most about twice what is live).
+        self._checkpoint_min_slots = checkpoint_min_slots
+        self._recorded_since_checkpoint = 0
+        self._checkpoint_after = checkpoint_min_slots
         self._writer: asyncio.Task[None] | None = None
         self.failure: str | None = None
         # Told "tenant/request_id" of each reservation a committed batch changed (the waiters of
@@ -159,7 +168,15 @@ class InstanceOwner:
             self._writer = None
 
     def _take_batch(self) -> BatchRows:
-        rows = batch_rows(self.machine, self.machine.drain_changes(), self._written)
+        changes = self.machine.drain_changes()
+        self._recorded_since_checkpoint += len(changes.slots) + len(changes.dropped_slots)
+        checkpoint = self._recorded_since_checkpoint >= self._checkpoint_after
+        rows = batch_rows(self.machine, changes, self._written, checkpoint)
+        if rows.checkpoint is not None:
+            # The next one once the deltas after it record twice as many slots as it did.
+            hashed = len(rows.checkpoint["digests"]) // DIGEST_BYTES
+            self._checkpoint_after = max(self._checkpoint_min_slots, 2 * hashed)
+            self._recorded_since_checkpoint = 0
         rows.statements, self._statements = self._statements, []
         return rows
 

@@ -103,6 +103,9 @@ class BatchRows:
     usage: list[dict[str, Any]] = field(default_factory=list)
     # The record's own statements that commit with the batch (InstanceOwner.apply).
     statements: list[Statement] = field(default_factory=list)
+    # Every slot's contents as of this batch, written whole in place of its delta (the deltas
+    # before it are then dropped): recovery reads what is live, not all history.
+    checkpoint: dict[str, Any] | None = None
 
     @property
     def operations(self) -> int:
@@ -110,10 +113,14 @@ class BatchRows:
 
 
 def batch_rows(
-    machine: InstanceMachine, changes: Changes, written: dict[str, TenantTotals]
+    machine: InstanceMachine,
+    changes: Changes,
+    written: dict[str, TenantTotals],
+    checkpoint: bool = False,
 ) -> BatchRows:
     """The rows of a batch. `written` holds each tenant's totals on this instance as last
-    written; it is brought up to date for the tenants the batch touched."""
+    written; it is brought up to date for the tenants the batch touched. With `checkpoint`, the
+    batch records every slot's contents whole instead of what it changed."""
     instance = machine.spec.instance
     rows = BatchRows()
     touched: set[str] = set()
@@ -128,7 +135,9 @@ def batch_rows(
         collection, owner_id = owner.split("/", 1)
         if collection == "tenants":
             touched.add(owner_id)
-    if changes.slots or changes.dropped_slots:
+    if checkpoint:
+        rows.checkpoint = _slot_arrays(machine.scopes, machine.pool.contents())
+    elif changes.slots or changes.dropped_slots:
         rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changes.slots)}
         rows.delta["dropped"] = _int_array(changes.dropped_slots)
     rows.usage = [
@@ -509,7 +518,10 @@ class Journal:
             statements.append((_UPSERT_RESERVATIONS, _rows(rows.reservations)))
         statements += [(_UPSERT_PIN, pin) for pin in rows.pins]
         statements += [(_REMOVE_PIN, pin) for pin in rows.removed_pins]
-        if rows.delta is not None:
+        if rows.checkpoint is not None:
+            statements.append((_WRITE_CHECKPOINT, {**rows.checkpoint, **fenced}))
+            statements.append((_DELETE_COVERED_DELTAS, fenced))
+        elif rows.delta is not None:
             statements.append((_INSERT_DELTA, {**rows.delta, **fenced}))
         if rows.totals:
             statements.append((_MOVE_TOTALS, _rows(rows.totals)))
@@ -517,22 +529,6 @@ class Journal:
             statements.append((_INSERT_USAGE, {**_rows(rows.usage), **fenced}))
         statements.append((_POOL_COUNTERS, rows.pool))
         await self._commit(instance, [*statements, *rows.statements])
-
-    async def write_checkpoint(
-        self, instance: str, epoch: int, scopes: Sequence[str], slots: Sequence[SlotContents]
-    ) -> None:
-        """Record the pool's contents whole, as of now, and drop the deltas it covers. The
-        caller takes `slots` between two batches, so it covers every batch before."""
-        fenced = {"instance": instance, "epoch": epoch}
-        arrays = _slot_arrays(scopes, slots)
-        await self._commit(
-            instance,
-            [
-                (_NEXT_BATCH, {**fenced, "clocks": "{}"}),
-                (_WRITE_CHECKPOINT, {**arrays, **fenced}),
-                (_DELETE_COVERED_DELTAS, fenced),
-            ],
-        )
 
     async def _commit(self, instance: str, statements: Sequence[Statement]) -> None:
         """One transaction in one round trip: the statements, bound here, go as one query

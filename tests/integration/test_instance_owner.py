@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 from sqlalchemy import text
@@ -42,6 +43,13 @@ async def journal(engine: AsyncEngine) -> AsyncIterator[Journal]:
 
 async def admit(owner: InstanceOwner, request_id: str, prompt: int = 100) -> ReservationState:
     wanted = request(request_id, prompt, 20)
+    return await owner.apply(lambda m, now: m.admit(wanted, now).state)
+
+
+async def admit_prompt(
+    owner: InstanceOwner, request_id: str, token_ids: tuple[int, ...]
+) -> ReservationState:
+    wanted = replace(request(request_id, len(token_ids), 20), prompt_token_ids=token_ids)
     return await owner.apply(lambda m, now: m.admit(wanted, now).state)
 
 
@@ -177,3 +185,25 @@ async def test_a_new_owner_rebuilds_the_pool_and_stales_old_handles(
     assert min(new.machine.pool.generation(b) for b in free) > max(
         owner.machine.pool.generation(b) for b in range(512)
     )
+
+
+async def test_checkpoints_keep_recovery_to_what_is_live(
+    engine: AsyncEngine, journal: Journal
+) -> None:
+    recorded = await journal.load("gpu-0", "replica-a", "")
+    tenants = await journal.tenants()
+    found = await Catalog(engine).get_instance("gpu-0")
+    machine = InstanceMachine.recover(
+        found.spec, LIMITS, tenants, recorded.image, recorded.generation_floor
+    )
+    owner = InstanceOwner(machine, journal, recorded.epoch, checkpoint_min_slots=50)
+    for i in range(40):
+        # Prompts with their token ids: their full blocks are hashed, and cached once released.
+        await admit_prompt(owner, f"r{i}", tuple(range(i, i + 160)))
+        await release(owner, f"r{i}")
+    async with engine.connect() as conn:
+        checkpoint = (await conn.execute(text("SELECT batch FROM pool_checkpoints"))).scalar_one()
+        deltas = (await conn.execute(text("SELECT batch FROM pool_deltas"))).scalars().all()
+    # Only the deltas after the last checkpoint are kept.
+    assert deltas and all(batch > checkpoint for batch in deltas)
+    await rebuilt(engine, journal, owner.machine)

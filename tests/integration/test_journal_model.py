@@ -70,7 +70,10 @@ class JournalVersusModel(MachinesVersusModel):
             for name in INSTANCES:
                 # The live machines start empty, as the record does: claim them as they are.
                 recorded = await self.journal.load(name, "test", "")
-                self.owners[name] = InstanceOwner(self.machines[name], self.journal, recorded.epoch)
+                # Checkpoints every few dozen slot changes: recovery reads them and the deltas.
+                self.owners[name] = InstanceOwner(
+                    self.machines[name], self.journal, recorded.epoch, checkpoint_min_slots=40
+                )
 
         self.run(build())
         tenants = self.run(self.journal.tenants())
