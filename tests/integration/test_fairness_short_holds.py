@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import replace
 
 import grpc
+import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
@@ -26,6 +27,7 @@ SECONDS = 6.0
 PROMPT, OUTPUT = 1280, 256  # 96 blocks of 16
 
 
+@pytest.mark.slow
 async def test_weights_hold_when_holds_are_short(database_url: str, settings: Settings) -> None:
     running = await server.start(replace(settings, hot_path="memory"), database_url)
     try:
@@ -35,7 +37,7 @@ async def test_weights_hold_when_holds_are_short(database_url: str, settings: Se
         await running.stop(0)
     share = admitted["heavy"] / (admitted["heavy"] + admitted["light"])
     print(f"admissions {dict(admitted)}: the weight-3 tenant got {share:.1%}")
-    assert sum(admitted.values()) >= 200, admitted
+    assert sum(admitted.values()) >= 150, admitted
     assert 0.675 <= share <= 0.825, admitted
 
 
@@ -75,7 +77,10 @@ async def _flood(channel: grpc.aio.Channel) -> Counter[str]:
                 wait_timeout=Duration(seconds=30),
             )
             answer = await gateway.Admit(request)
-            admitted[tenant] += 1
+            # Counted once every tenant is backlogged: those that waited in the queue (the
+            # first ones, admitted while the instance filled, are first come, first served).
+            if answer.reservation.HasField("queue_time"):
+                admitted[tenant] += 1
             await asyncio.sleep(HOLD_SECONDS)
             await gateway.Release(admission_pb2.ReleaseRequest(name=answer.reservation.name))
 
