@@ -182,7 +182,7 @@ def test_journal_matches_the_reference_model(server_url: str, template_database:
     run_state_machine_as_test(
         JournalVersusModel,
         settings=settings(
-            max_examples=examples(8),
+            max_examples=examples(5),
             stateful_step_count=50,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

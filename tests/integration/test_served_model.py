@@ -96,7 +96,7 @@ def test_the_served_memory_path_matches_the_reference_model(
     run_state_machine_as_test(
         ServedVersusModel,
         settings=settings(
-            max_examples=examples(8),
+            max_examples=examples(5),
             stateful_step_count=50,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
