@@ -21,6 +21,7 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Any
 
 from quota_service.core.hashing import DIGEST_BYTES, event_hash
 
@@ -42,6 +43,34 @@ class SlotContents:
     engine_copies: int
     # When it last joined the LRU list: cached slots are evicted lowest first.
     lru_seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ContentColumns:
+    """The slots holding a hash, as columns: slot ids in order, and each one's fields."""
+
+    blocks: list[int]
+    generations: list[int]
+    digests: bytes
+    scopes: list[int]
+    engine_copies: list[int]
+    lru_seqs: list[int]
+
+    @classmethod
+    def of(cls, slots: Sequence[SlotContents]) -> ContentColumns:
+        return cls(
+            [s.block for s in slots],
+            [s.generation for s in slots],
+            b"".join(s.digest for s in slots),
+            [s.scope for s in slots],
+            [s.engine_copies for s in slots],
+            [s.lru_seq for s in slots],
+        )
+
+
+def _picked(pick: itemgetter[Any], values: array[int], count: int) -> list[int]:
+    picked = pick(values)
+    return [picked] if count == 1 else list(picked)
 
 
 class BlockPool:
@@ -389,6 +418,25 @@ class BlockPool:
         pool.cached_count = len(cached)
         pool._lru_clock = max((lru_seq[b] for b in hashed), default=0)
         return pool
+
+    def contents_columns(self) -> ContentColumns:
+        """`contents`, field by field (a checkpoint of a large pool makes no object per slot)."""
+        hashed = sorted(
+            [*self._by_key.values(), *(b for more in self._more_by_key.values() for b in more)]
+        )
+        if not hashed:
+            return ContentColumns([], [], b"", [], [], [])
+        pick = itemgetter(*hashed)
+        width = DIGEST_BYTES
+        digests = self._digests
+        return ContentColumns(
+            hashed,
+            _picked(pick, self._generation, len(hashed)),
+            b"".join([digests[b * width : (b + 1) * width] for b in hashed]),
+            _picked(pick, self._scope, len(hashed)),
+            _picked(pick, self._copies, len(hashed)),
+            _picked(pick, self._lru_seq, len(hashed)),
+        )
 
     def contents(self) -> list[SlotContents]:
         """What `rebuild` needs of the slots besides the tables: every slot holding a hash, in

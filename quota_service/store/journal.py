@@ -22,7 +22,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core.admission import AdmitRequest
-from quota_service.core.block_pool import SlotContents, record_slot_changes
+from quota_service.core.block_pool import ContentColumns, SlotContents, record_slot_changes
 from quota_service.core.hashing import DIGEST_BYTES
 from quota_service.core.instance_machine import (
     Changes,
@@ -136,9 +136,10 @@ def batch_rows(
         if collection == "tenants":
             touched.add(owner_id)
     if checkpoint:
-        rows.checkpoint = _slot_arrays(machine.scopes, machine.pool.contents())
+        rows.checkpoint = _slot_arrays(machine.scopes, machine.pool.contents_columns())
     elif changes.slots or changes.dropped_slots:
-        rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changes.slots)}
+        changed = ContentColumns.of(changes.slots)
+        rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changed)}
         rows.delta["dropped"] = _int_array(changes.dropped_slots)
     rows.usage = [
         row for tenant, usage in sorted(changes.usage.items()) if (row := _usage_row(tenant, usage))
@@ -203,17 +204,17 @@ def _usage_row(tenant: str, usage: Usage) -> dict[str, Any] | None:
     return {"tenant": tenant, **counts, **keyed}
 
 
-def _slot_arrays(scopes: Sequence[str], slots: Sequence[SlotContents]) -> dict[str, Any]:
+def _slot_arrays(scopes: Sequence[str], slots: ContentColumns) -> dict[str, Any]:
     """A checkpoint's or a delta's arrays. Integer arrays go as array literals (the statement
     casts them): far cheaper to make than the driver's adaptation of each element."""
     return {
         "scopes": list(scopes),
-        "slots": _int_array(s.block for s in slots),
-        "generations": _int_array(s.generation for s in slots),
-        "digests": b"".join(s.digest for s in slots),
-        "scope_ids": _int_array(s.scope for s in slots),
-        "engine_copies": _int_array(s.engine_copies for s in slots),
-        "lru_seqs": _int_array(s.lru_seq for s in slots),
+        "slots": _int_array(slots.blocks),
+        "generations": _int_array(slots.generations),
+        "digests": slots.digests,
+        "scope_ids": _int_array(slots.scopes),
+        "engine_copies": _int_array(slots.engine_copies),
+        "lru_seqs": _int_array(slots.lru_seqs),
     }
 
 

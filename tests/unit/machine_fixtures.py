@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import replace
 
 from quota_service.config import Settings
-from quota_service.core.block_pool import SlotContents
+from quota_service.core.block_pool import ContentColumns, SlotContents
 from quota_service.core.instance_machine import HeldTable, InstanceMachine, TenantSettings
 from quota_service.core.model import InstanceSpec, QueueBounds, TenantQuota, TenantState
 
@@ -97,6 +97,8 @@ def check_recovery(live: InstanceMachine, recorded: dict[int, SlotContents] | No
     holds. With `recorded` (slot contents kept from the machine's changes, as the journal keeps
     them), the image's slots are those, and they must be the pool's contents."""
     image = live.image()
+    # The checkpoint's columns are the same contents, field by field.
+    assert live.pool.contents_columns() == ContentColumns.of(image.slots)
     if recorded is not None:
         assert recorded == {slot.block: slot for slot in image.slots}
         image = replace(image, slots=tuple(recorded.values()))
