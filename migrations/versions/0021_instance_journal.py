@@ -134,6 +134,20 @@ END
 $$
 """
 
+# A batch's new reservations must not replace old ones of the same request ids (ended long ago,
+# forgotten by the owner's memory): the statement that inserts them fails the batch with those
+# ids (SQLSTATE KQ002), and the owner answers them from the record instead.
+FRESH = """
+CREATE FUNCTION journal_fresh(p_reused text[])
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF cardinality(p_reused) > 0 THEN
+        RAISE EXCEPTION '%', array_to_string(p_reused, ' ') USING ERRCODE = 'KQ002';
+    END IF;
+END
+$$
+"""
+
 VIEWS = (
     ("journal_slot_contents", SLOT_CONTENTS),
     ("journal_slot_references", SLOT_REFERENCES),
@@ -202,9 +216,11 @@ def upgrade() -> None:
     for _, statement in VIEWS:
         op.execute(statement)
     op.execute(NEXT_BATCH)
+    op.execute(FRESH)
 
 
 def downgrade() -> None:
+    op.execute("DROP FUNCTION journal_fresh(text[])")
     op.execute("DROP FUNCTION journal_next_batch(text, bigint, jsonb)")
     for name, _ in reversed(VIEWS):
         op.execute(f"DROP VIEW {name}")

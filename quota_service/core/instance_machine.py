@@ -153,6 +153,7 @@ class ReservationRecord:
         "tags",
         "tokens",
         "wait_deadline",
+        "written",
     )
 
     def __init__(self, request: AdmitRequest, blocks: int, tokens: int, ttl: float) -> None:
@@ -183,6 +184,9 @@ class ReservationRecord:
         self.compress_after_bytes: int | None = None
         # Preempted by a reclaim: the blocks its end gave back (their last references).
         self.freed_blocks: int | None = None
+        # Whether the record has a row of it yet (a new one's first row must not replace an
+        # old reservation's under the same request id).
+        self.written = False
         self.shadow_refusal: str | None = None
 
     @property

@@ -34,6 +34,7 @@ from quota_service.store.journal import (
     BatchRows,
     Deposed,
     Journal,
+    RequestIdsReused,
     Statement,
     batch_rows,
     totals_of,
@@ -101,6 +102,9 @@ class InstanceOwner:
         # Told "tenant/request_id" of each reservation a committed batch changed (the waiters of
         # queued Admits and watches wake on it).
         self.on_committed: Callable[[str], None] | None = None
+        # Told the request ids a batch found recorded already (reservations ended long ago):
+        # their Admits must be answered from the record.
+        self.on_reused: Callable[[list[tuple[str, str]]], None] | None = None
 
     async def apply(
         self,
@@ -162,7 +166,7 @@ class InstanceOwner:
                         waiter.set_result(None)
                 self._writing = None
                 if self.on_committed is not None:
-                    for row in rows.reservations:
+                    for row in (*rows.new_reservations, *rows.reservations):
                         self.on_committed(f"{row['tenant']}/{row['request_id']}")
         finally:
             self._writer = None
@@ -181,7 +185,14 @@ class InstanceOwner:
         return rows
 
     def _fail(self, exc: BaseException) -> None:
-        why = "a newer owner took it" if isinstance(exc, Deposed) else "its journal failed"
+        if isinstance(exc, Deposed):
+            why = "a newer owner took it"
+        elif isinstance(exc, RequestIdsReused):
+            why = "a request id was reused"
+            if self.on_reused is not None:
+                self.on_reused(exc.keys)
+        else:
+            why = "its journal failed"
         log.warning("instances/%s: %s (%s); it is no longer served here", self.instance, why, exc)
         self.failure = why
         error = owner_unavailable(self.instance, why)

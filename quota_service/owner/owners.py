@@ -20,6 +20,7 @@ from typing import NoReturn, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service.core import admission
 from quota_service.core.admission import AdmissionLimits, AdmitRequest
 from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import KvQuotaError, not_found
@@ -75,6 +76,8 @@ class Owners:
         self._owners: dict[str, InstanceOwner] = {}
         self._taking: dict[str, asyncio.Lock] = {}
         self._lookups = KeyLookups(self.journal)
+        # Request ids a batch found recorded already: their Admits are answered from the record.
+        self.reused: set[tuple[str, str]] = set()
 
     async def owner(self, instance: str) -> InstanceOwner:
         """The instance's owner here, taken over first when it has none (or lost it)."""
@@ -95,6 +98,7 @@ class Owners:
                     self._address,
                 )
                 owner.on_committed = self._on_changed
+                owner.on_reused = self.reused.update
                 self._owners[instance] = owner
                 log.info("instances/%s: served from memory (epoch %d)", instance, owner.epoch)
             return owner
@@ -133,6 +137,13 @@ class Owners:
             for one in settings:
                 owner.machine.set_tenant(one)
 
+    async def tenant_settings(self, tenant: str) -> TenantSettings:
+        """A tenant's settings as the catalog has them now."""
+        for one in await self.journal.tenants():
+            if one.tenant == tenant:
+                return one
+        raise not_found(Reason.TENANT_NOT_FOUND, f"tenants/{tenant}")
+
     def settings(self, instance: str, tenant: str) -> TenantSettings | None:
         owner = self._owners.get(instance)
         here = owner.machine.tenants.get(tenant) if owner is not None else None
@@ -150,13 +161,20 @@ class Owners:
             pinned += len(here.pinned)
         return Elsewhere(blocks, tokens, pinned)
 
+    def holding(self, tenant: str, request_id: str) -> str | None:
+        """The instance whose machine here knows the reservation, if one does."""
+        key = (tenant, request_id)
+        for owner in self.served():
+            if key in owner.machine.reservations or key in owner.machine.ended:
+                return owner.instance
+        return None
+
     async def instance_of(self, tenant: str, request_id: str) -> str | None:
         """The instance a reservation is on: a machine here that knows it, else the record."""
-        key = (tenant, request_id)
-        for name, owner in self._owners.items():
-            if key in owner.machine.reservations or key in owner.machine.ended:
-                return name
-        return await self._lookups.instance_of(key)
+        held = self.holding(tenant, request_id)
+        if held is not None:
+            return held
+        return await self._lookups.instance_of((tenant, request_id))
 
     def served(self) -> list[InstanceOwner]:
         return [owner for owner in self._owners.values() if owner.failure is None]
@@ -229,7 +247,14 @@ class OwnedLedger(Ledger):
     async def admit(self, request: AdmitRequest) -> tuple[Reservation, str]:
         p = request.params
         owners = self._owners
-        instance = await owners.instance_of(p.tenant, p.request_id) or p.instance
+        instance = owners.holding(p.tenant, p.request_id)
+        if instance is None and (p.tenant, p.request_id) in owners.reused:
+            # Its request id names a reservation that ended before any machine here knew it.
+            recorded = await super().get(p.tenant, p.request_id)
+            salt = (await owners.tenant_settings(p.tenant)).salt
+            return admission.check_replay(request, recorded), salt
+        # An id no machine here knows is new, or the batch finds it recorded (RequestIdsReused).
+        instance = instance or p.instance
 
         def admit(machine: InstanceMachine, now: float) -> Reservation:
             elsewhere = owners.elsewhere(p.tenant, instance)
@@ -242,9 +267,9 @@ class OwnedLedger(Ledger):
                 reason = refused.reason
                 await owners.run(instance, lambda m, now: m.meter_refusal(p.tenant, reason))
             raise
-        settings = owners.settings(instance, p.tenant)
-        assert settings is not None
-        return reservation, settings.salt
+        here = owners.settings(instance, p.tenant)
+        assert here is not None
+        return reservation, here.salt
 
     async def get(self, tenant: str, request_id: str) -> Reservation:
         try:

@@ -56,6 +56,15 @@ class Deposed(Exception):
     """A newer owner holds the instance: this owner's batch was not committed."""
 
 
+class RequestIdsReused(Exception):
+    """New reservations of the batch had request ids the record holds already (reservations
+    ended long ago): the batch was not committed."""
+
+    def __init__(self, keys: list[tuple[str, str]]) -> None:
+        super().__init__(", ".join(f"{t}/{r}" for t, r in keys))
+        self.keys = keys
+
+
 @dataclass(frozen=True, slots=True)
 class TenantTotals:
     """What a tenant holds on one instance, as its fleet-wide totals count it."""
@@ -94,6 +103,8 @@ class BatchRows:
     changing while the batch is written)."""
 
     reservations: list[dict[str, Any]] = field(default_factory=list)
+    # Reservations the record has no row of yet.
+    new_reservations: list[dict[str, Any]] = field(default_factory=list)
     pins: list[dict[str, Any]] = field(default_factory=list)
     removed_pins: list[dict[str, Any]] = field(default_factory=list)
     delta: dict[str, Any] | None = None
@@ -125,7 +136,9 @@ def batch_rows(
     rows = BatchRows()
     touched: set[str] = set()
     for record in changes.reservations.values():
-        rows.reservations.append(_reservation_row(instance, record))
+        as_row = _reservation_row(instance, record)
+        (rows.reservations if record.written else rows.new_reservations).append(as_row)
+        record.written = True
         touched.add(record.key[0])
     for (owner, pin_id), pin in changes.pins.items():
         if pin is None:
@@ -361,6 +374,21 @@ _UPSERT_RESERVATIONS = (
 )
 # A pin, and what the instance's CPU tier must pin too, as it is now (salt, coordinator): an
 # unpin later reaches the same pins there whatever changed meanwhile.
+# New reservations: inserted unless the request id is recorded already, and then the batch
+# fails with those ids (journal_fresh, migration 0021).
+_INSERT_NEW_RESERVATIONS = (
+    "WITH r AS (SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS r("
+    + ", ".join(f"{c} {t}" for c, t, _ in _RESERVATION_COLUMNS)
+    + ")), inserted AS ("
+    f"INSERT INTO reservations ({', '.join(c for c, _, _ in _RESERVATION_COLUMNS)}) "
+    f"SELECT {', '.join(_from_json(c, f) for c, _, f in _RESERVATION_COLUMNS)} FROM r "
+    "ON CONFLICT (tenant, request_id) DO NOTHING RETURNING tenant, request_id) "
+    "SELECT journal_fresh(ARRAY(SELECT r.tenant || '/' || r.request_id FROM r "
+    "WHERE NOT EXISTS (SELECT 1 FROM inserted i "
+    "WHERE i.tenant = r.tenant AND i.request_id = r.request_id)))"
+)
+# What journal_fresh fails with.
+REUSED_SQLSTATE = "KQ002"
 _UPSERT_PIN = (
     "WITH pin AS (INSERT INTO pins (owner, pin_id, tenant, instance, prompt_tokens, "
     "pinned_blocks, prefix_hash, created_at, block_ids, block_generations, state, removed_at) "
@@ -515,6 +543,8 @@ class Journal:
         """Commit one batch. Raises Deposed when a newer owner exists."""
         fenced = {"instance": instance, "epoch": epoch}
         statements: list[Statement] = [(_NEXT_BATCH, {**fenced, "clocks": json.dumps(rows.clocks)})]
+        if rows.new_reservations:
+            statements.append((_INSERT_NEW_RESERVATIONS, _rows(rows.new_reservations)))
         if rows.reservations:
             statements.append((_UPSERT_RESERVATIONS, _rows(rows.reservations)))
         statements += [(_UPSERT_PIN, pin) for pin in rows.pins]
@@ -553,6 +583,9 @@ class Journal:
             await connection.close()
             if exc.sqlstate == DEPOSED_SQLSTATE:
                 raise Deposed(instance) from exc
+            if exc.sqlstate == REUSED_SQLSTATE and exc.diag.message_primary:
+                keys = [key.split("/", 1) for key in exc.diag.message_primary.split(" ")]
+                raise RequestIdsReused([(t, r) for t, r in keys]) from exc
             raise
 
     async def close(self) -> None:
@@ -708,6 +741,7 @@ def _record_from_row(row: RowMapping) -> ReservationRecord:
     record.compress_before_bytes = row["compress_before_bytes"]
     record.compress_after_bytes = row["compress_after_bytes"]
     record.freed_blocks = row["freed_blocks"]
+    record.written = True
     record.shadow_refusal = row["shadow_refusal"]
     return record
 

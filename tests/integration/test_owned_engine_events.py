@@ -1,7 +1,7 @@
-"""The engine followed on the memory hot path: KV events change the instance's machine in the
-owner's batch that records their sequence number, as the ledger's reconciler does on the
-per-block tables (tests/integration/test_reconcile.py), and the record rebuilds what memory
-holds afterwards."""
+"""The memory hot path's owned services beyond the journal's own tests: the engine followed
+(KV events change the instance's machine in the owner's batch that records their sequence
+number, as the ledger's reconciler does on the per-block tables, tests/integration/
+test_reconcile.py), and request ids the record holds from before a machine knew them."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
+from quota_service.core.errors import KvQuotaError
 from quota_service.core.hashing import block_hashes, event_hash
 from quota_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from quota_service.core.model import EndReason, ReservationState
 from quota_service.core.queueing import QueuePolicy
+from quota_service.core.reasons import Reason
 from quota_service.owner.owned_reconcile import OwnedReconciler
 from quota_service.owner.owners import OwnedLedger, Owners
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
@@ -97,3 +99,40 @@ async def test_an_engine_restart_ends_what_ran_on_it(engine: AsyncEngine, owners
     counts = (await owners.owner("gpu-0")).machine.pool.counts()
     assert (counts["IN_USE"], counts["CACHED"]) == (0, 0)
     assert await instance_row(engine) == (0, 7, 1)
+
+
+async def test_an_old_request_id_is_answered_from_the_record_never_admitted_anew(
+    engine: AsyncEngine, owners: Owners
+) -> None:
+    """A reservation that ended before the serving replica's memory knew it (another owner,
+    or long ago) keeps its request id: an Admit repeating it is refused as ended, and its row
+    stays as it was."""
+    ledger = OwnedLedger(engine, owners, LIMITS)
+    await ledger.admit(request("old", 100, 10))
+    await ledger.end("acme", "old", EndReason.RELEASED, 1)
+    async with engine.connect() as conn:
+        before = (await conn.execute(text("SELECT * FROM reservations"))).all()
+    later = Owners(engine, LIMITS, QueuePolicy(), "replica-b")
+    try:
+        again = OwnedLedger(engine, later, LIMITS)
+        # The batch that would have admitted it again finds its id recorded and commits
+        # nothing; the caller is told to retry, and the retry is answered from the record.
+        with pytest.raises(KvQuotaError) as moving:
+            await again.admit(request("old", 100, 10))
+        assert moving.value.reason is Reason.INSTANCE_MOVING
+        with pytest.raises(KvQuotaError) as ended:
+            await again.admit(request("old", 100, 10))
+        assert ended.value.reason is Reason.RESERVATION_ENDED
+        with pytest.raises(KvQuotaError) as reused:
+            await again.admit(request("old", 200, 10))
+        assert reused.value.reason is Reason.REQUEST_ID_REUSED
+        # The instance serves on: a new id is admitted.
+        fresh, _ = await again.admit(request("new", 100, 10))
+        assert fresh.state is ReservationState.ADMITTED
+    finally:
+        await later.close()
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(text("SELECT * FROM reservations WHERE request_id = 'old'"))
+        ).all()
+    assert rows == [row for row in before if row.request_id == "old"]
