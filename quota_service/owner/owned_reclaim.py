@@ -11,7 +11,6 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.core.instance_machine import InstanceMachine
-from quota_service.core.model import ReservationState
 from quota_service.core.names import tenant_name
 from quota_service.core.reclaim import (
     DEFAULT_WATERMARKS,
@@ -143,21 +142,17 @@ class OwnedReclaimJobs(ReclaimJobs):
 
         def compress(machine: InstanceMachine, now: float) -> tuple[int, str | None]:
             record = machine.reservations.get((tenant, request_id))
-            if (
-                record is None
-                or record.state is not ReservationState.ADMITTED
-                or record.suspended_at is None
-                or record.offloaded_bytes is None
-            ):
+            if record is None or record.offloaded_bytes is None:
                 return 0, NOT_OFFLOADED_ANY_MORE
             if record.compressed_bytes is not None:
                 return 0, COMPRESSED_SINCE_PLAN
             if not measured.before_bytes:
                 return 0, NOTHING_TO_DEMOTE
             kept, compressed = measured.booked(record.offloaded_bytes)
-            machine.compress(
-                tenant, request_id, kept, compressed, measured.before_bytes, measured.after_bytes
-            )
+            before, after = measured.before_bytes, measured.after_bytes
+            # The machine says whether it is still a suspended session in the CPU tier.
+            if not machine.compress(tenant, request_id, kept, compressed, before, after):
+                return 0, NOT_OFFLOADED_ANY_MORE
             return 0, None
 
         def marked(outcome: tuple[int, str | None]) -> list[Statement]:

@@ -27,7 +27,7 @@ from quota_service.store.journal import Journal
 from tests.examples import examples
 from tests.integration.ledger_fixtures import add_instance
 from tests.model.rules import BS, INSTANCES, NAMESPACE, SHARED, TENANTS
-from tests.unit.machine_fixtures import assert_same_machine, next_generation
+from tests.unit.machine_fixtures import assert_same_machine, next_generation, slot_rows
 from tests.unit.test_instance_machine_model import MachinesVersusModel
 
 
@@ -127,19 +127,7 @@ class JournalVersusModel(MachinesVersusModel):
                 return slots.all(), holdings.all()
 
         slots, holdings = self.run(read())
-        pool = machine.pool
-        expected = [
-            (
-                b,
-                pool.state(b),
-                pool.ref_count(b),
-                pool.pin_count(b),
-                pool.generation(b),
-                pool.content_hash(b),
-            )
-            for b in range(pool.capacity)
-            if pool.state(b) != "FREE"
-        ]
+        expected = [row for row in slot_rows(machine) if row[1] != "FREE"]
         assert [tuple(row) for row in slots] == expected
         in_memory = [
             (tenant, len(here.held), len(here.pinned), here.tokens)

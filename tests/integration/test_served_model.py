@@ -24,7 +24,7 @@ from quota_service.owner.owners import OwnedLedger, Owners
 from tests.examples import examples
 from tests.integration.test_stateful import LedgerMachine
 from tests.model.rules import INSTANCES, SlotRow, TenantRow
-from tests.unit.machine_fixtures import assert_same_machine, next_generation, recount
+from tests.unit.machine_fixtures import assert_same_machine, next_generation, recount, slot_rows
 
 
 class ServedVersusModel(LedgerMachine):
@@ -61,19 +61,7 @@ class ServedVersusModel(LedgerMachine):
                 next_generation(machine),
             )
             assert_same_machine(machine, fresh)
-            pool = machine.pool
-            slots += [
-                (
-                    name,
-                    b,
-                    pool.state(b),
-                    pool.ref_count(b),
-                    pool.pin_count(b),
-                    pool.generation(b),
-                    pool.content_hash(b),
-                )
-                for b in range(pool.capacity)
-            ]
+            slots += [(name, *row) for row in slot_rows(machine)]
 
         async def totals() -> list[Any]:
             async with self.engine.connect() as conn:

@@ -75,6 +75,23 @@ def recount(machine: InstanceMachine) -> None:
         assert here.tokens == tokens[name], f"tenant {name}: tokens in flight"
 
 
+def slot_rows(machine: InstanceMachine) -> list[tuple[int, str, int, int, int, bytes | None]]:
+    """Every slot as the model tests compare them: id, state, references, pins, generation,
+    hash."""
+    pool = machine.pool
+    return [
+        (
+            b,
+            pool.state(b),
+            pool.ref_count(b),
+            pool.pin_count(b),
+            pool.generation(b),
+            pool.content_hash(b),
+        )
+        for b in range(pool.capacity)
+    ]
+
+
 def next_generation(machine: InstanceMachine) -> int:
     """A generation floor above every handle the machine issued (a new owner's)."""
     return max(machine.pool.generation(b) for b in range(machine.pool.capacity)) + 1

@@ -32,7 +32,7 @@ from tests.model.rules import (
     SlotRow,
     TenantRow,
 )
-from tests.unit.machine_fixtures import check_recovery, recount, shares_held
+from tests.unit.machine_fixtures import check_recovery, recount, shares_held, slot_rows
 
 NOW = 1_700_000_000.0
 
@@ -147,19 +147,7 @@ class MachinesVersusModel(LedgerRules):
         slots: list[SlotRow] = []
         for name in sorted(self.machines):
             machine = self.machines[name]
-            pool = machine.pool
-            slots += [
-                (
-                    name,
-                    b,
-                    pool.state(b),
-                    pool.ref_count(b),
-                    pool.pin_count(b),
-                    pool.generation(b),
-                    pool.content_hash(b),
-                )
-                for b in range(pool.capacity)
-            ]
+            slots += [(name, *row) for row in slot_rows(machine)]
             recount(machine)
             self.check_record(name, machine)
         tenants: list[TenantRow] = []
