@@ -205,6 +205,34 @@ class Point:
     # The servers' PostgreSQL connections: how many were in each state, on average.
     connections: dict[str, float] = field(default_factory=dict)
 
+    @classmethod
+    def of(
+        cls,
+        prefix: int,
+        concurrency: int,
+        result: LoadResult,
+        server_seconds: float,
+        postgres_seconds: float,
+        connections: dict[str, float],
+    ) -> Point:
+        """A closed loop's result, with the CPU seconds its servers and PostgreSQL spent."""
+        pairs = max(result.pairs, 1)
+        # CPU is counted over the warm-up too (a little more than the counted pairs did).
+        spanned = (result.seconds + 0.5) / result.seconds if result.seconds else 1.0
+        return cls(
+            prefix,
+            concurrency,
+            result.pairs_per_second,
+            percentile(result.admit_ms, 50),
+            percentile(result.admit_ms, 99),
+            percentile(result.release_ms, 50),
+            sum(result.refused.values()),
+            server_seconds * 1000 / pairs / spanned,
+            postgres_seconds * 1000 / pairs / spanned,
+            result.driver_cpu_seconds * 1000 / pairs / spanned,
+            connections,
+        )
+
 
 @dataclass
 class Run:
@@ -489,22 +517,8 @@ class Suite:
                     self.args.seconds,
                     label=f"grpc-floor-c{concurrency}-r{number}",
                 )
-                pairs = max(result.pairs, 1)
-                spanned = (result.seconds + 0.5) / result.seconds if result.seconds else 1.0
-                cpu = (harness.cpu_seconds(self.grpc_floor.pid) - before) * 1000 / pairs
-                point = Point(
-                    0,
-                    concurrency,
-                    result.pairs_per_second,
-                    percentile(result.admit_ms, 50),
-                    percentile(result.admit_ms, 99),
-                    percentile(result.release_ms, 50),
-                    sum(result.refused.values()),
-                    cpu / spanned,
-                    0.0,
-                    result.driver_cpu_seconds * 1000 / pairs / spanned,
-                    {},
-                )
+                server = harness.cpu_seconds(self.grpc_floor.pid) - before
+                point = Point.of(0, concurrency, result, server, 0.0, {})
                 if best is None or point.pairs_per_second > best.pairs_per_second:
                     best = point
         assert best is not None
@@ -530,24 +544,9 @@ class Suite:
         stop.set()
         connections = await sampling
         servers, postgres = meter.since(before)
-        pairs = max(result.pairs, 1)
         if result.first_refusal:
             say(f"  refused {sum(result.refused.values())}: {result.first_refusal}")
-        # CPU is counted over the warm-up too (a little more than the counted pairs did).
-        spanned = (result.seconds + 0.5) / result.seconds if result.seconds else 1.0
-        return Point(
-            prefix,
-            concurrency,
-            result.pairs_per_second,
-            percentile(result.admit_ms, 50),
-            percentile(result.admit_ms, 99),
-            percentile(result.release_ms, 50),
-            sum(result.refused.values()),
-            servers * 1000 / pairs / spanned,
-            postgres * 1000 / pairs / spanned,
-            result.driver_cpu_seconds * 1000 / pairs / spanned,
-            connections,
-        )
+        return Point.of(prefix, concurrency, result, servers, postgres, connections)
 
     async def fleet(self, gateway: Gateway, meter: CpuMeter, run: Run, number: int) -> None:
         """The most clients of the sweep, no prefix, spread over FLEET instances and 16

@@ -139,9 +139,8 @@ class Owners:
 
     async def tenant_settings(self, tenant: str) -> TenantSettings:
         """A tenant's settings as the catalog has them now."""
-        for one in await self.journal.tenants():
-            if one.tenant == tenant:
-                return one
+        for one in await self.journal.tenants(tenant):
+            return one
         raise not_found(Reason.TENANT_NOT_FOUND, f"tenants/{tenant}")
 
     def settings(self, instance: str, tenant: str) -> TenantSettings | None:

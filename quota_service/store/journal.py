@@ -44,6 +44,7 @@ from quota_service.core.model import (
     TenantState,
 )
 from quota_service.core.queueing import FairTags
+from quota_service.store import blocks
 from quota_service.store.pins import pin_from_row
 
 # Generations a new owner's free slots start at: the epochs before its own times this, above
@@ -497,11 +498,8 @@ _LIVE_RESERVATIONS = text(
 _ACTIVE_PINS = text("SELECT * FROM pins WHERE instance = :instance AND state = 'ACTIVE'")
 _TENANT_SETTINGS = text(
     "SELECT t.tenant, t.state, t.weight, t.shadow_mode, t.max_blocks, t.max_tokens_in_flight, "
-    "t.max_queued_requests, t.max_pinned_blocks, t.max_cpu_tier_bytes, "
-    "coalesce(n.cache_salt, t.cache_salt) AS salt, "
-    "CASE WHEN t.namespace IS NULL THEN 'tenants/' || t.tenant "
-    "ELSE 'namespaces/' || t.namespace END AS scope "
-    "FROM tenants t LEFT JOIN namespaces n ON n.namespace = t.namespace"
+    f"t.max_queued_requests, t.max_pinned_blocks, t.max_cpu_tier_bytes, {blocks.SALT_COLUMNS} "
+    "FROM tenants t WHERE CAST(:tenant AS text) IS NULL OR t.tenant = :tenant"
 )
 
 
@@ -525,8 +523,8 @@ def tenant_settings_from_row(row: RowMapping) -> TenantSettings:
         TenantState(row["state"]),
         quota,
         row["weight"],
-        row["salt"],
-        row["scope"],
+        row["cache_salt"],
+        row["hash_scope"],
         row["shadow_mode"],
     )
 
@@ -619,9 +617,10 @@ class Journal:
         async with self._engine.connect() as conn:
             return [r[0] for r in await conn.execute(_INSTANCES)]
 
-    async def tenants(self) -> list[TenantSettings]:
+    async def tenants(self, only: str | None = None) -> list[TenantSettings]:
+        """Every tenant's settings as the catalog has them now (`only`: that tenant's)."""
         async with self._engine.connect() as conn:
-            rows = (await conn.execute(_TENANT_SETTINGS)).mappings().all()
+            rows = (await conn.execute(_TENANT_SETTINGS, {"tenant": only})).mappings().all()
         return [tenant_settings_from_row(r) for r in rows]
 
     async def load(self, instance: str, owner: str, address: str) -> RecordedInstance:

@@ -239,27 +239,18 @@ _STEPS_OF = text(
 _JOB_BY_REQUEST = text("SELECT job_id FROM reclaim_jobs WHERE request_id = :request_id")
 
 # The next planned step of a running job, claimed so that replicas work on different steps.
-_NEXT_STEP = text(
-    """
+# The job's next planned step; claimed by the transaction that applies it (`_NEXT_STEP`), or only
+# looked at (`_PEEK_STEP`: an owner applies it in its own batch).
+_STEP_OF_JOB = """
     SELECT j.instance, j.tenant AS job_tenant, s.seq, s.tier, s.block_id, s.generation,
            s.tenant, s.request_id, s.expected_blocks, s.actual_blocks, s.bytes_before,
            s.bytes_after, s.bytes_kept
     FROM reclaim_steps s JOIN reclaim_jobs j USING (job_id)
     WHERE s.job_id = :job_id AND s.state = 'PLANNED' AND j.state IN ('PLANNED', 'RUNNING')
     ORDER BY s.seq LIMIT 1
-    FOR UPDATE OF s SKIP LOCKED
-    """
-)
-
-_PEEK_STEP = text(
-    """
-    SELECT j.instance, j.tenant AS job_tenant, s.seq, s.tier, s.block_id, s.generation,
-           s.tenant, s.request_id, s.expected_blocks, s.actual_blocks
-    FROM reclaim_steps s JOIN reclaim_jobs j USING (job_id)
-    WHERE s.job_id = :job_id AND s.state = 'PLANNED' AND j.state IN ('PLANNED', 'RUNNING')
-    ORDER BY s.seq LIMIT 1
-    """
-)
+"""
+_NEXT_STEP = text(_STEP_OF_JOB + "FOR UPDATE OF s SKIP LOCKED")
+_PEEK_STEP = text(_STEP_OF_JOB)
 _LOCK_JOB = text("SELECT 1 FROM reclaim_jobs WHERE job_id = :job_id FOR UPDATE")
 
 _FREE_BLOCK = text(
