@@ -21,10 +21,6 @@ NOT_YET_IN_MEMORY = {
     "test_top.py::test_top_json_is_one_snapshot": "sets up through the SQL ledger",
     "test_cli_reclaim.py": "sets up through the SQL ledger",
     "test_reclaim_jobs.py::test_every_replica_s_maintenance_loop": "sets up through the ledger",
-    "test_crash.py": "several replicas: ownership and forwarding come next",
-    "test_replicas.py": "several replicas: ownership and forwarding come next",
-    "test_client_failover.py": "several replicas: ownership and forwarding come next",
-    "test_shutdown.py::test_sigterm_drains": "several replicas: ownership and forwarding come next",
 }
 
 
