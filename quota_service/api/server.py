@@ -353,6 +353,9 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     await asyncio.wait_for(listener.connected.wait(), LISTEN_TIMEOUT_SECONDS)
     await _set_health(health_servicer, True)
     stop = asyncio.Event()
+    if hot_path.owners is not None:
+        # Instances whose owner died wait for no call: their engines are followed from now.
+        await hot_path.owners.keep_leases()
     followers = Followers(database_url, hot_path.reconciler(engine), metrics=observed)
     await followers.scan()
     metrics = LedgerMetrics(catalog, inspection, reclaim, settings.metrics_refresh_seconds)

@@ -192,8 +192,8 @@ class Owners:
         await self.take_over_unowned()
 
     async def take_over_unowned(self) -> None:
-        """Serve here every instance no replica's lease covers (one whose owner died or
-        stopped keeps its reservations, queue and engine to follow)."""
+        """Serve here the instances no replica's lease covers that have work waiting (an owner
+        that died or stopped left reservations, a queue, an engine to follow)."""
         for instance in await self.journal.unowned():
             if instance in self._owners and self._owners[instance].failure is None:
                 continue

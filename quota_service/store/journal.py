@@ -511,9 +511,13 @@ _RELEASE = text(
     "FROM unnest(CAST(:instances AS text[]), CAST(:epochs AS bigint[])) AS k(instance, epoch) "
     "WHERE o.instance = k.instance AND o.epoch = k.epoch AND o.owner = :owner"
 )
+# Instances to take over without waiting for a call: those whose owner's lease lapsed (it died
+# or stopped, leaving live reservations, a queue), and those never owned whose engine publishes
+# KV events to follow. Others are claimed by the replica that first serves a call for them.
 _UNOWNED = text(
     "SELECT i.instance FROM instances i LEFT JOIN instance_owners o ON o.instance = i.instance "
-    "WHERE o.lease_expires_at IS NULL OR o.lease_expires_at <= now() ORDER BY i.instance"
+    "WHERE (o.instance IS NOT NULL AND coalesce(o.lease_expires_at <= now(), true)) "
+    "OR (o.instance IS NULL AND i.kv_events_endpoint IS NOT NULL) ORDER BY i.instance"
 )
 # What each tenant holds on each instance other than these (the ones a replica serves).
 _HOLDINGS_ELSEWHERE = text(
@@ -704,7 +708,7 @@ class Journal:
             await conn.execute(_RELEASE, params)
 
     async def unowned(self) -> list[str]:
-        """The instances no replica's lease covers now."""
+        """The instances to take over now that no replica's lease covers (see _UNOWNED)."""
         async with self._engine.connect() as conn:
             return [r[0] for r in await conn.execute(_UNOWNED)]
 
