@@ -292,6 +292,8 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     listener = Listener(database_url)
     listener.subscribe(waiters.on_notification)
     listener.subscribe(dispatcher.on_notification)
+    if hot_path.owners is not None:
+        listener.subscribe(hot_path.owners.on_notification)
     api_keys = ApiKeys(engine)
     audit = AuditLog(engine)
     authenticator = Authenticator(api_keys, settings.auth_required, settings.auth_cache_seconds)

@@ -60,7 +60,7 @@ from quota_service.store.journal import (
     Statement,
     TenantTotals,
 )
-from quota_service.store.ledger import Ledger
+from quota_service.store.ledger import LapsedOnEngine, Ledger, PendingAbort
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,8 @@ class Owners:
         self._totals_elsewhere: dict[str, Elsewhere] = {}
         # Request ids a batch found recorded already: their Admits are answered from the record.
         self.reused: set[tuple[str, str]] = set()
+        self._tenants_stale = False
+        self._refreshing: asyncio.Task[None] | None = None
 
     @property
     def name(self) -> str:
@@ -188,6 +190,8 @@ class Owners:
                 owner.lease_until = asked_at + lease if self._lease_seconds else math.inf
             else:
                 owner.stop("a newer owner took it")
+        # In case a notification of a tenant's change was lost.
+        await self.refresh_tenants()
         await self.refresh_totals_elsewhere()
         await self.take_over_unowned()
 
@@ -251,6 +255,31 @@ class Owners:
         for owner in self._owners.values():
             for one in settings:
                 owner.machine.set_tenant(one)
+
+    async def tenant_changed(self, tenant: str) -> None:
+        """A tenant (or a namespace's salt) changed through this replica: its machines learn it
+        now, the other replicas' ones when the notification reaches them (or at their next
+        lease renewal)."""
+        await self.refresh_tenants()
+        await self.journal.tell_tenant_changed(tenant)
+
+    def on_notification(self, kind: str, subject: str) -> None:
+        """A tenant changed through another replica: learn it (one refresh at a time, and one
+        more if others changed meanwhile)."""
+        if kind != "tenants":
+            return
+        self._tenants_stale = True
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.create_task(self._refresh_while_stale())
+
+    async def _refresh_while_stale(self) -> None:
+        while self._tenants_stale:
+            self._tenants_stale = False
+            try:
+                await self.refresh_tenants()
+            except Exception:
+                log.warning("reading the tenants' settings failed", exc_info=True)
+                return
 
     async def tenant_settings(self, tenant: str) -> TenantSettings:
         """A tenant's settings as the catalog has them now."""
@@ -461,6 +490,44 @@ class OwnedLedger(Ledger):
             lambda m, now: _answer(m, m.release_blocks(tenant, request_id, handles, now)),
         )
 
+    async def reap_expired(self, batch: int) -> int:
+        """End, on the instances served here, up to `batch` reservations whose lease ran out
+        (LEASE_EXPIRED; on an instance with an engine, Termination has it abort them first)
+        and queued ones whose wait budget did (QUEUE_TIMEOUT): each owner reaps its own."""
+        ended = 0
+        for owner in self._owners.served():
+
+            def reap(machine: InstanceMachine, now: float, budget: int = batch - ended) -> int:
+                aborted_first = machine.spec.engine is not None
+                lapsed = [
+                    r
+                    for r in machine.reservations.values()
+                    if _lapsed(r, now)
+                    and not (aborted_first and r.state is ReservationState.ADMITTED)
+                ][:budget]
+                for record in lapsed:
+                    reason = (
+                        EndReason.LEASE_EXPIRED
+                        if record.state is ReservationState.ADMITTED
+                        else EndReason.QUEUE_TIMEOUT
+                    )
+                    machine.end(*record.key, reason, now)
+                return len(lapsed)
+
+            if ended < batch:
+                ended += await self._owners.run(owner.instance, reap)
+        return ended
+
+    async def lapsed_on_engines(self, batch: int) -> list[LapsedOnEngine]:
+        """Those of the instances served here (their owner asks their engine to abort)."""
+        found = await super().lapsed_on_engines(batch)
+        return [r for r in found if self._owners.holding(r.tenant, r.request_id)]
+
+    async def pending_aborts(self, batch: int) -> list[PendingAbort]:
+        """Those of the instances served here."""
+        found = await super().pending_aborts(batch)
+        return [p for p in found if self._owners.holding(p.tenant, p.request_id)]
+
     async def dispatch(self, instance: str) -> int:
         owners = self._owners
 
@@ -503,25 +570,28 @@ class OwnedCatalog(Catalog):
         shadow_mode: bool = False,
     ) -> Tenant:
         created = await super().create_tenant(tenant, display_name, weight, quota, shadow_mode)
-        await self._owners.refresh_tenants()
+        await self._owners.tenant_changed(tenant)
         return created
 
     async def update_tenant(self, tenant: str, changes: dict[str, object]) -> Tenant:
         updated = await super().update_tenant(tenant, changes)
-        await self._owners.refresh_tenants()
+        await self._owners.tenant_changed(tenant)
         return updated
 
     async def set_tenant_state(self, tenant: str, state: TenantState) -> Tenant:
         updated = await super().set_tenant_state(tenant, state)
-        await self._owners.refresh_tenants()
+        await self._owners.tenant_changed(tenant)
         return updated
 
     async def rotate_salt(self, collection: str, owner_id: str) -> None:
         await super().rotate_salt(collection, owner_id)
-        await self._owners.refresh_tenants()
+        # A namespace's salt is its tenants' too: every replica rereads them all anyway.
+        await self._owners.tenant_changed(owner_id)
 
     async def drain_instance(self, instance: str) -> Instance:
-        drained = await super().drain_instance(instance)
+        # The owner first: a call for an instance served elsewhere is forwarded there before
+        # anything changed here.
         owner = await self._owners.owner(instance)
+        drained = await super().drain_instance(instance)
         owner.machine.state = drained.state
         return drained

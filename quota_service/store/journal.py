@@ -514,6 +514,8 @@ _RELEASE = text(
 # Instances to take over without waiting for a call: those whose owner's lease lapsed (it died
 # or stopped, leaving live reservations, a queue), and those never owned whose engine publishes
 # KV events to follow. Others are claimed by the replica that first serves a call for them.
+# The other replicas' machines learn a tenant's change from this (notifications.py).
+_TENANT_CHANGED = text("SELECT pg_notify('kvquota_events', 'tenants:' || :tenant)")
 _UNOWNED = text(
     "SELECT i.instance FROM instances i LEFT JOIN instance_owners o ON o.instance = i.instance "
     "WHERE (o.instance IS NOT NULL AND coalesce(o.lease_expires_at <= now(), true)) "
@@ -706,6 +708,11 @@ class Journal:
         params = {"owner": owner, "instances": list(epochs), "epochs": list(epochs.values())}
         async with self._engine.begin() as conn:
             await conn.execute(_RELEASE, params)
+
+    async def tell_tenant_changed(self, tenant: str) -> None:
+        """Tell every replica that a tenant's settings or state changed."""
+        async with self._engine.begin() as conn:
+            await conn.execute(_TENANT_CHANGED, {"tenant": tenant})
 
     async def unowned(self) -> list[str]:
         """The instances to take over now that no replica's lease covers (see _UNOWNED)."""
