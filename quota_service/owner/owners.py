@@ -105,6 +105,8 @@ class Owners:
         self.reused: set[tuple[str, str]] = set()
         self._tenants_stale = False
         self._refreshing: asyncio.Task[None] | None = None
+        # Shutting down (hand_over): no instance is claimed any more.
+        self._closing = False
 
     @property
     def name(self) -> str:
@@ -121,6 +123,8 @@ class Owners:
         if owner is not None and owner.failure is None:
             return owner
         self._raise_if_held(instance)
+        if self._closing:
+            await self._raise_holder(instance)
         lock = self._taking.setdefault(instance, asyncio.Lock())
         async with lock:
             owner = self._owners.get(instance)
@@ -170,6 +174,19 @@ class Owners:
         else:
             raise ServedElsewhere(instance, held.address)
 
+    async def _raise_holder(self, instance: str) -> NoReturn:
+        """A replica shutting down claims nothing: the instance's new owner, if it has one yet,
+        serves the call, or the caller is told to retry shortly."""
+        holder = await self.journal.holder(instance)
+        if holder is not None and holder.owner != self._name:
+            self._held[instance] = (holder, time.monotonic() + holder.seconds_left)
+            self._raise_if_held(instance)
+        raise KvQuotaError(
+            Reason.INSTANCE_MOVING,
+            f"instances/{instance} is moving between replicas; retry shortly",
+            retry_delay_seconds=MAX_MOVING_RETRY_SECONDS,
+        )
+
     def forget_holder(self, instance: str) -> None:
         """The replica that held the instance did not answer: read its lease again next time
         (and take the instance over once it has lapsed)."""
@@ -198,6 +215,8 @@ class Owners:
     async def take_over_unowned(self) -> None:
         """Serve here the instances no replica's lease covers that have work waiting (an owner
         that died or stopped left reservations, a queue, an engine to follow)."""
+        if self._closing:
+            return
         for instance in await self.journal.unowned():
             if instance in self._owners and self._owners[instance].failure is None:
                 continue
@@ -218,19 +237,20 @@ class Owners:
             for tenant, held in (await self.holdings_elsewhere()).items()
         }
 
-    async def close(self) -> None:
-        """Stop serving: wait for the batches being written (what the owners acknowledged is
-        in the record), give the leases up so that other replicas take over at once, and close
-        the owners' journal connections."""
+    async def hand_over(self) -> None:
+        """Stop serving (a replica shutting down): take no operation more, let those taken
+        commit and be answered, and give the leases up, so that other replicas take the
+        instances over at once; calls for them that reach this replica from then on are
+        forwarded to their new owners."""
+        self._closing = True
         served = self.served()
         for owner in served:
-            owner.stop("this replica is stopping")
-        for owner in served:
-            await owner.settled()
-        try:
-            await self.journal.release(self._name, {o.instance: o.epoch for o in served})
-        finally:
-            await self.journal.close()
+            await owner.retire("this replica is stopping")
+        await self.journal.release(self._name, {o.instance: o.epoch for o in served})
+
+    async def close(self) -> None:
+        """Close the owners' journal connections."""
+        await self.journal.close()
 
     async def run(
         self,

@@ -684,10 +684,16 @@ class Journal:
             claimed = claim.mappings().first()
             if claimed is None:
                 held = (await conn.execute(_HOLDER, {"instance": instance})).mappings().one()
-                raise InstanceHeld(
-                    instance, held["owner"], held["address"], float(held["seconds_left"])
-                )
+                raise _held(instance, held)
             return await _recorded(conn, instance, dict(claimed))
+
+    async def holder(self, instance: str) -> InstanceHeld | None:
+        """The replica whose lease on the instance runs now, if one does."""
+        async with self._engine.connect() as conn:
+            held = (await conn.execute(_HOLDER, {"instance": instance})).mappings().first()
+        if held is None or held["seconds_left"] is None or held["seconds_left"] <= 0:
+            return None
+        return _held(instance, held)
 
     async def renew(self, owner: str, epochs: Mapping[str, int], lease_seconds: float) -> set[str]:
         """Extend this replica's leases on these instances (under these epochs); returns the
@@ -735,6 +741,10 @@ class Journal:
             owner = (await conn.execute(_OWNER, {"instance": instance})).mappings().first()
             found = dict(owner) if owner is not None else {"epoch": 0, "batch": 0, "clocks": {}}
             return await _recorded(conn, instance, found)
+
+
+def _held(instance: str, row: RowMapping) -> InstanceHeld:
+    return InstanceHeld(instance, row["owner"], row["address"], float(row["seconds_left"]))
 
 
 async def _recorded(
