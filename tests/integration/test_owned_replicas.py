@@ -355,3 +355,51 @@ async def test_tenant_changes_and_offboarding_reach_every_owner(
             text("SELECT blocks_in_use, pinned_blocks FROM tenants WHERE tenant = 'acme'")
         )
         assert tuple(totals.one()) == (0, 0)
+
+
+async def test_a_forwarding_replica_killed_mid_call_loses_nothing(
+    engine: AsyncEngine, fleet: list[Replica]
+) -> None:
+    owner, forwarder, other = fleet
+    await _register(owner, "gpu-a")
+    await _tenant(owner, "acme")
+    holder = await owner.gateway.Admit(_admit("acme", "holder", "gpu-a", prompt=8000))
+    waiter = _admit("acme", "waiter", "gpu-a", prompt=200)
+    waiter.wait_timeout.FromSeconds(60)
+    waiting = asyncio.ensure_future(forwarder.gateway.Admit(waiter))
+    for _ in range(100):
+        if (await _recorded_states(engine)).get("waiter") == "QUEUED":
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the Admit never reached the owner's queue")
+    forwarder.process.send_signal(signal.SIGKILL)
+    forwarder.process.wait()
+    with pytest.raises(grpc.aio.AioRpcError) as lost:
+        await waiting
+    assert lost.value.code() is grpc.StatusCode.UNAVAILABLE
+    await other.gateway.Release(admission_pb2.ReleaseRequest(name=holder.reservation.name))
+    # The caller retries the same request through another replica: it kept its place in the
+    # queue, and was admitted once the holder left.
+    again = await other.gateway.Admit(waiter)
+    recorded = await _recorded_states(engine)
+    assert again.reservation.state == pb.RESERVATION_STATE_ADMITTED
+    assert recorded["waiter"] == "ADMITTED"
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text("SELECT count(*) FROM reservations WHERE request_id = 'waiter'")
+        )
+        assert rows.scalar_one() == 1
+
+
+async def test_a_forwarded_call_is_not_forwarded_again(fleet: list[Replica]) -> None:
+    owner, _, other = fleet
+    await _register(owner, "gpu-a")
+    await _tenant(owner, "acme")
+    await owner.gateway.Admit(_admit("acme", "claim", "gpu-a"))
+    # As if another replica had forwarded it here, believing this one the owner.
+    with pytest.raises(grpc.aio.AioRpcError) as moving:
+        await other.gateway.Admit(
+            _admit("acme", "hop", "gpu-a"), metadata=(("kvquota-forwarded-by", "elsewhere"),)
+        )
+    assert rich_error(moving.value).reason == "INSTANCE_MOVING"
