@@ -94,6 +94,16 @@ class Settings:
     # transaction) or "memory" (each instance's state machine in this replica, journaled in
     # group commits). "memory" serves the admission path while the rest moves onto it.
     hot_path: str = "ledger"
+    # Memory hot path: how long an instance's owner holds it without renewing (it renews every
+    # third of that); another replica takes the instance over once the lease has lapsed.
+    owner_lease_seconds: float = 5.0
+    # Where the other replicas reach this one to forward calls for the instances it owns
+    # (host:port); empty: the listen address, with this host's name for a wildcard host and the
+    # bound port for port 0.
+    advertise_address: str = ""
+    # The CA that signed the other replicas' certificates, when they serve TLS (forwarded calls
+    # present this replica's own certificate); empty: the client CA, else the system's roots.
+    tls_peer_ca_file: str = ""
 
     def __post_init__(self) -> None:
         positive = (
@@ -108,6 +118,7 @@ class Settings:
             "dispatch_batch",
             "queue_poll_seconds",
             "engine_abort_timeout_seconds",
+            "owner_lease_seconds",
             "engine_abort_hard_timeout_seconds",
             "metrics_refresh_seconds",
             "reclaim_policy_cooldown_seconds",
@@ -156,7 +167,7 @@ class Settings:
                 f"{ENV_PREFIX}TLS_CLIENT_CA_FILE (mutual TLS) needs the server's "
                 f"{ENV_PREFIX}TLS_CERT_FILE and {ENV_PREFIX}TLS_KEY_FILE"
             )
-        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_peer_ca_file"):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()}: no such file: {path}")

@@ -29,6 +29,7 @@ from quota_service.api.error_status import (
 )
 from quota_service.core import access, names
 from quota_service.core.access import ANONYMOUS, ApiKey, AuditEvent, Principal, Role
+from quota_service.core.errors import ServedElsewhere
 from quota_service.store.access import ApiKeys, AuditLog
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,8 @@ class AccessInterceptor(WrappingInterceptor):
             try:
                 authorize(principal, method, request)
                 response = await behavior(request, context)
+            except ServedElsewhere:
+                raise  # audited by the replica it is forwarded to
             except Exception as exc:
                 if audited(method):
                     code, _ = answered_with(exc, context)

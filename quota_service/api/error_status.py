@@ -16,7 +16,7 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from quota_service.core.errors import Code, KvQuotaError
+from quota_service.core.errors import Code, KvQuotaError, ServedElsewhere
 from quota_service.core.reasons import Reason
 from quota_service.store.database import unavailable_error
 
@@ -27,6 +27,8 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 # gRPC's own retry policy waits this long before its next attempt (gRFC A6), so a stock client
 # follows the computed delay too.
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+# The code label of a call this replica forwarded to the one serving its instance.
+FORWARDED = "FORWARDED"
 
 
 def _pack(message: Any) -> any_pb2.Any:
@@ -114,7 +116,10 @@ def domain_error(exc: Exception, method: str) -> KvQuotaError:
 def answered_with(
     exc: BaseException, context: grpc.aio.ServicerContext[Any, Any]
 ) -> tuple[str, str]:
-    """The status code name and reason the call ends with because of `exc`."""
+    """The status code name and reason the call ends with because of `exc` (FORWARDED: it is
+    answered by the replica it was forwarded to)."""
+    if isinstance(exc, ServedElsewhere):
+        return FORWARDED, ""
     if isinstance(exc, KvQuotaError):
         return exc.code.value, exc.reason
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
@@ -139,6 +144,8 @@ def _guard(behavior: Behavior[Request, Response], method: str) -> Behavior[Reque
     ) -> Response:
         try:
             return await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise  # aborted already, with its status (a forwarded call's owner's)
         except Exception as exc:
             await abort(context, domain_error(exc, method))
             raise AssertionError("abort raises") from exc
@@ -176,6 +183,8 @@ def _guard_stream(
         try:
             async for item in responses(behavior, request, context):
                 yield item
+        except grpc.aio.AbortError:
+            raise
         except Exception as exc:
             await abort(context, domain_error(exc, method))
 

@@ -20,6 +20,7 @@ import grpc
 
 from kvquota.v1 import admission_pb2, resources_pb2
 from quota_service.api.error_status import (
+    FORWARDED,
     Behavior,
     Request,
     Response,
@@ -107,7 +108,8 @@ class MetricsInterceptor(WrappingInterceptor):
             finally:
                 call_notes.reset(token)
                 self._metrics.observe_rpc(service, method, code, time.perf_counter() - started)
-                if admission:
+                # A forwarded admission is counted by the replica that decides it.
+                if admission and code != FORWARDED:
                     self._metrics.count_admission(method, outcome, reason)
 
         return timed

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
@@ -31,6 +32,7 @@ from quota_service.api.admission_service import AdmissionServicer
 from quota_service.api.auth import AccessInterceptor, Authenticator
 from quota_service.api.billing_service import BillingServicer
 from quota_service.api.error_status import ErrorInterceptor
+from quota_service.api.forwarding import ForwardingInterceptor
 from quota_service.api.observability import MetricsInterceptor
 from quota_service.api.payload import PayloadInterceptor
 from quota_service.api.waiting import Waiters
@@ -101,6 +103,8 @@ class RunningServer:
     _metrics: WSGIServer | None
     _waiters: Waiters
     _owners: Owners | None
+    _forwarding: ForwardingInterceptor | None
+    _leases: asyncio.Task[None] | None
 
     @property
     def metrics_port(self) -> int | None:
@@ -129,6 +133,12 @@ class RunningServer:
         await self._termination.close()
         await self._cpu_tier.close()
         await self._followers.stop()
+        if self._leases is not None:
+            self._leases.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._leases
+        if self._forwarding is not None:
+            await self._forwarding.close()
         if self._owners is not None:
             await self._owners.close()
         if self._metrics is not None:
@@ -181,6 +191,7 @@ def _hot_path(settings: Settings, engine: AsyncEngine, waiters: Waiters) -> HotP
         settings.queue_policy,
         f"{socket.gethostname()}:{os.getpid()}",
         on_changed=lambda key: waiters.on_notification("changed", key),
+        lease_seconds=settings.owner_lease_seconds,
     )
     return HotPath(
         OwnedLedger(engine, owners, limits, settings.queue_policy),
@@ -219,6 +230,41 @@ async def _until_ledger_ready(database_url: str) -> None:
         delay = min(2 * delay, MAX_READY_DELAY_SECONDS)
 
 
+async def _keep_leases(owners: Owners, every_seconds: float) -> None:
+    """Renew this replica's leases, and take over instances whose owner's lease lapsed."""
+    while True:
+        try:
+            await owners.keep_leases()
+        except Exception:
+            # The database may be restarting: leases not renewed lapse, and the owners stop.
+            log.warning("renewing the instances' leases failed", exc_info=True)
+        await asyncio.sleep(every_seconds)
+
+
+def advertised_address(settings: Settings, port: int) -> str:
+    """Where other replicas reach this one (settings.advertise_address, else the listen
+    address with this host's name for a wildcard host and the bound port)."""
+    if settings.advertise_address:
+        return settings.advertise_address
+    host = settings.grpc_listen.rsplit(":", 1)[0]
+    if host in ("", "0.0.0.0", "[::]"):
+        host = socket.getfqdn()
+    return f"{host}:{port}"
+
+
+def peer_credentials(settings: Settings) -> grpc.ChannelCredentials | None:
+    """How this replica calls the others (to forward calls): TLS when it serves TLS, showing
+    its own certificate (for replicas that require clients' certificates)."""
+    if not settings.tls_cert_file:
+        return None
+    ca_file = settings.tls_peer_ca_file or settings.tls_client_ca_file
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(ca_file).read_bytes() if ca_file else None,
+        private_key=Path(settings.tls_key_file).read_bytes(),
+        certificate_chain=Path(settings.tls_cert_file).read_bytes(),
+    )
+
+
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     """TLS (mutual, with a client CA) from the configured PEM files; None: plaintext."""
     if not settings.tls_cert_file:
@@ -251,9 +297,15 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     authenticator = Authenticator(api_keys, settings.auth_required, settings.auth_cache_seconds)
     if not settings.auth_required:
         log.warning("authentication is off (KVQUOTA_AUTH_REQUIRED=false): every caller is admin")
+    forwarding = None
+    if hot_path.owners is not None:
+        forwarding = ForwardingInterceptor(
+            hot_path.owners, peer_credentials(settings), MAX_MESSAGE_BYTES
+        )
     server = grpc.aio.server(
         interceptors=[
             ErrorInterceptor(),
+            *([forwarding] if forwarding is not None else []),
             MetricsInterceptor(observed),
             PayloadInterceptor(),
             AccessInterceptor(authenticator, audit),
@@ -294,6 +346,8 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     else:
         port = server.add_secure_port(settings.grpc_listen, credentials)
     await server.start()
+    if hot_path.owners is not None:
+        hot_path.owners.advertise(advertised_address(settings, port))
     await _until_ledger_ready(database_url)
     listener.start()
     await asyncio.wait_for(listener.connected.wait(), LISTEN_TIMEOUT_SECONDS)
@@ -328,6 +382,10 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         lambda up: _set_health(health_servicer, up),
     )
     running = asyncio.create_task(maintenance.run(jobs, stop))
+    leases = None
+    if hot_path.owners is not None:
+        every = settings.owner_lease_seconds / 3
+        leases = asyncio.create_task(_keep_leases(hot_path.owners, every))
     return RunningServer(
         port,
         server,
@@ -343,6 +401,8 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         metrics_server,
         waiters,
         hot_path.owners,
+        forwarding,
+        leases,
     )
 
 

@@ -55,6 +55,16 @@ class QuotaViolation:
     description: str
 
 
+class ServedElsewhere(Exception):
+    """The instance a call is for is served by another replica (the api layer forwards the call
+    there): not a refusal, so the caller never sees it."""
+
+    def __init__(self, instance: str, address: str) -> None:
+        super().__init__(f"instances/{instance} is served at {address}")
+        self.instance = instance
+        self.address = address
+
+
 @dataclass(eq=False)
 class KvQuotaError(Exception):
     """A refusal the caller can act on: code says what to do next, reason says why."""

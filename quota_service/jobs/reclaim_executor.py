@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import astuple
 
+from quota_service.core.errors import ServedElsewhere
 from quota_service.core.model import EndReason
 from quota_service.core.reclaim import Demotion, Preemption
 from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
@@ -36,7 +37,10 @@ class ReclaimExecutor:
         applied = 0
         asked: Preemption | None = None
         while applied < budget:
-            outcome = await self._jobs.run_step(job_id)
+            try:
+                outcome = await self._jobs.run_step(job_id)
+            except ServedElsewhere:
+                break  # the replica serving the step's instance applies it
             if outcome is False:
                 break
             if isinstance(outcome, Demotion):

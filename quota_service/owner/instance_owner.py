@@ -8,16 +8,20 @@ as the first commits: under load, many operations share one transaction. Nothing
 before it is durable, and nothing is answered from state that is not: a read, or a refusal,
 waits for the batch that holds what it saw.
 
-When a commit fails (PostgreSQL unreachable, or a newer owner took the instance) the machine may
-hold operations the record does not: the owner stops serving at once, every waiting caller gets
-UNAVAILABLE with a retry delay, and the instance is rebuilt from the record before it serves
-again (`Owners`).
+When a commit fails (PostgreSQL unreachable, a newer owner took the instance, or owners on other
+replicas took a tenant's quota meanwhile) the machine may hold operations the record does not:
+the owner stops serving at once, every waiting caller gets UNAVAILABLE with a retry delay, and
+the instance is rebuilt from the record before it serves again (`Owners`). The owner also stops
+the moment its lease on the instance may have lapsed (`lease_until`, on this process's monotonic
+clock): a replica paused past its lease answers nothing from memory another owner may have
+moved on from.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +38,7 @@ from quota_service.store.journal import (
     BatchRows,
     Deposed,
     Journal,
+    QuotaRaced,
     RequestIdsReused,
     Statement,
     batch_rows,
@@ -77,10 +82,13 @@ class InstanceOwner:
         epoch: int,
         clock: Callable[[], float] = time.time,
         checkpoint_min_slots: int = CHECKPOINT_MIN_SLOTS,
+        lease_until: float = math.inf,
     ) -> None:
         self.machine = machine
         self.instance = machine.spec.instance
         self.epoch = epoch
+        # Until when (time.monotonic) this owner's lease surely runs: moved on by renewals.
+        self.lease_until = lease_until
         self.stats = JournalStats()
         self._journal = journal
         self._clock = clock
@@ -115,6 +123,8 @@ class InstanceOwner:
         A KvQuotaError it raises changed nothing; it is raised after the same wait.
         `recorded_with` gives statements of the record's own (a reclaim step marked applied,
         say) that commit in the same transaction as what the operation did."""
+        if self.failure is None and time.monotonic() >= self.lease_until:
+            self.stop("its lease lapsed")
         if self.failure is not None:
             raise owner_unavailable(self.instance, self.failure)
         refusal: KvQuotaError | None = None
@@ -191,9 +201,19 @@ class InstanceOwner:
             why = "a request id was reused"
             if self.on_reused is not None:
                 self.on_reused(exc.keys)
+        elif isinstance(exc, QuotaRaced):
+            why = f"other replicas took the quota of tenants {exc} meanwhile"
         else:
             why = "its journal failed"
-        log.warning("instances/%s: %s (%s); it is no longer served here", self.instance, why, exc)
+        log.warning("instances/%s: %s (%s)", self.instance, why, exc)
+        self.stop(why)
+
+    def stop(self, why: str) -> None:
+        """Serve nothing more from this machine: every caller still waiting is told to retry
+        (the batch being written, if any, may still commit; the record then has it)."""
+        if self.failure is not None:
+            return
+        log.info("instances/%s: no longer served here: %s", self.instance, why)
         self.failure = why
         error = owner_unavailable(self.instance, why)
         for waiters in (self._writing, self._open):
@@ -201,6 +221,12 @@ class InstanceOwner:
                 if not waiter.done():
                     waiter.set_exception(error)
         self._writing = self._open = None
+
+    async def settled(self) -> None:
+        """Wait until no batch is being written."""
+        writer = self._writer
+        if writer is not None:
+            await asyncio.wait([writer])
 
 
 async def take_over(
@@ -211,11 +237,15 @@ async def take_over(
     queue_policy: QueuePolicy,
     owner: str,
     address: str = "",
+    lease_seconds: float | None = None,
 ) -> InstanceOwner:
-    """Claim an instance under a new epoch and rebuild its machine from the record."""
+    """Claim an instance under a new epoch and rebuild its machine from the record. Raises
+    InstanceHeld while another replica's lease on it runs. Without `lease_seconds` the owner
+    keeps no lease: it serves until deposed, and any claim deposes it."""
     found = await catalog.get_instance(instance)
     tenants = await journal.tenants()
-    recorded = await journal.load(instance, owner, address)
+    claimed_at = time.monotonic()
+    recorded = await journal.load(instance, owner, address, lease_seconds or 0.0)
     machine = InstanceMachine.recover(
         found.spec,
         limits,
@@ -225,4 +255,5 @@ async def take_over(
         queue_policy,
         found.state,
     )
-    return InstanceOwner(machine, journal, recorded.epoch)
+    lease_until = math.inf if lease_seconds is None else claimed_at + lease_seconds
+    return InstanceOwner(machine, journal, recorded.epoch, lease_until=lease_until)

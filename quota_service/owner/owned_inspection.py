@@ -54,9 +54,11 @@ class OwnedInspection(Inspection):
         return await self._owners.run(instance, blocks)
 
     async def tenant_usage(self, tenant: str) -> list[InstanceUsage]:
-        await self._owners.take_over_all()
-        found = []
-        for owner in sorted(self._owners.served(), key=lambda o: o.instance):
+        """From the machines served here, and the record of the other instances (exact for
+        all they acknowledged)."""
+        served = self._owners.served()
+        found = await self.recorded_tenant_usage(tenant, [o.instance for o in served])
+        for owner in served:
 
             def usage(machine: InstanceMachine, now: float) -> InstanceUsage | None:
                 here = machine.tenants.get(tenant)
@@ -81,4 +83,4 @@ class OwnedInspection(Inspection):
             one = await self._owners.run(owner.instance, usage)
             if one is not None:
                 found.append(one)
-        return found
+        return sorted(found, key=lambda u: u.instance)

@@ -37,7 +37,7 @@ class OwnedOffboarding(Offboarding):
 
     async def _start(self, tenant: str, scope: str) -> None:
         freed = shared = pinned_by_others = 0
-        await self._owners.take_over_all()
+        await self._owners.take_over_unowned()
         for owner in self._owners.served():
             machine = owner.machine
             pool = machine.pool

@@ -59,15 +59,19 @@ class OwnedReclaimJobs(ReclaimJobs):
         over = await self.tenants_over_quota()
         if not over:
             return []
-        await self._owners.take_over_all()
+        served = self._owners.served()
+        elsewhere = await self._owners.holdings_elsewhere()
         excesses = []
         for tenant, excess in over:
-            held = tuple(
-                (owner.instance, len(here.held))
-                for owner in sorted(self._owners.served(), key=lambda o: o.instance)
+            held = {
+                owner.instance: len(here.held)
+                for owner in served
                 if (here := owner.machine.tenants.get(tenant)) is not None and here.held
-            )
-            excesses.append(TenantExcess(tenant, excess, held))
+            }
+            for instance, totals in elsewhere.get(tenant, {}).items():
+                if totals.blocks:
+                    held[instance] = totals.blocks
+            excesses.append(TenantExcess(tenant, excess, tuple(sorted(held.items()))))
         return excesses
 
     async def run_step(self, job_id: str) -> bool | Preemption | Demotion:

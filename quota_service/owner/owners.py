@@ -7,15 +7,23 @@ API, the queue waiters, the reaper and engine terminations make of the ledger: o
 reservation go to its instance's owner; reads of many rows (lapsed leases, pending aborts) stay
 reads of the record, which is current for everything acknowledged.
 
-Ownership here is this replica's alone: claiming an instance deposes any previous owner at once.
-Leases that let several replicas share a fleet, and forwarding to the owner, come next.
+Several replicas share a fleet: an instance is served by the replica holding its lease, which it
+renews every third of the lease; a replica claims an instance on first use, or when its owner's
+lease has lapsed. A call for an instance another replica serves raises `ServedElsewhere`, and the
+api layer forwards it there once (a forwarded call that finds its instance moving again is told
+to retry instead). What a tenant holds on the instances other replicas serve is read from the
+record, for its fleet-wide quota; each batch's transaction keeps that quota exact.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
+from contextvars import ContextVar
 from typing import NoReturn, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -23,8 +31,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from quota_service.core import admission
 from quota_service.core.admission import AdmissionLimits, AdmitRequest
 from quota_service.core.block_table import BlockHandle
-from quota_service.core.errors import KvQuotaError, not_found
+from quota_service.core.errors import KvQuotaError, ServedElsewhere, not_found
 from quota_service.core.instance_machine import (
+    NOWHERE_ELSE,
     Elsewhere,
     InstanceMachine,
     ReservationRecord,
@@ -45,12 +54,22 @@ from quota_service.core.queueing import QueuePolicy
 from quota_service.core.reasons import Reason
 from quota_service.owner.instance_owner import InstanceOwner, take_over
 from quota_service.store.catalog import Catalog
-from quota_service.store.journal import Journal, Statement
+from quota_service.store.journal import (
+    InstanceHeld,
+    Journal,
+    Statement,
+    TenantTotals,
+)
 from quota_service.store.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Whether the call being served was forwarded here by another replica: it is not forwarded again.
+forwarded_call: ContextVar[bool] = ContextVar("forwarded_call", default=False)
+# What a forwarded call that finds its instance moving again is told to wait, at most.
+MAX_MOVING_RETRY_SECONDS = 1.0
 
 
 class Owners:
@@ -64,6 +83,7 @@ class Owners:
         name: str,
         address: str = "",
         on_changed: Callable[[str], None] | None = None,
+        lease_seconds: float | None = None,
     ) -> None:
         self._engine = engine
         self.journal = Journal(engine)
@@ -76,42 +96,137 @@ class Owners:
         self._owners: dict[str, InstanceOwner] = {}
         self._taking: dict[str, asyncio.Lock] = {}
         self._lookups = KeyLookups(self.journal)
+        self._lease_seconds = lease_seconds
+        # Instances other replicas serve, as last read, until (time.monotonic) their lease ends.
+        self._held: dict[str, tuple[InstanceHeld, float]] = {}
+        # What tenants hold on the instances not served here, as last read.
+        self._totals_elsewhere: dict[str, Elsewhere] = {}
         # Request ids a batch found recorded already: their Admits are answered from the record.
         self.reused: set[tuple[str, str]] = set()
 
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def advertise(self, address: str) -> None:
+        """Where other replicas reach this one (known once the server is bound)."""
+        self._address = address
+
     async def owner(self, instance: str) -> InstanceOwner:
-        """The instance's owner here, taken over first when it has none (or lost it)."""
+        """The instance's owner here, taken over first when it has none (or lost it). Raises
+        ServedElsewhere when another replica's lease on it runs."""
         owner = self._owners.get(instance)
         if owner is not None and owner.failure is None:
             return owner
+        self._raise_if_held(instance)
         lock = self._taking.setdefault(instance, asyncio.Lock())
         async with lock:
             owner = self._owners.get(instance)
             if owner is None or owner.failure is not None:
-                owner = await take_over(
-                    self.journal,
-                    self._catalog,
-                    instance,
-                    self._limits,
-                    self._queue_policy,
-                    self._name,
-                    self._address,
-                )
-                owner.on_committed = self._on_changed
-                owner.on_reused = self.reused.update
-                self._owners[instance] = owner
-                log.info("instances/%s: served from memory (epoch %d)", instance, owner.epoch)
+                self._raise_if_held(instance)
+                owner = await self._take_over(instance)
             return owner
 
-    async def close(self) -> None:
-        """Stop serving: the owners' journal connections close (what they acknowledged is in
-        the record)."""
-        await self.journal.close()
+    async def _take_over(self, instance: str) -> InstanceOwner:
+        try:
+            owner = await take_over(
+                self.journal,
+                self._catalog,
+                instance,
+                self._limits,
+                self._queue_policy,
+                self._name,
+                self._address,
+                self._lease_seconds,
+            )
+        except InstanceHeld as held:
+            self._held[instance] = (held, time.monotonic() + max(held.seconds_left, 0.0))
+            self._raise_if_held(instance)
+            raise
+        self._held.pop(instance, None)
+        owner.on_committed = self._on_changed
+        owner.on_reused = self.reused.update
+        self._owners[instance] = owner
+        await self.refresh_totals_elsewhere()
+        log.info("instances/%s: served from memory (epoch %d)", instance, owner.epoch)
+        return owner
 
-    async def take_over_all(self) -> None:
-        """Serve every registered instance here (tenant-wide work needs them all)."""
-        for instance in await self.journal.instances():
-            await self.owner(instance)
+    def _raise_if_held(self, instance: str) -> None:
+        found = self._held.get(instance)
+        if found is None:
+            return
+        held, until = found
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._held[instance]
+        elif forwarded_call.get():
+            raise KvQuotaError(
+                Reason.INSTANCE_MOVING,
+                f"instances/{instance} is moving between replicas; retry shortly",
+                retry_delay_seconds=min(left, MAX_MOVING_RETRY_SECONDS),
+            )
+        else:
+            raise ServedElsewhere(instance, held.address)
+
+    def forget_holder(self, instance: str) -> None:
+        """The replica that held the instance did not answer: read its lease again next time
+        (and take the instance over once it has lapsed)."""
+        self._held.pop(instance, None)
+
+    async def keep_leases(self) -> None:
+        """Renew this replica's leases (an owner whose lease another replica took stops at
+        once), read what tenants hold elsewhere, and take over the instances whose owner's
+        lease lapsed. Every third of the lease."""
+        served = {o.instance: o for o in self.served()}
+        asked_at = time.monotonic()
+        lease = self._lease_seconds or 0.0
+        renewed = await self.journal.renew(
+            self._name, {name: o.epoch for name, o in served.items()}, lease
+        )
+        for name, owner in served.items():
+            if name in renewed:
+                owner.lease_until = asked_at + lease if self._lease_seconds else math.inf
+            else:
+                owner.stop("a newer owner took it")
+        await self.refresh_totals_elsewhere()
+        await self.take_over_unowned()
+
+    async def take_over_unowned(self) -> None:
+        """Serve here every instance no replica's lease covers (one whose owner died or
+        stopped keeps its reservations, queue and engine to follow)."""
+        for instance in await self.journal.unowned():
+            if instance in self._owners and self._owners[instance].failure is None:
+                continue
+            with suppress(InstanceHeld, ServedElsewhere):
+                await self.owner(instance)
+
+    async def holdings_elsewhere(self) -> dict[str, dict[str, TenantTotals]]:
+        """What each tenant holds on each instance not served here, as the record says now."""
+        return await self.journal.holdings_elsewhere([o.instance for o in self.served()])
+
+    async def refresh_totals_elsewhere(self) -> None:
+        self._totals_elsewhere = {
+            tenant: Elsewhere(
+                sum(t.blocks for t in held.values()),
+                sum(t.tokens for t in held.values()),
+                sum(t.pinned for t in held.values()),
+            )
+            for tenant, held in (await self.holdings_elsewhere()).items()
+        }
+
+    async def close(self) -> None:
+        """Stop serving: wait for the batches being written (what the owners acknowledged is
+        in the record), give the leases up so that other replicas take over at once, and close
+        the owners' journal connections."""
+        served = self.served()
+        for owner in served:
+            owner.stop("this replica is stopping")
+        for owner in served:
+            await owner.settled()
+        try:
+            await self.journal.release(self._name, {o.instance: o.epoch for o in served})
+        finally:
+            await self.journal.close()
 
     async def run(
         self,
@@ -149,11 +264,13 @@ class Owners:
         return here.settings if here is not None else None
 
     def elsewhere(self, tenant: str, instance: str) -> Elsewhere:
-        """What the tenant holds on the other instances (all served here, for now)."""
-        blocks = tokens = pinned = 0
-        for name, owner in self._owners.items():
+        """What the tenant holds on the other instances: those served here as their machines
+        say, the others as the record last said."""
+        recorded = self._totals_elsewhere.get(tenant, NOWHERE_ELSE)
+        blocks, tokens, pinned = recorded.blocks, recorded.tokens, recorded.pinned
+        for owner in self.served():
             here = owner.machine.tenants.get(tenant)
-            if name == instance or here is None:
+            if owner.instance == instance or here is None:
                 continue
             blocks += len(here.held)
             tokens += here.tokens

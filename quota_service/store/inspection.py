@@ -3,6 +3,8 @@ what every tenant holds in each tier (for the metrics)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -37,6 +39,37 @@ _TENANT_USAGE = text(
     ), live AS (
         SELECT instance, count(*) AS reservations, sum(reserved_tokens)::bigint AS tokens
         FROM reservations WHERE tenant = :tenant AND state = 'ADMITTED' GROUP BY instance
+    )
+    SELECT instance, coalesce(h.blocks, 0) AS blocks, coalesce(h.pinned, 0) AS pinned,
+           coalesce(h.shared, 0) AS shared, coalesce(l.reservations, 0) AS reservations,
+           coalesce(l.tokens, 0) AS tokens
+    FROM held h FULL JOIN live l USING (instance)
+    ORDER BY instance
+    """
+)
+
+# The same, from the journal's record (instances served from memory), of the instances not in
+# :here (the ones whose machines another replica holds).
+_JOURNAL_TENANT_USAGE = text(
+    """
+    WITH mine AS (
+        SELECT instance, block_id, count(*) AS entries, bool_or(pinned) AS pinned
+        FROM journal_slot_references
+        WHERE tenant = :tenant AND instance <> ALL(CAST(:here AS text[]))
+        GROUP BY instance, block_id
+    ), refs AS (
+        SELECT s.instance, s.block_id, count(*) AS refs
+        FROM journal_slot_references s JOIN mine m USING (instance, block_id)
+        GROUP BY s.instance, s.block_id
+    ), held AS (
+        SELECT m.instance, count(*) AS blocks, count(*) FILTER (WHERE m.pinned) AS pinned,
+               count(*) FILTER (WHERE r.refs > m.entries) AS shared
+        FROM mine m JOIN refs r USING (instance, block_id) GROUP BY m.instance
+    ), live AS (
+        SELECT instance, count(*) AS reservations, sum(reserved_tokens)::bigint AS tokens
+        FROM reservations WHERE tenant = :tenant AND state = 'ADMITTED'
+          AND instance <> ALL(CAST(:here AS text[]))
+        GROUP BY instance
     )
     SELECT instance, coalesce(h.blocks, 0) AS blocks, coalesce(h.pinned, 0) AS pinned,
            coalesce(h.shared, 0) AS shared, coalesce(l.reservations, 0) AS reservations,
@@ -108,6 +141,15 @@ class Inspection:
     async def tenant_usage(self, tenant: str) -> list[InstanceUsage]:
         async with self._engine.connect() as conn:
             rows = await conn.execute(_TENANT_USAGE, {"tenant": tenant})
+            return [InstanceUsage(*r) for r in rows]
+
+    async def recorded_tenant_usage(
+        self, tenant: str, served_here: Sequence[str]
+    ) -> list[InstanceUsage]:
+        """tenant_usage from the journal, on the instances other than `served_here`."""
+        async with self._engine.connect() as conn:
+            params = {"tenant": tenant, "here": list(served_here)}
+            rows = await conn.execute(_JOURNAL_TENANT_USAGE, params)
             return [InstanceUsage(*r) for r in rows]
 
     async def tenant_holdings(self) -> list[TenantHoldings]:

@@ -4,8 +4,10 @@ transaction per batch of operations, and what a new owner reads back to rebuild 
 Rows per operation, never per block: a reservation or a pin is one row whose block table is
 arrays; the slots whose contents changed in a batch are one `pool_deltas` row; the machine's small
 scalars (fair clocks, holding times, drift) are merged into the owner's row; tenants' fleet-wide
-totals move by what the batch changed of them. Every batch first moves the owner's row on
-`WHERE epoch = :mine`, so a deposed owner commits nothing (`Deposed`).
+totals move by what the batch changed of them, never past a quota (`QuotaRaced`). Every batch
+first moves the owner's row on `WHERE epoch = :mine`, so a deposed owner commits nothing
+(`Deposed`). An owner holds a lease on its instances, and a replica claims an instance only once
+the lease has lapsed (`InstanceHeld`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,22 @@ class RequestIdsReused(Exception):
     def __init__(self, keys: list[tuple[str, str]]) -> None:
         super().__init__(", ".join(f"{t}/{r}" for t, r in keys))
         self.keys = keys
+
+
+class QuotaRaced(Exception):
+    """The batch would have taken tenants past their fleet-wide quota: other owners admitted
+    for them meanwhile. It was not committed."""
+
+
+class InstanceHeld(Exception):
+    """Another replica's lease on the instance runs: it serves the instance."""
+
+    def __init__(self, instance: str, owner: str, address: str, seconds_left: float) -> None:
+        super().__init__(f"instances/{instance} is served by {owner} at {address}")
+        self.instance = instance
+        self.owner = owner
+        self.address = address
+        self.seconds_left = seconds_left
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,14 +445,10 @@ _INSERT_DELTA = (
     f"engine_copies, lru_seqs, dropped) SELECT instance, batch, {_SLOT_ARRAYS}, "
     "%(dropped)s::int[] FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s"
 )
-_MOVE_TOTALS = (
-    "UPDATE tenants t SET blocks_in_use = t.blocks_in_use + m.blocks, "
-    "tokens_in_flight = t.tokens_in_flight + m.tokens, "
-    "pinned_blocks = t.pinned_blocks + m.pinned, queued_requests = t.queued_requests + m.queued "
-    "FROM jsonb_to_recordset(%(rows)s::jsonb) "
-    "AS m(tenant text, blocks bigint, tokens bigint, pinned bigint, queued bigint) "
-    "WHERE t.tenant = m.tenant"
-)
+# Moves the tenants' fleet-wide totals, and fails the batch (KQ003) past a quota.
+_MOVE_TOTALS = "SELECT journal_move_totals(%(instance)s, %(rows)s::jsonb)"
+# What journal_move_totals fails with.
+OVER_QUOTA_SQLSTATE = "KQ003"
 _INSERT_USAGE = (
     "INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, compressed_bytes, "
     "tokens_reserved, output_tokens, admitted, queued, refused, shadow_refused) "
@@ -469,17 +483,44 @@ _INSTANCES_OF = text(
     "JOIN unnest(CAST(:tenants AS text[]), CAST(:request_ids AS text[])) AS k(tenant, request_id) "
     "ON r.tenant = k.tenant AND r.request_id = k.request_id"
 )
+# An instance is claimed only when no other replica's lease on it runs (rows of owners that
+# kept no lease count as lapsed); the claim raises the epoch, which fences the previous owner.
 _CLAIM = text(
-    "INSERT INTO instance_owners (instance, owner, address, epoch) "
-    "VALUES (:instance, :owner, :address, 1) "
+    "INSERT INTO instance_owners (instance, owner, address, epoch, lease_expires_at) "
+    "VALUES (:instance, :owner, :address, 1, now() + make_interval(secs => :lease)) "
     "ON CONFLICT (instance) DO UPDATE SET owner = EXCLUDED.owner, "
-    "address = EXCLUDED.address, epoch = instance_owners.epoch + 1 "
+    "address = EXCLUDED.address, epoch = instance_owners.epoch + 1, "
+    "lease_expires_at = EXCLUDED.lease_expires_at "
+    "WHERE instance_owners.lease_expires_at IS NULL OR instance_owners.lease_expires_at <= now() "
+    "OR instance_owners.owner = EXCLUDED.owner "
     "RETURNING epoch, batch, clocks"
 )
-_INSTANCES = text("SELECT instance FROM instances ORDER BY instance")
-_PIN = text("SELECT * FROM pins WHERE owner = :owner AND pin_id = :pin_id")
-_NAMESPACE_SALT = text("SELECT cache_salt FROM namespaces WHERE namespace = :namespace")
-_OWNER = text("SELECT epoch, batch, clocks FROM instance_owners WHERE instance = :instance")
+_HOLDER = text(
+    "SELECT owner, address, extract(epoch FROM lease_expires_at - now()) AS seconds_left "
+    "FROM instance_owners WHERE instance = :instance"
+)
+_RENEW = text(
+    "UPDATE instance_owners o SET lease_expires_at = now() + make_interval(secs => :lease) "
+    "FROM unnest(CAST(:instances AS text[]), CAST(:epochs AS bigint[])) AS k(instance, epoch) "
+    "WHERE o.instance = k.instance AND o.epoch = k.epoch AND o.owner = :owner "
+    "RETURNING o.instance"
+)
+# A replica that stops gives its instances up at once rather than when its leases run out.
+_RELEASE = text(
+    "UPDATE instance_owners o SET lease_expires_at = now() "
+    "FROM unnest(CAST(:instances AS text[]), CAST(:epochs AS bigint[])) AS k(instance, epoch) "
+    "WHERE o.instance = k.instance AND o.epoch = k.epoch AND o.owner = :owner"
+)
+_UNOWNED = text(
+    "SELECT i.instance FROM instances i LEFT JOIN instance_owners o ON o.instance = i.instance "
+    "WHERE o.lease_expires_at IS NULL OR o.lease_expires_at <= now() ORDER BY i.instance"
+)
+# What each tenant holds on each instance other than these (the ones a replica serves).
+_HOLDINGS_ELSEWHERE = text(
+    "SELECT tenant, instance, blocks_in_use, tokens_in_flight, pinned_blocks, queued_requests "
+    "FROM instance_tenant_totals WHERE instance <> ALL(CAST(:here AS text[])) "
+    "AND (blocks_in_use, tokens_in_flight, pinned_blocks, queued_requests) <> (0, 0, 0, 0)"
+)
 _INSTANCES = text("SELECT instance FROM instances ORDER BY instance")
 _PIN = text("SELECT * FROM pins WHERE owner = :owner AND pin_id = :pin_id")
 _NAMESPACE_SALT = text("SELECT cache_salt FROM namespaces WHERE namespace = :namespace")
@@ -553,7 +594,7 @@ class Journal:
         elif rows.delta is not None:
             statements.append((_INSERT_DELTA, {**rows.delta, **fenced}))
         if rows.totals:
-            statements.append((_MOVE_TOTALS, _rows(rows.totals)))
+            statements.append((_MOVE_TOTALS, {**_rows(rows.totals), **fenced}))
         if rows.usage:
             statements.append((_INSERT_USAGE, {**_rows(rows.usage), **fenced}))
         statements.append((_POOL_COUNTERS, rows.pool))
@@ -584,6 +625,8 @@ class Journal:
             if exc.sqlstate == REUSED_SQLSTATE and exc.diag.message_primary:
                 keys = [key.split("/", 1) for key in exc.diag.message_primary.split(" ")]
                 raise RequestIdsReused([(t, r) for t, r in keys]) from exc
+            if exc.sqlstate == OVER_QUOTA_SQLSTATE:
+                raise QuotaRaced(exc.diag.message_primary or "") from exc
             raise
 
     async def close(self) -> None:
@@ -623,14 +666,57 @@ class Journal:
             rows = (await conn.execute(_TENANT_SETTINGS, {"tenant": only})).mappings().all()
         return [tenant_settings_from_row(r) for r in rows]
 
-    async def load(self, instance: str, owner: str, address: str) -> RecordedInstance:
+    async def load(
+        self, instance: str, owner: str, address: str, lease_seconds: float
+    ) -> RecordedInstance:
         """Claim the instance under a new epoch and read what its machine is rebuilt from, in
         one transaction: a batch of the previous owner either committed before this or fails
-        after it (its epoch is gone)."""
+        after it (its epoch is gone). Raises InstanceHeld while another replica's lease runs."""
         params = {"instance": instance, "owner": owner, "address": address}
         async with self._engine.begin() as conn:
-            claimed = (await conn.execute(_CLAIM, params)).mappings().one()
+            claim = await conn.execute(_CLAIM, {**params, "lease": lease_seconds})
+            claimed = claim.mappings().first()
+            if claimed is None:
+                held = (await conn.execute(_HOLDER, {"instance": instance})).mappings().one()
+                raise InstanceHeld(
+                    instance, held["owner"], held["address"], float(held["seconds_left"])
+                )
             return await _recorded(conn, instance, dict(claimed))
+
+    async def renew(self, owner: str, epochs: Mapping[str, int], lease_seconds: float) -> set[str]:
+        """Extend this replica's leases on these instances (under these epochs); returns the
+        instances whose lease it still held."""
+        if not epochs:
+            return set()
+        params = {
+            "owner": owner,
+            "instances": list(epochs),
+            "epochs": list(epochs.values()),
+            "lease": lease_seconds,
+        }
+        async with self._engine.begin() as conn:
+            return {row[0] for row in await conn.execute(_RENEW, params)}
+
+    async def release(self, owner: str, epochs: Mapping[str, int]) -> None:
+        """End this replica's leases on these instances now: another replica may claim them."""
+        params = {"owner": owner, "instances": list(epochs), "epochs": list(epochs.values())}
+        async with self._engine.begin() as conn:
+            await conn.execute(_RELEASE, params)
+
+    async def unowned(self) -> list[str]:
+        """The instances no replica's lease covers now."""
+        async with self._engine.connect() as conn:
+            return [r[0] for r in await conn.execute(_UNOWNED)]
+
+    async def holdings_elsewhere(self, here: Sequence[str]) -> dict[str, dict[str, TenantTotals]]:
+        """What each tenant holds on each instance other than `here`, as recorded."""
+        found: dict[str, dict[str, TenantTotals]] = {}
+        async with self._engine.connect() as conn:
+            for tenant, instance, *totals in await conn.execute(
+                _HOLDINGS_ELSEWHERE, {"here": list(here)}
+            ):
+                found.setdefault(tenant, {})[instance] = TenantTotals(*totals)
+        return found
 
     async def read(self, instance: str) -> RecordedInstance:
         """What the record holds of an instance now, without claiming it (for checks)."""

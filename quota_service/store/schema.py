@@ -479,6 +479,21 @@ class InstanceOwnerRow(Base):
     clocks: Mapped[dict[str, object]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
 
 
+class InstanceTenantTotalsRow(Base):
+    """What a tenant holds on one instance, as the tenant's fleet-wide totals count it: moved
+    by each batch of the instance's owner with the tenant's totals (journal_move_totals), and
+    read by the other replicas' owners, whose quota decisions need what it holds elsewhere."""
+
+    __tablename__ = "instance_tenant_totals"
+
+    tenant: Mapped[ResourceId] = mapped_column(primary_key=True)
+    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
+    blocks_in_use: Mapped[Count]
+    tokens_in_flight: Mapped[Count]
+    pinned_blocks: Mapped[Count]
+    queued_requests: Mapped[Count]
+
+
 class PoolCheckpointRow(Base):
     """An instance's slot contents (the slots holding a hash) as of a batch, one array per
     field; the deltas after it complete the picture."""

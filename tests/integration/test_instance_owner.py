@@ -190,7 +190,7 @@ async def test_a_new_owner_rebuilds_the_pool_and_stales_old_handles(
 async def test_checkpoints_keep_recovery_to_what_is_live(
     engine: AsyncEngine, journal: Journal
 ) -> None:
-    recorded = await journal.load("gpu-0", "replica-a", "")
+    recorded = await journal.load("gpu-0", "replica-a", "", 0.0)
     tenants = await journal.tenants()
     found = await Catalog(engine).get_instance("gpu-0")
     machine = InstanceMachine.recover(

@@ -69,7 +69,7 @@ class JournalVersusModel(MachinesVersusModel):
                 await catalog.update_tenant(name, {"namespace": NAMESPACE})
             for name in INSTANCES:
                 # The live machines start empty, as the record does: claim them as they are.
-                recorded = await self.journal.load(name, "test", "")
+                recorded = await self.journal.load(name, "test", "", 0.0)
                 # Checkpoints every few dozen slot changes: recovery reads them and the deltas.
                 self.owners[name] = InstanceOwner(
                     self.machines[name], self.journal, recorded.epoch, checkpoint_min_slots=40

@@ -44,7 +44,7 @@ class ServedVersusModel(LedgerMachine):
         super().teardown()
 
     def observed(self) -> tuple[list[SlotRow], list[TenantRow]]:
-        self.run(self.owners.take_over_all())
+        self.run(self.owners.take_over_unowned())
         slots: list[SlotRow] = []
         for name in sorted(INSTANCES):
             owner = self.run(self.owners.owner(name))

@@ -1,0 +1,175 @@
+"""Any replica answers any call: one for an instance another replica serves (`ServedElsewhere`,
+raised before anything was done here) is forwarded once to that replica over the same API, with
+the caller's metadata (its API key and request id), the call's remaining deadline, and a mark
+that it was forwarded, so the owner answers it itself or says the instance is moving (never
+forwarding it on). The owner's answer, or its status with every detail, goes back as it is.
+
+server.py lists this interceptor outside MetricsInterceptor and AccessInterceptor: a call is
+authenticated before it is forwarded (and again by the owner), and measured where it is served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pool, message_factory
+
+from quota_service.api.auth import PACKAGE
+from quota_service.api.error_status import (
+    Behavior,
+    Request,
+    Response,
+    StreamBehavior,
+    WrappingInterceptor,
+    responses,
+)
+from quota_service.core.errors import KvQuotaError, ServedElsewhere
+from quota_service.core.reasons import Reason
+from quota_service.owner.owners import Owners, forwarded_call
+
+FORWARDED_BY_KEY = "kvquota-forwarded-by"
+# What a caller is told to wait when the replica serving its instance does not answer: about the
+# time another one takes to notice its lease lapsed and take the instance over.
+RETRY_AFTER_LOST_OWNER_SECONDS = 1.0
+# Metadata the transport sets for each hop, never copied onto the next.
+_HOP_KEYS = frozenset({"user-agent", "te", "content-type", "grpc-accept-encoding", "grpc-timeout"})
+
+
+def _passed_on(metadata: tuple[tuple[str, str | bytes], ...], name: str) -> list[Any]:
+    kept = [
+        (key, value)
+        for key, value in metadata
+        if not key.startswith(":") and key not in _HOP_KEYS and key != FORWARDED_BY_KEY
+    ]
+    return [*kept, (FORWARDED_BY_KEY, name)]
+
+
+def _response_class(method: str) -> Callable[[bytes], Any]:
+    """How a method's response is read, from the generated descriptors."""
+    service, name = method.lstrip("/").rsplit("/", 1)
+    found = descriptor_pool.Default().FindMethodByName(f"{service}.{name}")
+    return message_factory.GetMessageClass(found.output_type).FromString
+
+
+def _serialize(message: Any) -> bytes:
+    return bytes(message.SerializeToString())
+
+
+def _transport_failure(failed: grpc.aio.AioRpcError) -> bool:
+    """The owner could not be reached (or went away mid-call), rather than answered."""
+    if failed.code() is not grpc.StatusCode.UNAVAILABLE:
+        return False
+    return not any(key == "grpc-status-details-bin" for key, _ in failed.trailing_metadata() or ())
+
+
+class ForwardingInterceptor(WrappingInterceptor):
+    def __init__(
+        self, owners: Owners, credentials: grpc.ChannelCredentials | None, max_message_bytes: int
+    ) -> None:
+        self._owners = owners
+        self._credentials = credentials
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def covers(self, method: str) -> bool:
+        return method.startswith(PACKAGE)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=self._options)
+            else:
+                channel = grpc.aio.secure_channel(address, self._credentials, self._options)
+            self._channels[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()
+
+    def _lost(self, elsewhere: ServedElsewhere) -> KvQuotaError:
+        self._owners.forget_holder(elsewhere.instance)
+        return KvQuotaError(
+            Reason.INSTANCE_MOVING,
+            f"instances/{elsewhere.instance}: the replica serving it does not answer; "
+            "retry shortly",
+            retry_delay_seconds=RETRY_AFTER_LOST_OWNER_SECONDS,
+        )
+
+    def unary(
+        self, behavior: Behavior[Request, Response], method: str
+    ) -> Behavior[Request, Response]:
+        read = _response_class(method)
+
+        async def forwarding(
+            request: Request, context: grpc.aio.ServicerContext[Request, Response]
+        ) -> Response:
+            metadata = tuple(context.invocation_metadata() or ())
+            forwarded_call.set(any(key == FORWARDED_BY_KEY for key, _ in metadata))
+            try:
+                return await behavior(request, context)
+            except ServedElsewhere as elsewhere:
+                call = self._channel(elsewhere.address).unary_unary(
+                    method, request_serializer=_serialize, response_deserializer=read
+                )
+                try:
+                    answer: Response = await call(
+                        request,
+                        metadata=_passed_on(metadata, self._owners.name),
+                        timeout=context.time_remaining(),
+                    )
+                except grpc.aio.AioRpcError as failed:
+                    if _transport_failure(failed):
+                        raise self._lost(elsewhere) from failed
+                    await context.abort(
+                        failed.code(), failed.details() or "", failed.trailing_metadata()
+                    )
+                    raise AssertionError("abort raises") from failed
+                return answer
+
+        return forwarding
+
+    def stream(
+        self, behavior: StreamBehavior[Request, Response], method: str
+    ) -> StreamBehavior[Request, Response]:
+        read = _response_class(method)
+
+        async def forwarding(
+            request: Request, context: grpc.aio.ServicerContext[Request, Response]
+        ) -> AsyncIterator[Response]:
+            metadata = tuple(context.invocation_metadata() or ())
+            forwarded_call.set(any(key == FORWARDED_BY_KEY for key, _ in metadata))
+            try:
+                async for item in responses(behavior, request, context):
+                    yield item
+                return
+            except ServedElsewhere as served_elsewhere:
+                elsewhere = served_elsewhere
+            call = self._channel(elsewhere.address).unary_stream(
+                method, request_serializer=_serialize, response_deserializer=read
+            )
+            stream = call(
+                request,
+                metadata=_passed_on(metadata, self._owners.name),
+                timeout=context.time_remaining(),
+            )
+            try:
+                async for item in stream:
+                    yield item
+            except grpc.aio.AioRpcError as failed:
+                if _transport_failure(failed):
+                    raise self._lost(elsewhere) from failed
+                await context.abort(
+                    failed.code(), failed.details() or "", failed.trailing_metadata()
+                )
+            finally:
+                stream.cancel()
+
+        return forwarding
