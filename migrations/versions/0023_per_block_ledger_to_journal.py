@@ -20,7 +20,9 @@ operations (an instance of 1,000,000 slots takes seconds):
   (`fair_tags`), the instance's mean holding time and drift, and, for each tenant with fair tags,
   live reservations or pins there, the tenant's mean holding time (the ledger kept one per
   tenant across the fleet);
-- its rows of `instance_tenant_totals`, which the per-block hot path did not keep up to date.
+- its rows of `instance_tenant_totals` (what each tenant holds there, which owners of other
+  instances read for its fleet-wide quota), which the per-block hot path did not keep up to
+  date since migration 0022 filled them.
 
 Reference counts, pool counters and tenants' holdings are derived from these as before, and the
 per-block tables, usage history, tenants' fleet-wide totals and tombstones are left as they are.
@@ -36,7 +38,7 @@ has committed a batch on any instance since: the per-block tables do not hold wh
 did, so going back would lose it.
 
 Revision ID: 0023
-Revises: 0021
+Revises: 0022
 Create Date: 2026-12-02
 """
 
@@ -51,7 +53,7 @@ from quota_service.core.hashing import DIGEST_BYTES
 from quota_service.store.journal import GENERATIONS_PER_EPOCH
 
 revision = "0023"
-down_revision = "0021"
+down_revision = "0022"
 branch_labels = None
 depends_on = None
 
@@ -102,6 +104,30 @@ _PIN_TABLES = sa.text(
     "UPDATE pins p SET block_ids = t.block_ids, block_generations = t.generations FROM ("
     + _tables("SELECT holder_id FROM pins WHERE instance = :instance AND state = 'ACTIVE'")
     + ") AS t WHERE p.holder_id = t.holder_id"
+)
+
+# What each tenant holds on the instance as its fleet-wide totals count it (an offloaded
+# reservation's tokens are not in flight).
+_FORGET_TOTALS = sa.text("DELETE FROM instance_tenant_totals WHERE instance = :instance")
+_TOTALS = sa.text(
+    """
+    INSERT INTO instance_tenant_totals
+        (tenant, instance, blocks_in_use, tokens_in_flight, pinned_blocks, queued_requests)
+    SELECT tenant, :instance, sum(blocks), sum(tokens), sum(pinned), sum(queued)
+    FROM (
+        SELECT tenant, count(*) AS blocks, 0 AS tokens,
+               count(*) FILTER (WHERE pin_refs > 0) AS pinned, 0 AS queued
+        FROM tenant_blocks WHERE instance = :instance GROUP BY tenant
+        UNION ALL
+        SELECT tenant, 0,
+               coalesce(sum(reserved_tokens)
+                        FILTER (WHERE state = 'ADMITTED' AND offloaded_bytes IS NULL), 0),
+               0, count(*) FILTER (WHERE state = 'QUEUED')
+        FROM reservations
+        WHERE instance = :instance AND state IN ('ADMITTED', 'QUEUED') GROUP BY tenant
+    ) AS held
+    GROUP BY tenant
+    """
 )
 
 _LIVE = sa.text(
@@ -218,6 +244,8 @@ def _carry(conn: sa.Connection, instance: str) -> str:
             f"instances/{instance}: a block holds a hash with no scope, or a cached one has no "
             "place in the LRU order (`kvquota check` tells more); nothing was migrated"
         )
+    conn.execute(_FORGET_TOTALS, keys)
+    conn.execute(_TOTALS, keys)
     params = {**keys, "owner": OWNER, "per_epoch": GENERATIONS_PER_EPOCH}
     epoch = conn.execute(_OWNER, params).scalar_one()
     live = conn.execute(_LIVE, keys).mappings().one()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,7 +31,7 @@ from quota_service.owner.instance_owner import InstanceOwner, take_over
 from quota_service.store import blocks, migrate
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
-from quota_service.store.journal import GENERATIONS_PER_EPOCH, Journal, totals_of
+from quota_service.store.journal import GENERATIONS_PER_EPOCH, NO_TOTALS, Journal, totals_of
 from quota_service.store.ledger import Ledger, offload
 from quota_service.store.pins import Pins
 from quota_service.store.reconcile import Reconciler
@@ -42,7 +41,7 @@ from tests.unit.machine_fixtures import assert_same_machine, recount, slot_rows
 
 LIMITS = Settings().admission_limits
 # The revision the per-block ledger fills, before the migration.
-PREVIOUS = "0021"
+PREVIOUS = "0022"
 CARRIED = ("gpu-0", "gpu-1")
 # Served from memory before the migration: it must be left as it is.
 JOURNALED = "gpu-2"
@@ -411,6 +410,17 @@ _JOURNAL = text(
 )
 
 
+FIELDS = ("blocks", "tokens", "pinned", "queued")
+_TOTALS = text(
+    "SELECT tenant, blocks_in_use, tokens_in_flight, pinned_blocks, queued_requests FROM tenants"
+)
+_TOTALS_PER_INSTANCE = text(
+    "SELECT tenant, instance, blocks_in_use, tokens_in_flight, pinned_blocks, queued_requests "
+    "FROM instance_tenant_totals WHERE blocks_in_use <> 0 OR tokens_in_flight <> 0 "
+    "OR pinned_blocks <> 0 OR queued_requests <> 0"
+)
+
+
 async def rows_of(engine: AsyncEngine, query: Any) -> tuple[Any, ...]:
     async with engine.connect() as conn:
         return tuple((await conn.execute(query)).one())
@@ -469,24 +479,25 @@ async def test_a_taken_over_instance_holds_what_the_per_block_ledger_held(
             assert machine.pool.generation(block) > generation, (name, block)
     assert list(owners[JOURNALED].machine.reservations) == [("acme", "mem")]
     assert clocks["gpu-1"].virtual_time
-    # Tenants' fleet-wide totals are what the machines hold.
-    totals: Counter[tuple[str, str]] = Counter()
-    for owner in owners.values():
-        for tenant in tenants:
-            held_here = totals_of(owner.machine, tenant)
-            for field in ("blocks", "tokens", "pinned", "queued"):
-                totals[(tenant, field)] += getattr(held_here, field)
+    # Tenants' totals, fleet-wide and per instance, are what the machines hold.
+    per_instance = {
+        (tenant, name): totals_of(owner.machine, tenant)
+        for name, owner in owners.items()
+        for tenant in tenants
+    }
+    fleet = {
+        tenant: [sum(getattr(per_instance[(tenant, name)], f) for name in owners) for f in FIELDS]
+        for tenant in tenants
+    }
     async with engine.connect() as conn:
-        recorded = await conn.execute(
-            text(
-                "SELECT tenant, blocks_in_use, tokens_in_flight, pinned_blocks, queued_requests "
-                "FROM tenants ORDER BY tenant"
-            )
-        )
-        assert [tuple(row) for row in recorded] == [
-            (t, *(totals[(t, f)] for f in ("blocks", "tokens", "pinned", "queued")))
-            for t in tenants
-        ]
+        recorded = await conn.execute(_TOTALS)
+        assert {row[0]: list(row[1:]) for row in recorded} == fleet
+        recorded = await conn.execute(_TOTALS_PER_INSTANCE)
+        assert {(row[0], row[1]): list(row[2:]) for row in recorded} == {
+            key: [getattr(held_there, f) for f in FIELDS]
+            for key, held_there in per_instance.items()
+            if held_there != NO_TOTALS
+        }
 
     # The same Admits, on the per-block ledger as it was and on the machines: the same hits on
     # the same cached and shared blocks, and the same blocks evicted for the rest (priority 2
