@@ -137,42 +137,43 @@ _LIVE = sa.text(
     "FROM reservations WHERE instance = :instance AND state IN ('ADMITTED', 'QUEUED')"
 )
 
+# One pass over the instance's slots: the highest generation the ledger handed out, and the
+# scopes hashes were made under (a NULL among them is a hash without one).
+_SURVEY = sa.text(
+    """
+    SELECT coalesce(max(generation), 0) AS generation,
+           coalesce(array_agg(hash_scope ORDER BY hash_scope) FILTER (WHERE hashed), '{}')
+               AS scopes
+    FROM (SELECT hash_scope, content_hash IS NOT NULL AS hashed, max(generation) AS generation
+          FROM blocks WHERE instance = :instance
+          GROUP BY hash_scope, content_hash IS NOT NULL) AS s
+    """
+)
+
 # The columns as store/journal.py writes a checkpoint (`_slot_arrays`): one entry per slot
-# holding a hash, digests concatenated, scope ids indexing `scopes`. The aggregates run over one
-# stream of rows, so the arrays line up entry by entry.
+# holding a hash, digests concatenated, scope ids indexing `scopes`. The aggregates take one
+# stream of rows, so the arrays line up entry by entry (in no particular slot order: readers
+# need none, and sorting a million slots would cost more than the rest).
 _CHECKPOINT = sa.text(
     """
-    WITH hashed AS (
-        SELECT block_id, generation, content_hash, hash_scope, engine_copies,
-               CASE WHEN ref_count = 0 THEN lru_seq ELSE 0 END AS lru_seq
-        FROM blocks WHERE instance = :instance AND content_hash IS NOT NULL
-    ), scopes AS (
-        SELECT coalesce(array_agg(hash_scope ORDER BY hash_scope), '{}') AS scopes
-        FROM (SELECT hash_scope FROM hashed GROUP BY hash_scope) AS s
-    )
     INSERT INTO pool_checkpoints (
         instance, batch, scopes, slots, generations, digests, scope_ids, engine_copies, lru_seqs)
-    SELECT :instance, 0, (SELECT scopes FROM scopes), coalesce(array_agg(block_id), '{}'),
+    SELECT CAST(:instance AS text), 0, CAST(:scopes AS text[]), coalesce(array_agg(block_id), '{}'),
            coalesce(array_agg(generation), '{}'),
            coalesce(string_agg(content_hash, ''::bytea), ''::bytea),
-           coalesce(array_agg(scope_id), '{}'), coalesce(array_agg(engine_copies), '{}'),
-           coalesce(array_agg(lru_seq), '{}')
-    FROM (SELECT h.*, array_position(s.scopes, h.hash_scope) - 1 AS scope_id
-          FROM hashed h, scopes s ORDER BY h.block_id) AS slot
+           coalesce(array_agg(array_position(CAST(:scopes AS text[]), hash_scope) - 1), '{}'),
+           coalesce(array_agg(engine_copies), '{}'),
+           coalesce(array_agg(CASE WHEN ref_count = 0 THEN lru_seq ELSE 0 END), '{}')
+    FROM blocks WHERE instance = CAST(:instance AS text) AND content_hash IS NOT NULL
     RETURNING cardinality(slots) AS slots, octet_length(digests) AS digest_bytes,
-              array_position(scopes, NULL) IS NOT NULL AS unscoped,
               array_position(lru_seqs, NULL) IS NOT NULL AS unordered
     """
 )
 
-# The next owner claims epoch + 1, whose floor is epoch x GENERATIONS_PER_EPOCH.
 _OWNER = sa.text(
     """
     INSERT INTO instance_owners (instance, owner, address, epoch, batch, clocks)
-    SELECT i.instance, :owner, '',
-           (SELECT coalesce(max(generation), 0) FROM blocks WHERE instance = i.instance)
-               / :per_epoch + 1,
-           0,
+    SELECT i.instance, :owner, '', :epoch, 0,
            jsonb_build_object(
                'virtual_time',
                coalesce((SELECT jsonb_object_agg(priority::text, virtual_time)
@@ -196,7 +197,6 @@ _OWNER = sa.text(
                                   SELECT tenant FROM pins
                                   WHERE instance = i.instance AND state = 'ACTIVE')), '{}')
     FROM instances i WHERE i.instance = :instance
-    RETURNING epoch
     """
 )
 
@@ -233,21 +233,19 @@ def _carry(conn: sa.Connection, instance: str) -> str:
     conn.execute(_RESERVATION_TABLES, keys)
     conn.execute(_QUEUE_ARRIVALS, keys)
     conn.execute(_PIN_TABLES, keys)
-    checkpoint = conn.execute(_CHECKPOINT, keys).mappings().one()
+    survey = conn.execute(_SURVEY, keys).mappings().one()
+    if None in survey["scopes"]:
+        raise _unfit(instance, "a block holds a hash with no scope")
+    checkpoint = conn.execute(_CHECKPOINT, {**keys, "scopes": survey["scopes"]}).mappings().one()
     if checkpoint["digest_bytes"] != DIGEST_BYTES * checkpoint["slots"]:
-        raise RuntimeError(
-            f"instances/{instance}: a block's content hash is not {DIGEST_BYTES} bytes long; "
-            "nothing was migrated"
-        )
-    if checkpoint["unscoped"] or checkpoint["unordered"]:
-        raise RuntimeError(
-            f"instances/{instance}: a block holds a hash with no scope, or a cached one has no "
-            "place in the LRU order (`kvquota check` tells more); nothing was migrated"
-        )
+        raise _unfit(instance, f"a block's content hash is not {DIGEST_BYTES} bytes long")
+    if checkpoint["unordered"]:
+        raise _unfit(instance, "a cached block has no place in the LRU order")
     conn.execute(_FORGET_TOTALS, keys)
     conn.execute(_TOTALS, keys)
-    params = {**keys, "owner": OWNER, "per_epoch": GENERATIONS_PER_EPOCH}
-    epoch = conn.execute(_OWNER, params).scalar_one()
+    # The next owner claims epoch + 1, whose generations start at epoch x GENERATIONS_PER_EPOCH.
+    epoch = survey["generation"] // GENERATIONS_PER_EPOCH + 1
+    conn.execute(_OWNER, {**keys, "owner": OWNER, "epoch": epoch})
     live = conn.execute(_LIVE, keys).mappings().one()
     return (
         f"{live['admitted']} admitted and {live['queued']} queued reservations, "
@@ -255,11 +253,17 @@ def _carry(conn: sa.Connection, instance: str) -> str:
     )
 
 
+def _unfit(instance: str, why: str) -> RuntimeError:
+    return RuntimeError(
+        f"instances/{instance}: {why} (`kvquota check` tells more); nothing was migrated"
+    )
+
+
 def downgrade() -> None:
     conn = op.get_bind()
     moved_on = conn.execute(_MOVED_ON).all()
     if moved_on:
-        served = ", ".join(f"instances/{name} ({batch} batches)" for name, batch in moved_on)
+        served = ", ".join(f"instances/{name} at batch {batch}" for name, batch in moved_on)
         raise RuntimeError(
             "owners have journaled batches the per-block tables do not hold, and going back "
             f"would lose them: {served}; nothing was changed"

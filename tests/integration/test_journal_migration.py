@@ -543,3 +543,63 @@ async def admitted(admit: Awaitable[Any]) -> tuple[Any, ...]:
         found.block_table[:hits],
         [h.block_id for h in found.block_table],
     )
+
+
+async def test_downgrade_clears_what_was_carried_until_an_owner_writes(
+    ledger_engine: AsyncEngine, database_url: str
+) -> None:
+    engine = ledger_engine
+    await fill(engine)
+    untouched = await rows_of(engine, _UNTOUCHED)
+    cleared = await rows_of(engine, _JOURNAL)
+    migrate.upgrade(database_url)
+    carried = await rows_of(engine, _JOURNAL)
+    migrate.downgrade(database_url, PREVIOUS)
+    assert await rows_of(engine, _JOURNAL) == cleared
+    assert await rows_of(engine, _UNTOUCHED) == untouched
+    migrate.upgrade(database_url)
+    assert await rows_of(engine, _JOURNAL) == carried
+
+    # Once an owner has committed a batch, the per-block tables no longer hold all there is:
+    # the downgrade refuses, and changes nothing.
+    journal = Journal(engine)
+    owner = await owner_of(engine, journal, "gpu-1")
+    after = request("after", 2 * BS, BS, instance="gpu-1")
+    await owner.apply(lambda m, now: m.admit(after, now))
+    await journal.close()
+    written = await rows_of(engine, _JOURNAL)
+    with pytest.raises(RuntimeError, match=r"instances/gpu-1 at batch 1; nothing was changed"):
+        migrate.downgrade(database_url, PREVIOUS)
+    assert await rows_of(engine, _JOURNAL) == written
+    assert not migrate.pending(database_url)
+
+
+@pytest.mark.parametrize(
+    ("corruption", "error"),
+    [
+        (
+            "UPDATE blocks SET content_hash = substring(content_hash FROM 2) WHERE block_id = 1",
+            "instances/gpu-0: a block's content hash is not 32 bytes long",
+        ),
+        (
+            "UPDATE blocks SET hash_scope = NULL WHERE block_id = 1",
+            "instances/gpu-0: a block holds a hash with no scope",
+        ),
+    ],
+)
+async def test_a_slot_the_journal_cannot_hold_stops_the_migration(
+    ledger_engine: AsyncEngine, database_url: str, corruption: str, error: str
+) -> None:
+    engine = ledger_engine
+    await add_instance(engine, blocks=16)
+    await add_tenant(engine, "acme")
+    ledger = Ledger(engine, LIMITS)
+    await ledger.admit(prompt("r", tokens(1, 2, extra=1)))
+    await ledger.end("acme", "r", EndReason.RELEASED, 1)
+    async with engine.begin() as conn:
+        await conn.execute(text(corruption))
+    before = await rows_of(engine, _JOURNAL)
+    with pytest.raises(RuntimeError, match=error):
+        migrate.upgrade(database_url)
+    assert await rows_of(engine, _JOURNAL) == before
+    assert migrate.pending(database_url)
