@@ -201,72 +201,101 @@ class Held:
     holdings: dict[str, tuple[int, int, int]]
 
 
-_SLOTS = (
-    "SELECT block_id, state, ref_count, pin_count, generation, content_hash, hash_scope, "
-    "engine_copies FROM {slots} WHERE instance = :i AND state <> 'FREE' ORDER BY block_id"
+@dataclass(frozen=True)
+class Layout:
+    """Where a layout of the record keeps what `Held` compares."""
+
+    slots: str
+    pool: str
+    tables: str
+    queue: str
+    holdings: str
+
+
+_NAME = "'tenants/' || tenant || '/reservations/' || request_id"
+_LIVE = "instance = :i AND state IN ('QUEUED', 'ADMITTED')"
+
+PER_BLOCK = Layout(
+    slots="blocks",
+    pool="instances",
+    tables=(
+        "SELECT h.name, array_agg(b.block_id ORDER BY b.position), "
+        "array_agg(b.generation ORDER BY b.position), array_agg(b.released ORDER BY b.position) "
+        f"FROM (SELECT holder_id, {_NAME} AS name FROM reservations WHERE {_LIVE} "
+        "      UNION ALL "
+        "      SELECT holder_id, owner || '/pins/' || pin_id FROM pins "
+        "      WHERE instance = :i AND state = 'ACTIVE') AS h "
+        "JOIN block_refs b USING (holder_id) GROUP BY h.name"
+    ),
+    # The per-block ledger's dispatch order.
+    queue="ORDER BY priority DESC, virtual_start, queued_at",
+    holdings=(
+        "SELECT tenant, sum(blocks), sum(pinned), sum(tokens) FROM ("
+        "  SELECT tenant, count(*) AS blocks, count(*) FILTER (WHERE pin_refs > 0) AS pinned, "
+        "         0 AS tokens FROM tenant_blocks WHERE instance = :i GROUP BY tenant "
+        "  UNION ALL "
+        "  SELECT tenant, 0, 0, sum(reserved_tokens) FROM reservations "
+        "  WHERE instance = :i AND state = 'ADMITTED' AND offloaded_bytes IS NULL GROUP BY tenant"
+        ") AS h GROUP BY tenant"
+    ),
 )
-_LRU = "SELECT block_id FROM {slots} WHERE instance = :i AND state = 'CACHED' ORDER BY lru_seq, 1"
-_COUNTS = (
-    'SELECT free_blocks AS "FREE", cached_blocks AS "CACHED", blocks_in_use AS "IN_USE", '
-    'pinned_blocks AS "PINNED" FROM {pool} WHERE instance = :i'
-)
-_LEDGER_TABLES = text(
-    "SELECT h.name, array_agg(b.block_id ORDER BY b.position), "
-    "array_agg(b.generation ORDER BY b.position), array_agg(b.released ORDER BY b.position) "
-    "FROM (SELECT holder_id, 'tenants/' || tenant || '/reservations/' || request_id AS name "
-    "      FROM reservations WHERE instance = :i AND state IN ('QUEUED', 'ADMITTED') "
-    "      UNION ALL "
-    "      SELECT holder_id, owner || '/pins/' || pin_id FROM pins "
-    "      WHERE instance = :i AND state = 'ACTIVE') AS h "
-    "JOIN block_refs b USING (holder_id) GROUP BY h.name"
-)
-# The ledger's dispatch order.
-_LEDGER_QUEUE = text(
-    "SELECT 'tenants/' || tenant || '/reservations/' || request_id FROM reservations "
-    "WHERE instance = :i AND state = 'QUEUED' ORDER BY priority DESC, virtual_start, queued_at"
-)
-_LEDGER_HOLDINGS = text(
-    "SELECT tenant, sum(blocks), sum(pinned), sum(tokens) FROM ("
-    "  SELECT tenant, count(*) AS blocks, count(*) FILTER (WHERE pin_refs > 0) AS pinned, "
-    "         0 AS tokens FROM tenant_blocks WHERE instance = :i GROUP BY tenant "
-    "  UNION ALL "
-    "  SELECT tenant, 0, 0, sum(reserved_tokens) FROM reservations "
-    "  WHERE instance = :i AND state = 'ADMITTED' AND offloaded_bytes IS NULL GROUP BY tenant"
-    ") AS h GROUP BY tenant"
-)
-_VIEW_HOLDINGS = text(
-    "SELECT tenant, blocks_in_use, pinned_blocks, tokens_in_flight "
-    "FROM journal_tenant_holdings WHERE instance = :i"
+# The journal's rows, and the views derived from them.
+JOURNALED_ROWS = Layout(
+    slots="journal_slots",
+    pool="journal_pool_counts",
+    tables=(
+        f"SELECT {_NAME}, block_ids, block_generations, "
+        "       ARRAY(SELECT p - 1 = ANY(coalesce(released_positions, '{}')) "
+        "             FROM generate_subscripts(block_ids, 1) AS p ORDER BY p) "
+        f"FROM reservations WHERE {_LIVE} AND block_ids IS NOT NULL "
+        "UNION ALL "
+        "SELECT owner || '/pins/' || pin_id, block_ids, block_generations, "
+        "       ARRAY(SELECT false FROM generate_subscripts(block_ids, 1)) "
+        "FROM pins WHERE instance = :i AND state = 'ACTIVE'"
+    ),
+    # The machine's order: queue_arrival breaks ties of priority and start tag.
+    queue="ORDER BY priority DESC, virtual_start, queue_arrival",
+    holdings=(
+        "SELECT tenant, blocks_in_use, pinned_blocks, tokens_in_flight "
+        "FROM journal_tenant_holdings WHERE instance = :i"
+    ),
 )
 
 
-async def held_by_ledger(engine: AsyncEngine, instance: str) -> Held:
-    """What the per-block tables hold of an instance."""
-    return await _held(engine, instance, "blocks", "instances", _LEDGER_HOLDINGS)
-
-
-async def held_by_views(engine: AsyncEngine, instance: str) -> Held:
-    """What the journal's views derive of an instance; they have no queue (the machine
-    orders it) and the tables are the ledger's rows as they were."""
-    return await _held(engine, instance, "journal_slots", "journal_pool_counts", _VIEW_HOLDINGS)
-
-
-async def _held(engine: AsyncEngine, instance: str, slots: str, pool: str, holdings: Any) -> Held:
+async def held_in(engine: AsyncEngine, layout: Layout, instance: str) -> Held:
     keys = {"i": instance}
     async with engine.connect() as conn:
-        slot_rows_ = await conn.execute(text(_SLOTS.format(slots=slots)), keys)
-        lru = await conn.execute(text(_LRU.format(slots=slots)), keys)
-        counts = (await conn.execute(text(_COUNTS.format(pool=pool)), keys)).mappings().one()
-        tables = await conn.execute(_LEDGER_TABLES, keys)
-        queue = await conn.execute(_LEDGER_QUEUE, keys)
-        held = await conn.execute(holdings, keys)
+
+        async def rows(query: str) -> Any:
+            return await conn.execute(text(query), keys)
+
+        slots = await rows(
+            "SELECT block_id, state, ref_count, pin_count, generation, content_hash, hash_scope, "
+            f"engine_copies FROM {layout.slots} WHERE instance = :i AND state <> 'FREE' "
+            "ORDER BY block_id"
+        )
+        lru = await rows(
+            f"SELECT block_id FROM {layout.slots} WHERE instance = :i AND state = 'CACHED' "
+            "ORDER BY lru_seq, block_id"
+        )
+        counts = await rows(
+            'SELECT free_blocks AS "FREE", cached_blocks AS "CACHED", '
+            f'blocks_in_use AS "IN_USE", pinned_blocks AS "PINNED" FROM {layout.pool} '
+            "WHERE instance = :i"
+        )
+        tables = await rows(layout.tables)
+        queue = await rows(
+            f"SELECT {_NAME} FROM reservations WHERE instance = :i AND state = 'QUEUED' "
+            + layout.queue
+        )
+        holdings = await rows(layout.holdings)
         return Held(
-            [tuple(row) for row in slot_rows_],
+            [tuple(row) for row in slots],
             list(lru.scalars()),
-            dict(counts),
+            dict(counts.mappings().one()),
             {name: list(zip(b, g, r, strict=True)) for name, b, g, r in tables},
             list(queue.scalars()),
-            {tenant: (int(b), int(p), int(t)) for tenant, b, p, t in held},
+            {tenant: (int(b), int(p), int(t)) for tenant, b, p, t in holdings},
         )
 
 
@@ -410,6 +439,8 @@ _JOURNAL = text(
 )
 
 
+_OWNERS = text("SELECT instance, owner, epoch, batch, clocks FROM instance_owners ORDER BY 1")
+_CHECKPOINTED = text("SELECT instance, batch FROM pool_checkpoints ORDER BY 1")
 FIELDS = ("blocks", "tokens", "pinned", "queued")
 _TOTALS = text(
     "SELECT tenant, blocks_in_use, tokens_in_flight, pinned_blocks, queued_requests FROM tenants"
@@ -419,6 +450,34 @@ _TOTALS_PER_INSTANCE = text(
     "FROM instance_tenant_totals WHERE blocks_in_use <> 0 OR tokens_in_flight <> 0 "
     "OR pinned_blocks <> 0 OR queued_requests <> 0"
 )
+
+
+async def check_totals(
+    engine: AsyncEngine, owners: dict[str, InstanceOwner], tenants: list[str]
+) -> None:
+    """Tenants' totals, fleet-wide and per instance, are what the machines hold."""
+    per_instance = {
+        (tenant, name): totals_of(owner.machine, tenant)
+        for name, owner in owners.items()
+        for tenant in tenants
+    }
+    fleet = {
+        tenant: [sum(getattr(per_instance[(tenant, name)], f) for name in owners) for f in FIELDS]
+        for tenant in tenants
+    }
+    assert {row[0]: list(row[1:]) for row in await all_rows(engine, _TOTALS)} == fleet
+    assert {
+        (row[0], row[1]): list(row[2:]) for row in await all_rows(engine, _TOTALS_PER_INSTANCE)
+    } == {
+        key: [getattr(held_there, f) for f in FIELDS]
+        for key, held_there in per_instance.items()
+        if held_there != NO_TOTALS
+    }
+
+
+async def all_rows(engine: AsyncEngine, query: Any) -> list[tuple[Any, ...]]:
+    async with engine.connect() as conn:
+        return [tuple(row) for row in await conn.execute(query)]
 
 
 async def rows_of(engine: AsyncEngine, query: Any) -> tuple[Any, ...]:
@@ -439,7 +498,7 @@ async def test_a_taken_over_instance_holds_what_the_per_block_ledger_held(
     await journal.close()
     ledger = Ledger(engine, LIMITS)
     tenants = ["acme", "beta", "gamma"]
-    held = {name: await held_by_ledger(engine, name) for name in CARRIED}
+    held = {name: await held_in(engine, PER_BLOCK, name) for name in CARRIED}
     clocks = {name: await clocks_of_ledger(engine, name, tenants) for name in CARRIED}
     reservations = {name: await live_reservations(engine, ledger, name) for name in CARRIED}
     async with engine.connect() as conn:
@@ -447,20 +506,26 @@ async def test_a_taken_over_instance_holds_what_the_per_block_ledger_held(
             name: {b: g for b, g in await conn.execute(_FREE_GENERATIONS, {"i": name})}
             for name in CARRIED
         }
-    before = await rows_of(engine, _UNTOUCHED)
-    journaled_before = await rows_of(engine, _JOURNAL)
+    untouched = await rows_of(engine, _UNTOUCHED)
+    owned_before = await all_rows(engine, _OWNERS)
     # The per-block ledger as it is, to answer the same Admits.
     await engine.dispose()
     as_it_was = copy_of(database_url)
 
     caplog.set_level(logging.INFO, logger="alembic.runtime.migration")
     migrate.upgrade(database_url)
-    assert await rows_of(engine, _UNTOUCHED) == before
+    assert await rows_of(engine, _UNTOUCHED) == untouched
     for done, name in enumerate(CARRIED, 1):
         assert f"instances/{name} carried ({done} of 2)" in caplog.text
-    journaled = await rows_of(engine, _JOURNAL)
-    assert [JOURNALED in str(row) for row in journaled[0]] == [False, False, True]
-    assert journaled[0][2] == journaled_before[0][0]  # gpu-2's owner row, as it was
+    # Owner rows that any replica may claim, with epochs above the generations handed out (a
+    # slot of gpu-1 turned over 3 x 2**40 times); gpu-2's journal as it was.
+    owned = await all_rows(engine, _OWNERS)
+    assert [row[:4] for row in owned[:2]] == [
+        ("gpu-0", "migrations/0023", 1, 0),
+        ("gpu-1", "migrations/0023", 4, 0),
+    ]
+    assert owned[2:] == owned_before
+    assert await all_rows(engine, _CHECKPOINTED) == [("gpu-0", 0), ("gpu-1", 0)]
 
     journal = Journal(engine)
     owners = {name: await owner_of(engine, journal, name) for name in (*CARRIED, JOURNALED)}
@@ -468,8 +533,7 @@ async def test_a_taken_over_instance_holds_what_the_per_block_ledger_held(
         machine = owners[name].machine
         recount(machine)
         assert held_by_machine(machine) == held[name], name
-        from_views = await held_by_views(engine, name)
-        assert from_views == replace(held[name], queue=from_views.queue), name
+        assert await held_in(engine, JOURNALED_ROWS, name) == held[name], name
         assert clocks_of_machine(machine) == clocks[name], name
         assert {
             r.name: r.snapshot(machine.queue_position(r)) for r in machine.reservations.values()
@@ -478,26 +542,7 @@ async def test_a_taken_over_instance_holds_what_the_per_block_ledger_held(
         for block, generation in free[name].items():
             assert machine.pool.generation(block) > generation, (name, block)
     assert list(owners[JOURNALED].machine.reservations) == [("acme", "mem")]
-    assert clocks["gpu-1"].virtual_time
-    # Tenants' totals, fleet-wide and per instance, are what the machines hold.
-    per_instance = {
-        (tenant, name): totals_of(owner.machine, tenant)
-        for name, owner in owners.items()
-        for tenant in tenants
-    }
-    fleet = {
-        tenant: [sum(getattr(per_instance[(tenant, name)], f) for name in owners) for f in FIELDS]
-        for tenant in tenants
-    }
-    async with engine.connect() as conn:
-        recorded = await conn.execute(_TOTALS)
-        assert {row[0]: list(row[1:]) for row in recorded} == fleet
-        recorded = await conn.execute(_TOTALS_PER_INSTANCE)
-        assert {(row[0], row[1]): list(row[2:]) for row in recorded} == {
-            key: [getattr(held_there, f) for f in FIELDS]
-            for key, held_there in per_instance.items()
-            if held_there != NO_TOTALS
-        }
+    await check_totals(engine, owners, tenants)
 
     # The same Admits, on the per-block ledger as it was and on the machines: the same hits on
     # the same cached and shared blocks, and the same blocks evicted for the rest (priority 2
