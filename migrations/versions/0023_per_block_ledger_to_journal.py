@@ -33,9 +33,10 @@ on the per-block hot path after it changes the per-block tables only, and the jo
 behind (downgrade and upgrade again to carry it over anew).
 
 Downgrade clears what the upgrade wrote: the reservations' and pins' arrays and queue arrivals,
-the checkpoints and the owner rows (and any deltas). It refuses, changing nothing, once an owner
-has committed a batch on any instance since: the per-block tables do not hold what that batch
-did, so going back would lose it.
+the checkpoints and the owner rows. It refuses, changing nothing, while any instance's journal
+holds a batch an owner committed (since the upgrade, or before it on an instance served from
+memory already): the per-block tables do not hold what that batch did, so going back would lose
+it.
 
 Revision ID: 0023
 Revises: 0022
@@ -158,8 +159,8 @@ _CHECKPOINT = sa.text(
     """
     INSERT INTO pool_checkpoints (
         instance, batch, scopes, slots, generations, digests, scope_ids, engine_copies, lru_seqs)
-    SELECT CAST(:instance AS text), 0, CAST(:scopes AS text[]), coalesce(array_agg(block_id), '{}'),
-           coalesce(array_agg(generation), '{}'),
+    SELECT CAST(:instance AS text), 0, CAST(:scopes AS text[]),
+           coalesce(array_agg(block_id), '{}'), coalesce(array_agg(generation), '{}'),
            coalesce(string_agg(content_hash, ''::bytea), ''::bytea),
            coalesce(array_agg(array_position(CAST(:scopes AS text[]), hash_scope) - 1), '{}'),
            coalesce(array_agg(engine_copies), '{}'),
@@ -200,6 +201,7 @@ _OWNER = sa.text(
     """
 )
 
+# Batches are numbered from 1, so an instance at batch 0 has nothing journaled by an owner.
 _MOVED_ON = sa.text("SELECT instance, batch FROM instance_owners WHERE batch > 0 ORDER BY instance")
 
 _CLEAR = (
@@ -207,7 +209,6 @@ _CLEAR = (
     "released_positions = NULL, queue_arrival = NULL "
     "WHERE block_ids IS NOT NULL OR released_positions IS NOT NULL OR queue_arrival IS NOT NULL",
     "UPDATE pins SET block_ids = NULL, block_generations = NULL WHERE block_ids IS NOT NULL",
-    "DELETE FROM pool_deltas",
     "DELETE FROM pool_checkpoints",
     "DELETE FROM instance_owners",
 )

@@ -485,6 +485,7 @@ async def rows_of(engine: AsyncEngine, query: Any) -> tuple[Any, ...]:
         return tuple((await conn.execute(query)).one())
 
 
+@pytest.mark.slow
 async def test_a_taken_over_instance_holds_what_the_per_block_ledger_held(
     ledger_engine: AsyncEngine,
     database_url: str,
@@ -631,6 +632,7 @@ async def test_downgrade_clears_what_was_carried_until_an_owner_writes(
             "instances/gpu-0: a block holds a hash with no scope",
         ),
     ],
+    ids=["short digest", "no scope"],
 )
 async def test_a_slot_the_journal_cannot_hold_stops_the_migration(
     ledger_engine: AsyncEngine, database_url: str, corruption: str, error: str
