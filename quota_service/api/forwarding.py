@@ -129,7 +129,9 @@ class ForwardingInterceptor(WrappingInterceptor):
                     if _transport_failure(failed):
                         raise self._lost(elsewhere) from failed
                     await context.abort(
-                        failed.code(), failed.details() or "", failed.trailing_metadata()
+                        failed.code(),
+                        failed.details() or "",
+                        tuple(failed.trailing_metadata() or ()),
                     )
                     raise AssertionError("abort raises") from failed
                 return answer
@@ -167,7 +169,7 @@ class ForwardingInterceptor(WrappingInterceptor):
                 if _transport_failure(failed):
                     raise self._lost(elsewhere) from failed
                 await context.abort(
-                    failed.code(), failed.details() or "", failed.trailing_metadata()
+                    failed.code(), failed.details() or "", tuple(failed.trailing_metadata() or ())
                 )
             finally:
                 stream.cancel()

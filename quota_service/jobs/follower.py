@@ -17,6 +17,7 @@ from contextlib import suppress
 import httpx
 import psycopg
 
+from quota_service.core.errors import KvQuotaError, ServedElsewhere
 from quota_service.engine.vllm.http import MetricsError, VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
 from quota_service.metrics import ServiceMetrics
@@ -47,13 +48,18 @@ class Followers:
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def scan(self) -> int:
-        """Start following instances not followed yet; returns how many were started."""
+        """Start following instances not followed yet, and stop following those no longer to
+        be followed here (their owner moved); returns how many were started."""
         started = 0
-        for instance, events, replay, url in await self._reconciler.followed_engines():
+        followed = await self._reconciler.followed_engines()
+        for instance, events, replay, url in followed:
             if instance not in self._tasks or self._tasks[instance].done():
                 follow = self._follow(instance, events, replay, url)
                 self._tasks[instance] = asyncio.create_task(follow)
                 started += 1
+        kept = {found[0] for found in followed}
+        for instance in [i for i in self._tasks if i not in kept]:
+            self._tasks.pop(instance).cancel()
         return started
 
     async def stop(self) -> None:
@@ -76,7 +82,8 @@ class Followers:
                             await self._apply_stream(instance, events, replay)
                         finally:
                             load.cancel()
-            except (psycopg.Error, OSError):
+            except (psycopg.Error, OSError, KvQuotaError, ServedElsewhere):
+                # The database, or the instance's owner here, went away meanwhile.
                 log.warning("following %s failed; retrying", instance, exc_info=True)
             await asyncio.sleep(RETRY_SECONDS)
 

@@ -18,6 +18,11 @@ class OwnedReconciler(Reconciler):
         super().__init__(engine, ledger)
         self._owners = owners
 
+    async def followed_engines(self) -> list[tuple[str, str, str | None, str | None]]:
+        """Only the engines of the instances served here: their owner applies their events."""
+        served = {owner.instance for owner in self._owners.served()}
+        return [found for found in await super().followed_engines() if found[0] in served]
+
     async def apply(self, instance: str, seq: int, batch: EventBatch) -> tuple[int, int]:
         def apply(machine: InstanceMachine, now: float) -> EngineReport:
             return machine.apply_engine_events(batch)

@@ -21,10 +21,14 @@ NOT_YET_IN_MEMORY = {
     "test_top.py::test_top_json_is_one_snapshot": "sets up through the SQL ledger",
     "test_cli_reclaim.py": "sets up through the SQL ledger",
     "test_reclaim_jobs.py::test_every_replica_s_maintenance_loop": "sets up through the ledger",
-    "test_crash.py": "several replicas: ownership and forwarding come next",
-    "test_replicas.py": "several replicas: ownership and forwarding come next",
-    "test_client_failover.py": "several replicas: ownership and forwarding come next",
-    "test_shutdown.py::test_sigterm_drains": "several replicas: ownership and forwarding come next",
+    "test_one_replica_steps.py::test_a_lapsed_lease_is_reaped_by_the_replica_that_holds": (
+        "the per-block ledger's shared steps (each owner reaps its own instances in memory)"
+    ),
+    # Replicas in memory mode: test_owned_replicas.py.
+    "test_crash.py": "sets up through the SQL ledger",
+    "test_replicas.py": "checks the per-block tables",
+    "test_client_failover.py": "sets up through the SQL ledger",
+    "test_shutdown.py::test_sigterm_drains": "sets up through the SQL ledger",
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections import Counter
 
 import grpc
@@ -32,7 +33,7 @@ async def test_weights_hold_when_holds_are_short(database_url: str) -> None:
     process, address = start_replica(database_url, hot_path="memory")
     try:
         async with grpc.aio.insecure_channel(address) as channel:
-            admitted = await _flood(channel)
+            admitted = await flood([channel])
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -44,9 +45,12 @@ async def test_weights_hold_when_holds_are_short(database_url: str) -> None:
     assert 0.675 <= share <= 0.825, admitted
 
 
-async def _flood(channel: grpc.aio.Channel) -> Counter[str]:
-    admin = admin_pb2_grpc.AdminServiceStub(channel)
-    gateway = admission_pb2_grpc.AdmissionServiceStub(channel)
+async def flood(channels: list[grpc.aio.Channel]) -> Counter[str]:
+    """Admissions of each tenant that waited in the queue; each call goes to one of `channels`
+    at random (replicas of one fleet)."""
+    admin = admin_pb2_grpc.AdminServiceStub(channels[0])
+    gateways = [admission_pb2_grpc.AdmissionServiceStub(c) for c in channels]
+    pick = random.Random(5).choice
     await admin.RegisterInstance(
         admin_pb2.RegisterInstanceRequest(
             instance_id="small", block_size=16, max_model_len=8192, num_gpu_blocks=96 * 10
@@ -79,13 +83,14 @@ async def _flood(channel: grpc.aio.Channel) -> Counter[str]:
                 max_output_tokens=OUTPUT,
                 wait_timeout=Duration(seconds=30),
             )
-            answer = await gateway.Admit(request)
+            answer = await pick(gateways).Admit(request)
             # Counted once every tenant is backlogged: those that waited in the queue (the
             # first ones, admitted while the instance filled, are first come, first served).
             if answer.reservation.HasField("queue_time"):
                 admitted[tenant] += 1
             await asyncio.sleep(HOLD_SECONDS)
-            await gateway.Release(admission_pb2.ReleaseRequest(name=answer.reservation.name))
+            release = admission_pb2.ReleaseRequest(name=answer.reservation.name)
+            await pick(gateways).Release(release)
 
     tenants = ["light", "heavy"] * CLIENTS_PER_TENANT
     await asyncio.gather(*(client(tenant) for tenant in tenants))

@@ -1,0 +1,357 @@
+"""Several replicas serving one fleet from memory: each instance is owned by one replica under a
+lease, and any replica answers any call by forwarding it to the owner. Three server processes on
+one database, clients calling any of them at random; then an owner killed, and an owner paused
+past its lease."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
+from kvquota.v1 import resources_pb2 as pb
+from tests.integration.grpc_helpers import quota, rich_error
+from tests.integration.test_fairness_short_holds import flood
+from tests.integration.test_replicas import serving_address, spawn_replica
+
+# Served from memory whatever the suite's hot path: run once, by `make test-memory`.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("KVQUOTA_HOT_PATH") != "memory", reason="runs in make test-memory"
+    ),
+]
+
+LEASE_SECONDS = 2.0
+BLOCK = 16
+
+
+@dataclass
+class Replica:
+    process: subprocess.Popen[str]
+    address: str
+    channel: grpc.aio.Channel
+
+    @property
+    def admin(self) -> admin_pb2_grpc.AdminServiceAsyncStub:
+        return admin_pb2_grpc.AdminServiceStub(self.channel)
+
+    @property
+    def gateway(self) -> admission_pb2_grpc.AdmissionServiceAsyncStub:
+        return admission_pb2_grpc.AdmissionServiceStub(self.channel)
+
+
+@pytest.fixture
+def processes(database_url: str) -> Iterator[list[tuple[subprocess.Popen[str], str]]]:
+    spawned = [
+        spawn_replica(
+            database_url,
+            hot_path="memory",
+            owner_lease_seconds=str(LEASE_SECONDS),
+            shutdown_grace_seconds="1",
+        )
+        for _ in range(3)
+    ]
+    started = [(process, serving_address(process)) for process in spawned]
+    yield started
+    for process, _ in started:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)
+            process.terminate()
+            process.wait(timeout=30)
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+@pytest.fixture
+async def fleet(processes: list[tuple[subprocess.Popen[str], str]]) -> AsyncIterator[list[Replica]]:
+    replicas = [Replica(p, a, grpc.aio.insecure_channel(a)) for p, a in processes]
+    yield replicas
+    for replica in replicas:
+        await replica.channel.close()
+
+
+async def _register(replica: Replica, *instances: str) -> None:
+    for instance in instances:
+        await replica.admin.RegisterInstance(
+            admin_pb2.RegisterInstanceRequest(
+                instance_id=instance, block_size=BLOCK, max_model_len=8192, num_gpu_blocks=512
+            )
+        )
+
+
+async def _tenant(replica: Replica, tenant: str, max_blocks: int = 10**6) -> None:
+    await replica.admin.CreateTenant(
+        admin_pb2.CreateTenantRequest(
+            tenant_id=tenant, tenant=pb.Tenant(quota=quota(max_blocks=max_blocks))
+        )
+    )
+
+
+def _admit(
+    tenant: str, request_id: str, instance: str, tokens: list[int] | None = None, prompt: int = 64
+) -> admission_pb2.AdmitRequest:
+    return admission_pb2.AdmitRequest(
+        tenant=f"tenants/{tenant}",
+        request_id=request_id,
+        instance=f"instances/{instance}",
+        prompt_tokens=len(tokens) if tokens else prompt,
+        prompt_token_ids=tokens or [],
+        max_output_tokens=16,
+    )
+
+
+async def _owners(engine: AsyncEngine) -> dict[str, tuple[str, int]]:
+    async with engine.connect() as conn:
+        rows = await conn.execute(text("SELECT instance, address, epoch FROM instance_owners"))
+        return {instance: (address, epoch) for instance, address, epoch in rows}
+
+
+async def test_any_replica_answers_for_instances_owned_by_others(
+    engine: AsyncEngine, fleet: list[Replica]
+) -> None:
+    first, second, third = fleet
+    await _register(first, "gpu-a", "gpu-b")
+    for tenant in ("acme", "beta"):
+        await _tenant(first, tenant)
+    # The first call for an instance decides its owner: gpu-a the first replica, gpu-b the second.
+    await first.gateway.Admit(_admit("acme", "claim-a", "gpu-a"))
+    await second.gateway.Admit(_admit("acme", "claim-b", "gpu-b"))
+    owners = await _owners(engine)
+    assert owners["gpu-a"][0] == first.address and owners["gpu-b"][0] == second.address
+
+    # Shared prefixes: the same prompt through other replicas hits the cache its owner keeps.
+    system = list(range(1, 8 * BLOCK + 1))
+    done = await third.gateway.Admit(_admit("acme", "p1", "gpu-a", [*system, 9001, 9002]))
+    await third.gateway.Release(admission_pb2.ReleaseRequest(name=done.reservation.name))
+    again = await second.gateway.Admit(_admit("acme", "p2", "gpu-a", [*system, 9003, 9004]))
+    assert again.reservation.prefix_hit_blocks == 8
+
+    # Pins, through a replica that owns neither instance.
+    pin = await third.admin.PinPrefix(
+        admin_pb2.PinPrefixRequest(
+            parent="tenants/beta", pin_id="system", instance="instances/gpu-b", token_ids=system
+        )
+    )
+    assert pin.pinned_blocks == 8 and pin.state == pb.PIN_STATE_ACTIVE
+    listed = await first.admin.ListBlocks(
+        admin_pb2.ListBlocksRequest(parent="instances/gpu-b", tenant="tenants/beta")
+    )
+    assert len(listed.blocks) == 8
+
+    # Reads, watches and releases of a reservation, from any replica.
+    name = again.reservation.name
+    for replica in fleet:
+        got = await replica.gateway.GetReservation(admission_pb2.GetReservationRequest(name=name))
+        assert got.state == pb.RESERVATION_STATE_ADMITTED
+    watch = third.gateway.WatchReservation(admission_pb2.WatchReservationRequest(name=name))
+    seen = await watch.read()
+    assert isinstance(seen, pb.Reservation) and seen.state == pb.RESERVATION_STATE_ADMITTED
+    await first.gateway.Release(admission_pb2.ReleaseRequest(name=name))
+    seen = await watch.read()
+    assert isinstance(seen, pb.Reservation) and seen.state == pb.RESERVATION_STATE_ENDED
+    watch.cancel()
+
+    # A refusal keeps every detail on its way back through the forwarding replica.
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await third.gateway.Admit(_admit("nobody", "x", "gpu-a"))
+    assert rich_error(refused.value).reason == "TENANT_NOT_FOUND"
+
+    usage = await third.admin.GetTenantUsage(admin_pb2.GetTenantUsageRequest(name="tenants/acme"))
+    assert {u.instance for u in usage.instances} == {"instances/gpu-a", "instances/gpu-b"}
+
+
+async def test_a_tenant_s_quota_stays_exact_across_instances_owned_by_different_replicas(
+    engine: AsyncEngine, fleet: list[Replica]
+) -> None:
+    first, second, _ = fleet
+    await _register(first, "gpu-a", "gpu-b")
+    await _tenant(first, "capped", max_blocks=100)
+    await first.gateway.Admit(_admit("capped", "claim-a", "gpu-a"))  # 5 blocks each
+    await second.gateway.Admit(_admit("capped", "claim-b", "gpu-b"))
+    rng = random.Random(3)
+    outcomes: Counter[str] = Counter()
+
+    async def one(i: int) -> None:
+        replica = rng.choice(fleet)
+        instance = rng.choice(["gpu-a", "gpu-b"])
+        try:
+            await replica.gateway.Admit(_admit("capped", f"r{i}", instance))
+            outcomes["ADMITTED"] += 1
+        except grpc.aio.AioRpcError as error:
+            outcomes[rich_error(error).reason] += 1
+
+    await asyncio.gather(*(one(i) for i in range(60)))
+    assert set(outcomes) <= {"ADMITTED", "TENANT_QUOTA_EXCEEDED", "INSTANCE_MOVING"}, outcomes
+    async with engine.connect() as conn:
+        recorded = (
+            await conn.execute(text("SELECT blocks_in_use FROM tenants WHERE tenant = 'capped'"))
+        ).scalar_one()
+        derived = (
+            await conn.execute(
+                text(
+                    "SELECT sum(blocks_in_use) FROM journal_tenant_holdings WHERE tenant = 'capped'"
+                )
+            )
+        ).scalar_one()
+        live = (
+            await conn.execute(
+                text(
+                    "SELECT count(*) FROM reservations WHERE tenant = 'capped' "
+                    "AND state = 'ADMITTED'"
+                )
+            )
+        ).scalar_one()
+    # Never over-committed, and the record agrees with itself; 20 requests of 5 blocks fit.
+    assert recorded == derived == 5 * live <= 100
+    assert live == 20, outcomes
+
+
+async def test_weights_hold_when_clients_call_any_replica(fleet: list[Replica]) -> None:
+    admitted = await flood([replica.channel for replica in fleet])
+    share = admitted["heavy"] / (admitted["heavy"] + admitted["light"])
+    print(f"admissions {dict(admitted)}: the weight-3 tenant got {share:.1%}")
+    assert 0.65 <= share <= 0.85, admitted
+
+
+async def _until_served(replica: Replica, tenant: str, prefix: str) -> float:
+    """Seconds until an Admit through `replica` is answered (each try a new request id)."""
+    started = time.monotonic()
+    for attempt in range(200):
+        try:
+            await replica.gateway.Admit(_admit(tenant, f"{prefix}-{attempt}", "gpu-a"), timeout=5)
+            return time.monotonic() - started
+        except grpc.aio.AioRpcError as error:
+            assert error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            await asyncio.sleep(0.1)
+    raise AssertionError("no replica took the instance over")
+
+
+async def _recorded_states(engine: AsyncEngine) -> dict[str, str]:
+    async with engine.connect() as conn:
+        rows = await conn.execute(text("SELECT request_id, state FROM reservations"))
+        return {request_id: state for request_id, state in rows}
+
+
+async def test_a_killed_owner_s_instance_is_served_by_another_within_the_lease(
+    engine: AsyncEngine, fleet: list[Replica]
+) -> None:
+    owner, other, _ = fleet
+    await _register(owner, "gpu-a")
+    await _tenant(owner, "acme")
+    await owner.gateway.Admit(_admit("acme", "claim", "gpu-a"))
+    acknowledged: list[str] = []
+    refused: list[str] = []
+
+    async def load(replica: Replica, prefix: str) -> None:
+        for i in range(1000):
+            request_id = f"{prefix}-{i}"
+            try:
+                await replica.gateway.Admit(_admit("acme", request_id, "gpu-a", prompt=16))
+                acknowledged.append(request_id)
+            except grpc.aio.AioRpcError as error:
+                if error.code() is not grpc.StatusCode.UNAVAILABLE:
+                    refused.append(request_id)
+                return
+
+    loads = [asyncio.create_task(load(owner, f"direct{c}")) for c in range(4)]
+    loads += [asyncio.create_task(load(other, f"forwarded{c}")) for c in range(4)]
+    await asyncio.sleep(1.0)  # batches in flight all the time
+    owner.process.send_signal(signal.SIGKILL)
+    owner.process.wait()
+    await asyncio.wait(loads, timeout=10)
+    took = await _until_served(other, "acme", "after")
+    assert took <= LEASE_SECONDS + 2, took
+    recorded = await _recorded_states(engine)
+    assert acknowledged and all(recorded.get(r) == "ADMITTED" for r in acknowledged)
+    assert not any(r in recorded for r in refused)
+    assert (await _owners(engine))["gpu-a"][0] != owner.address
+
+
+async def test_a_paused_owner_commits_nothing_once_another_took_over(
+    engine: AsyncEngine, fleet: list[Replica]
+) -> None:
+    owner, other, _ = fleet
+    await _register(owner, "gpu-a")
+    await _tenant(owner, "acme")
+    await owner.gateway.Admit(_admit("acme", "before", "gpu-a"))
+    _, paused_epoch = (await _owners(engine))["gpu-a"]
+    owner.process.send_signal(signal.SIGSTOP)
+    try:
+        # Sent to the paused owner: it cannot answer until it runs again.
+        stuck = asyncio.ensure_future(owner.gateway.Admit(_admit("acme", "stuck", "gpu-a")))
+        await asyncio.sleep(LEASE_SECONDS + 0.5)
+        await _until_served(other, "acme", "taken")
+        address, epoch = (await _owners(engine))["gpu-a"]
+        assert address == other.address and epoch > paused_epoch
+    finally:
+        owner.process.send_signal(signal.SIGCONT)
+    try:
+        answer = await asyncio.wait_for(stuck, 10)
+        succeeded = answer.reservation.state == pb.RESERVATION_STATE_ADMITTED
+    except grpc.aio.AioRpcError as error:
+        assert rich_error(error).reason == "INSTANCE_MOVING"
+        succeeded = False
+    recorded = await _recorded_states(engine)
+    # Whatever the old owner answered is what the record holds, under the new owner's epoch.
+    assert (recorded.get("stuck") == "ADMITTED") == succeeded
+    # Calls to it now are served by the new owner.
+    after = await owner.gateway.Admit(_admit("acme", "after", "gpu-a"))
+    assert after.reservation.state == pb.RESERVATION_STATE_ADMITTED
+    assert (await _owners(engine))["gpu-a"] == (address, epoch)
+
+
+async def test_tenant_changes_and_offboarding_reach_every_owner(
+    engine: AsyncEngine, fleet: list[Replica]
+) -> None:
+    first, second, third = fleet
+    await _register(first, "gpu-a", "gpu-b")
+    await _tenant(first, "acme")
+    await first.gateway.Admit(_admit("acme", "on-a", "gpu-a"))  # 5 blocks each
+    await second.gateway.Admit(_admit("acme", "on-b", "gpu-b"))
+    await third.admin.PinPrefix(
+        admin_pb2.PinPrefixRequest(
+            parent="tenants/acme",
+            pin_id="system",
+            instance="instances/gpu-b",
+            token_ids=list(range(1, 4 * BLOCK + 1)),
+        )
+    )
+    # Suspended through a replica that owns neither instance: both owners refuse at once.
+    await third.admin.SuspendTenant(admin_pb2.SuspendTenantRequest(name="tenants/acme"))
+    for replica, instance in ((first, "gpu-a"), (second, "gpu-b")):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await replica.gateway.Admit(_admit("acme", f"late-{instance}", instance))
+        assert rich_error(refused.value).reason == "TENANT_SUSPENDED"
+    await third.admin.ResumeTenant(admin_pb2.ResumeTenantRequest(name="tenants/acme"))
+
+    deleted = await third.admin.DeleteTenant(admin_pb2.DeleteTenantRequest(name="tenants/acme"))
+    # 5 + 5 blocks in tables and 4 pinned, all the tenant's alone; the owners end them all.
+    assert deleted.report.freed_blocks == 14
+    for _ in range(100):
+        got = await first.admin.GetTenant(admin_pb2.GetTenantRequest(name="tenants/acme"))
+        if got.state == pb.TENANT_STATE_DELETED:
+            break
+        await asyncio.sleep(0.2)
+    assert got.state == pb.TENANT_STATE_DELETED
+    async with engine.connect() as conn:
+        held = await conn.execute(
+            text("SELECT count(*) FROM journal_slot_references WHERE tenant = 'acme'")
+        )
+        assert held.scalar_one() == 0
+        totals = await conn.execute(
+            text("SELECT blocks_in_use, pinned_blocks FROM tenants WHERE tenant = 'acme'")
+        )
+        assert tuple(totals.one()) == (0, 0)
