@@ -10,14 +10,19 @@ the record is consistent. A check that only one layout can fail (the per-block r
 reference counts, the journal's arrays) reads that layout alone.
 
 One read-only, repeatable-read transaction covers every check, so a check run under traffic
-compares rows of one moment."""
+compares rows of one moment; its queries go in one round trip."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
+import psycopg
 from sqlalchemy import TextClause, text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.core.invariants import (
     DEFAULT_ROWS,
@@ -326,160 +331,160 @@ UNFENCED_BATCHES = text("""
 """)
 
 
-async def _offences(
-    conn: AsyncConnection, limit: int, checks: dict[str, TextClause]
+Judge = Callable[[Sequence[str], Sequence[tuple[Any, ...]], int], list[Offence]]
+
+
+@dataclass(frozen=True)
+class RecordQuery:
+    """A query over the record, and how its rows are judged (the offences they show, the
+    first `limit` of each check's)."""
+
+    query: TextClause
+    judge: Judge
+
+
+def breaking(check: str, query: TextClause) -> RecordQuery:
+    """A query that selects the rows breaking `check` (one more than shown, to say that there
+    are more)."""
+    return RecordQuery(query, partial(offence, check))
+
+
+TallyOf = Callable[[Any, tuple[Any, ...], tuple[Any, ...]], Tally]
+
+
+def counters(
+    check: str,
+    key: str,
+    fields: Sequence[str],
+    query: TextClause,
+    tally: TallyOf = Tally,
+    recorded: int | None = None,
+) -> RecordQuery:
+    """A query of a key, then the `recorded` counters (as many as `fields` unless said), then
+    the same counted."""
+    width = len(fields) if recorded is None else recorded
+    return RecordQuery(query, partial(_counters, check, key, fields, tally, width))
+
+
+def _counters(
+    check: str,
+    key: str,
+    fields: Sequence[str],
+    tally: TallyOf,
+    width: int,
+    columns: Sequence[str],
+    rows: Sequence[tuple[Any, ...]],
+    limit: int,
 ) -> list[Offence]:
-    """The checks that found rows: one more row than shown is read, to say that there are more."""
-    found = []
-    for check, query in checks.items():
-        result = await conn.execute(query, {"limit": limit + 1})
-        rows = [tuple(row) for row in result.all()]
-        found += offence(check, tuple(result.keys()), rows, limit)
-    return found
+    tallies = [tally(row[0], row[1 : 1 + width], row[1 + width :]) for row in rows]
+    return tally_offences(check, key, fields, tallies, limit)
 
 
-async def _tallies(conn: AsyncConnection, query: TextClause, fields: int) -> list[Tally]:
-    """Rows of a key, `fields` recorded counters, then the same counted."""
-    return [
-        Tally(row[0], tuple(row[1 : 1 + fields]), tuple(row[1 + fields :]))
-        for row in await conn.execute(query)
-    ]
+def _pool(instance: str, recorded: tuple[Any, ...], counted: tuple[Any, ...]) -> Tally:
+    """POOL_TALLIES leads the recorded counters with the capacity."""
+    capacity, *states = recorded
+    return pool_tally(instance, capacity, states, counted)
 
 
-async def slot_states(conn: AsyncConnection, limit: int) -> list[Offence]:
-    pools = [
-        pool_tally(row[0], row[1], row[2:6], row[6:]) for row in await conn.execute(POOL_TALLIES)
-    ]
-    return [
-        *tally_offences(
-            "an instance's counters (recorded/counted) match its slots, and add up to its capacity",
-            "instance",
-            ("slots", "free", "cached", "in_use", "pinned"),
-            pools,
-            limit,
-        ),
-        *await _offences(
-            conn,
-            limit,
-            {"every slot named or recorded is one of the instance's": SLOTS_OUT_OF_RANGE},
-        ),
-    ]
-
-
-async def reference_counts(conn: AsyncConnection, limit: int) -> list[Offence]:
-    checks = {
-        "a block's references and pins = the live entries naming its current handle": (
-            REFERENCE_COUNTS
-        ),
-        "only admitted reservations and active pins hold entries": ENTRIES_OF_ENDED_HOLDERS,
-        "a session offloaded to the CPU tier is suspended and holds no entries": (
-            OFFLOADED_WITH_BLOCKS
-        ),
-        "no table or pin names a slot twice": SLOTS_TWICE_IN_A_TABLE,
-        "a table's arrays: a generation per slot, released positions within it, once": (
-            MALFORMED_TABLES
-        ),
-    }
-    return await _offences(conn, limit, checks)
-
-
-async def tenant_holdings(conn: AsyncConnection, limit: int) -> list[Offence]:
-    tenants = await _tallies(conn, TENANT_TALLIES, 4)
-    queues = await _tallies(conn, QUEUE_TALLIES, 2)
-    return [
-        *tally_offences(
-            "a tenant's counters (recorded/counted) match its live entries, reservations and queue",
-            "tenant",
-            ("blocks", "pinned", "tokens_in_flight", "queued"),
-            tenants,
-            limit,
-        ),
-        *await _offences(
-            conn,
-            limit,
-            {
-                "a tenant's references to a block = its live entries naming it": (
-                    TENANT_BLOCK_REFERENCES
-                )
-            },
-        ),
-        *tally_offences(
-            "an instance's queue counters (recorded/counted) = its queued reservations",
-            "instance",
-            ("queued", "prompt_tokens"),
-            queues,
-            limit,
-        ),
-    ]
-
-
-async def handles(conn: AsyncConnection, limit: int) -> list[Offence]:
-    checks = {
-        "no live entry names a tombstoned or outdated handle": STALE_ENTRIES,
-        "live entries name a slot at one generation": SLOTS_AT_TWO_GENERATIONS,
-        "a freed block keeps no contents a prefix lookup could return": FREED_WITH_SCOPE,
-        "recorded contents are a whole hash under a known scope": CONTENTS_WITHOUT_SCOPE,
-        "a block's current handle is never tombstoned": TOMBSTONED_CURRENT_HANDLES,
-        "a block without contents holds no copy the engine reported": COPIES_WITHOUT_CONTENTS,
-        "no two tenants or namespaces share a cache salt": SHARED_SALTS,
-    }
-    return await _offences(conn, limit, checks)
-
-
-async def pinned_blocks(conn: AsyncConnection, limit: int) -> list[Offence]:
-    checks = {"an active pin holds every block of its prefix": PINS_MISSING_BLOCKS}
-    return await _offences(conn, limit, checks)
-
-
-async def live_or_ended(conn: AsyncConnection, limit: int) -> list[Offence]:
-    checks = {
-        "a reservation is queued, admitted with a lease, or ended with a time and a reason": (
-            NEITHER_LIVE_NOR_ENDED
-        )
-    }
-    return await _offences(conn, limit, checks)
-
-
-async def fenced_batches(conn: AsyncConnection, limit: int) -> list[Offence]:
-    checks = {"the journal holds no batch past its owner's counter": UNFENCED_BATCHES}
-    return await _offences(conn, limit, checks)
-
-
-RecordCheck = Callable[[AsyncConnection, int], Awaitable[list[Offence]]]
-
-# Each invariant the record shows: what of it the checks cover, and the check.
-CHECKED: dict[int, tuple[str, RecordCheck]] = {
+# Each invariant the record shows: what of it the checks cover, and the checks.
+CHECKED: dict[int, tuple[str, list[RecordQuery]]] = {
     1: (
         "each instance's counters against its slots (its rows, or the journal's views)",
-        slot_states,
+        [
+            counters(
+                "an instance's counters (recorded/counted) match its slots, and add up to its "
+                "capacity",
+                "instance",
+                ("slots", "free", "cached", "in_use", "pinned"),
+                POOL_TALLIES,
+                _pool,
+                recorded=5,
+            ),
+            breaking("every slot named or recorded is one of the instance's", SLOTS_OUT_OF_RANGE),
+        ],
     ),
     2: (
         "every slot's counts against the live entries and pins naming it; entries of live "
         "holders only, each slot once per table",
-        reference_counts,
+        [
+            breaking(
+                "a block's references and pins = the live entries naming its current handle",
+                REFERENCE_COUNTS,
+            ),
+            breaking(
+                "only admitted reservations and active pins hold entries", ENTRIES_OF_ENDED_HOLDERS
+            ),
+            breaking(
+                "a session offloaded to the CPU tier is suspended and holds no entries",
+                OFFLOADED_WITH_BLOCKS,
+            ),
+            breaking("no table or pin names a slot twice", SLOTS_TWICE_IN_A_TABLE),
+            breaking(
+                "a table's arrays: a generation per slot, released positions within it, once",
+                MALFORMED_TABLES,
+            ),
+        ],
     ),
     3: (
         "each tenant's counters against its live entries, reservations and queue, summed over "
         "instances (within quota at admission: the admission tests)",
-        tenant_holdings,
+        [
+            counters(
+                "a tenant's counters (recorded/counted) match its live entries, reservations "
+                "and queue",
+                "tenant",
+                ("blocks", "pinned", "tokens_in_flight", "queued"),
+                TENANT_TALLIES,
+            ),
+            breaking(
+                "a tenant's references to a block = its live entries naming it",
+                TENANT_BLOCK_REFERENCES,
+            ),
+            counters(
+                "an instance's queue counters (recorded/counted) = its queued reservations",
+                "instance",
+                ("queued", "prompt_tokens"),
+                QUEUE_TALLIES,
+            ),
+        ],
     ),
     4: (
         "live entries against current generations and tombstones, recorded contents, salts "
         "(the hashes themselves: the hashing tests)",
-        handles,
+        [
+            breaking("no live entry names a tombstoned or outdated handle", STALE_ENTRIES),
+            breaking("live entries name a slot at one generation", SLOTS_AT_TWO_GENERATIONS),
+            breaking(
+                "a freed block keeps no contents a prefix lookup could return", FREED_WITH_SCOPE
+            ),
+            breaking(
+                "recorded contents are a whole hash under a known scope", CONTENTS_WITHOUT_SCOPE
+            ),
+            breaking("a block's current handle is never tombstoned", TOMBSTONED_CURRENT_HANDLES),
+            breaking(
+                "a block without contents holds no copy the engine reported",
+                COPIES_WITHOUT_CONTENTS,
+            ),
+            breaking("no two tenants or namespaces share a cache salt", SHARED_SALTS),
+        ],
     ),
     6: (
         "each active pin holds its whole prefix (what a reclaim plan counts: the planner's tests)",
-        pinned_blocks,
+        [breaking("an active pin holds every block of its prefix", PINS_MISSING_BLOCKS)],
     ),
     7: (
         "the record's half; the crash half is `make stress`'s, which checks after every fault",
-        live_or_ended,
+        [
+            breaking(
+                "a reservation is queued, admitted with a lease, or ended with a time and a reason",
+                NEITHER_LIVE_NOR_ENDED,
+            )
+        ],
     ),
     8: (
         "the record's half: every journal batch fenced by its owner's epoch (each owner's "
         "memory: `kvquota check --server`)",
-        fenced_batches,
+        [breaking("the journal holds no batch past its owner's counter", UNFENCED_BATCHES)],
     ),
 }
 
@@ -490,19 +495,55 @@ NOT_CHECKED = {
 # Invariant 8 when no instance is served from memory.
 NO_OWNERS = "no instance is served from memory: the record has no owner's epoch to check"
 
+Rows = tuple[tuple[str, ...], list[tuple[Any, ...]]]
+
+
+async def _read(engine: AsyncEngine, queries: Sequence[TextClause], limit: int) -> list[Rows]:
+    """Each query's columns and rows, read in one round trip (the checks run after every step
+    of the model tests) and one read-only, repeatable-read transaction. The queries go in the
+    driver's pipeline as prepared statements, which the pooled connection keeps: a check run
+    again plans nothing."""
+    async with engine.connect() as conn:
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        driver = (await conn.get_raw_connection()).driver_connection
+        assert driver is not None
+        params = {"limit": limit + 1}
+        cursors = []
+        try:
+            async with driver.pipeline():
+                await driver.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                for query in queries:
+                    cursor = driver.cursor()
+                    sql = str(query.compile(dialect=conn.dialect))
+                    await cursor.execute(sql, params, prepare=True)
+                    cursors.append(cursor)
+                await driver.execute("COMMIT")
+            found: list[Rows] = []
+            for cursor in cursors:
+                columns = tuple(c.name for c in cursor.description)
+                found.append((columns, await cursor.fetchall()))
+                await cursor.close()
+        except psycopg.Error as exc:
+            # As every other read of the store fails: callers handle SQLAlchemy's errors.
+            raise DBAPIError.instance(None, None, exc, psycopg.Error) from exc
+        return found
+
 
 async def check_record(engine: AsyncEngine, limit: int = DEFAULT_ROWS) -> list[InvariantReport]:
     """Every invariant in order: judged from the record, or not checked and why."""
+    checks = [q for _, queries in CHECKED.values() for q in queries]
+    (_, [(journaled,)]), *results = await _read(
+        engine, [JOURNALED_INSTANCES, *(q.query for q in checks)], limit
+    )
+    offences: dict[int, list[Offence]] = {}
+    for number, (_, queries) in CHECKED.items():
+        offences[number] = [o for q in queries for o in q.judge(*results.pop(0), limit)]
     reports = []
-    async with engine.connect() as conn:
-        await conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
-        journaled = (await conn.execute(JOURNALED_INSTANCES)).scalar_one()
-        for number in INVARIANTS:
-            if number in NOT_CHECKED:
-                reports.append(not_checked(number, NOT_CHECKED[number]))
-            elif number == 8 and not journaled:
-                reports.append(not_checked(number, NO_OWNERS))
-            else:
-                scope, check = CHECKED[number]
-                reports.append(judged(number, scope, await check(conn, limit)))
+    for number in INVARIANTS:
+        if number in NOT_CHECKED:
+            reports.append(not_checked(number, NOT_CHECKED[number]))
+        elif number == 8 and not journaled:
+            reports.append(not_checked(number, NO_OWNERS))
+        else:
+            reports.append(judged(number, CHECKED[number][0], offences[number]))
     return reports
