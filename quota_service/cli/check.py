@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import grpc
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc
+from quota_service.api.admin_service import MAX_DIFFERENCES
 from quota_service.cli.command import AddParser, add_json_option
 from quota_service.cli.connection import add_server_options, channel, database_url, every_page
 from quota_service.cli.formatting import print_json, table_lines
@@ -96,7 +97,9 @@ def ask_owners(args: argparse.Namespace) -> list[OwnerCheck]:
         checks = []
         for name in every_page(page):
             instance = instance_id(name)
-            request = admin_pb2.CheckInstanceRequest(name=name, max_differences=args.limit)
+            request = admin_pb2.CheckInstanceRequest(
+                name=name, max_differences=min(args.limit, MAX_DIFFERENCES)
+            )
             try:
                 answer = stub.CheckInstance(request)
             except grpc.RpcError as exc:
