@@ -110,6 +110,11 @@ class RunningServer:
     def metrics_port(self) -> int | None:
         return None if self._metrics is None else self._metrics.server_port
 
+    @property
+    def owners(self) -> Owners | None:
+        """The instances this replica serves from memory (None: its hot path is the ledger)."""
+        return self._owners
+
     async def stop(self, grace_seconds: float) -> None:
         log.info("shutting down: draining in-flight RPCs for up to %ss", grace_seconds)
         await self._health.enter_graceful_shutdown()

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service.core.machine_comparison import Difference, not_in_memory
 from quota_service.core.model import (
     Block,
     BlockState,
@@ -174,6 +175,11 @@ class Inspection:
                 )
                 for r in rows
             ]
+
+    async def check_instance(self, instance: str) -> tuple[int, list[Difference]]:
+        """The epoch of this replica's owner of the instance, and what its memory holds
+        differently from the record (invariant 8). The ledger holds no instance in memory."""
+        raise not_in_memory(instance, "its hot path is the ledger")
 
     async def purge_tombstones(self, retention_seconds: float, batch: int) -> int:
         """Forget tombstones older than the retention period; returns how many went."""

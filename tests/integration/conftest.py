@@ -15,7 +15,6 @@ from quota_service.config import Settings
 # What the memory hot path (KVQUOTA_HOT_PATH=memory, `make test-memory`) does not serve yet, and
 # why: these tests are skipped in that run only. Each entry goes once its part moves over.
 NOT_YET_IN_MEMORY = {
-    "test_check.py": "kvquota check reads the per-block tables",
     # These put their state in through the SQL ledger, then read it through a server.
     "test_top.py::test_top_once_shows_the_ledger": "sets up through the SQL ledger",
     "test_top.py::test_top_json_is_one_snapshot": "sets up through the SQL ledger",
