@@ -25,7 +25,6 @@ NOT_YET_IN_MEMORY = {
     ),
     # Replicas in memory mode: test_owned_replicas.py.
     "test_crash.py": "sets up through the SQL ledger",
-    "test_replicas.py": "checks the per-block tables",
     "test_client_failover.py": "sets up through the SQL ledger",
     "test_shutdown.py::test_sigterm_drains": "sets up through the SQL ledger",
 }
