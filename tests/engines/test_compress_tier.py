@@ -1,7 +1,8 @@
 """The COMPRESS tier against a real LMCache coordinator and MP server whose L2 adapter stores
 chunks through an fp8 serde (half of float16's bytes): a suspended session is offloaded, then
 compressed by a reclaim job (its CPU-tier bytes drop by the measured ratio, in the ledger, in
-usage and in what `kvquota top` shows), then resumed (prefetched back into L1 at full size);
+usage and in what `kvquota top` shows), then resumed (prefetched back into L1 at full size,
+its next turn retrieving the whole prefix as LMCache's vLLM connector does);
 pinned chunks are never compressed; a kvquota server killed in the middle of a compress step
 leaves it to the next one, which applies it once; a session resumed between its demotion and
 its booking is never booked compressed."""
@@ -84,6 +85,14 @@ async def pinned_chunks(lmcache: Lmcache, salt: str) -> int:
 
 
 FULL, COMPRESSED = {"l1": L1_CHUNK_BYTES}, {"l2": L1_CHUNK_BYTES // 2}
+# What a two-chunk session's next turn gets back from LMCache once it went through fp8: every
+# token of both chunks (the turn's own tokens are not cached), and the KV the writer stored,
+# cast to fp8 and back.
+FROM_FP8 = {"hit_tokens": 2 * CHUNK, "retrieved": True, "exact": False, "fp8_round_trip": True}
+
+
+def next_turn(session: list[int]) -> list[int]:
+    return session + list(range(7, 7 + 40))
 
 
 async def offloaded_session(
@@ -202,6 +211,9 @@ async def test_a_session_is_offloaded_compressed_and_resumed(
             None,
         )
         assert (await compressed_events(engine, "talker"))[-1] == (0, -(offloaded // 2))
+        # Its next turn finds the session's prefix in the CPU tier, as LMCache's vLLM
+        # connector asks for it: both chunks, retrieved decompressed from their fp8 form.
+        assert fp8_writer.retrieve(salt, next_turn(tokens)) == FROM_FP8
     finally:
         await termination.close()
         await tier.close()
@@ -391,6 +403,7 @@ async def test_a_session_resumed_between_its_demotion_and_its_booking_stays_unco
         assert await compressed_events(engine, "resumer") == []
         assert await cpu_events(engine, "resumer") == 0  # offloaded, then back on the GPU
         await until([FULL | COMPRESSED] * 2, lambda: sizes(fp8_lmcache, salt, tokens))
+        assert fp8_writer.retrieve(salt, next_turn(tokens)) == FROM_FP8
         await assert_invariants(engine)
     finally:
         await termination.close()
