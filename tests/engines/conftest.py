@@ -139,7 +139,7 @@ def start_vllm(
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            process.kill()
+            stop_vllm(process, signal.SIGKILL)  # its engine core too, not only the API server
             pytest.fail(f"vLLM did not start within {STARTUP_SECONDS}s; see {log_path}")
         time.sleep(1)
 
