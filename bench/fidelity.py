@@ -494,9 +494,11 @@ def markdown(report: FidelityReport, machine: str) -> str:
         "not de-duplicate identical blocks. An exact repeat of a block-aligned prompt hits every",
         "block but the last, which it computes again into a new block with the same hash (the",
         "last-token rule), so the engine holds that hash twice until it evicts both copies.",
-        "Counted as a set, the first eviction looked like the engine had dropped a block the",
-        "ledger still cached (earlier runs of this benchmark showed 1 such block after some",
-        "phases); the ledger, which keeps the second copy, was right.",
+        "Counted as a set, as this benchmark once did, the first of the two evictions looked like",
+        "the engine had dropped a block the ledger still cached: the 1 such block an earlier",
+        "run showed after some phases, each time in the phases right after a round's exact",
+        "repeats and gone once its long documents evicted everything. The ledger, which counts",
+        "copies the same way, was right.",
     ]
     phantom = [p.phase for p in report.phases if p.only_in_ledger]
     if phantom:
