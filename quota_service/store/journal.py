@@ -295,7 +295,9 @@ def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]
         "virtual_start": record.tags.start,
         "virtual_finish": record.tags.finish,
         # A queued request's prompt, or a suspended session's tokens (the CPU tier's keys).
-        "prompt_token_ids": list(record.prompt_token_ids) or None,
+        "prompt_token_ids": (
+            _int_array(record.prompt_token_ids) if record.prompt_token_ids else None
+        ),
         "prompt_digest": digest.hex() if digest is not None else None,
         "shadow_refusal": record.shadow_refusal,
         "suspended_at": _iso(record.suspended_at),
@@ -304,10 +306,12 @@ def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]
         "compress_before_bytes": record.compress_before_bytes,
         "compress_after_bytes": record.compress_after_bytes,
         "freed_blocks": record.freed_blocks,
-        "block_ids": table.blocks.tolist() if table is not None else None,
-        "block_generations": table.generations.tolist() if table is not None else None,
+        "block_ids": _int_array(table.blocks) if table is not None else None,
+        "block_generations": _int_array(table.generations) if table is not None else None,
         "released_positions": (
-            [i for i, gone in enumerate(table.released) if gone] if table is not None else None
+            _int_array(i for i, gone in enumerate(table.released) if gone)
+            if table is not None
+            else None
         ),
         "queue_arrival": record.arrival,
     }
@@ -331,7 +335,9 @@ def _pin_row(instance: str, pin: PinRecord) -> dict[str, Any]:
 
 
 # A reservation's columns as the journal writes them, with their types in the JSON it sends
-# and how each becomes the column's value.
+# and how each becomes the column's value. Integer arrays go as array literals in a JSON string:
+# PostgreSQL reads a literal far faster than it converts a JSON array element by element (a
+# table's ids and generations are most of a row).
 _RESERVATION_COLUMNS = (
     ("tenant", "text", None),
     ("request_id", "text", None),
@@ -354,7 +360,7 @@ _RESERVATION_COLUMNS = (
     ("wait_deadline", "timestamptz", None),
     ("virtual_start", "float8", None),
     ("virtual_finish", "float8", None),
-    ("prompt_token_ids", "int[]", None),
+    ("prompt_token_ids", "text", "int[]"),
     ("prompt_digest", "text", "hex"),
     ("shadow_refusal", "text", None),
     ("suspended_at", "timestamptz", None),
@@ -363,9 +369,9 @@ _RESERVATION_COLUMNS = (
     ("compress_before_bytes", "bigint", None),
     ("compress_after_bytes", "bigint", None),
     ("freed_blocks", "int", None),
-    ("block_ids", "int[]", None),
-    ("block_generations", "bigint[]", None),
-    ("released_positions", "int[]", None),
+    ("block_ids", "text", "int[]"),
+    ("block_generations", "text", "bigint[]"),
+    ("released_positions", "text", "int[]"),
     ("queue_arrival", "bigint", None),
 )
 
@@ -373,6 +379,8 @@ _RESERVATION_COLUMNS = (
 def _from_json(name: str, converted: str | None) -> str:
     if converted == "hex":
         return f"decode(r.{name}, 'hex')"
+    if converted is not None:
+        return f"CAST(r.{name} AS {converted})"
     return f"r.{name}"
 
 
