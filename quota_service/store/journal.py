@@ -13,6 +13,7 @@ the lease has lapsed (`InstanceHeld`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -584,13 +585,47 @@ def tenant_settings_from_row(row: RowMapping) -> TenantSettings:
     )
 
 
+# A placeholder of the driver's, by name.
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+
+
+class _Writer:
+    """An owner's write connection, with the journal's statements it has prepared. A batch's
+    statements are the same every time: PREPAREd once per connection, each batch EXECUTEs
+    them, and PostgreSQL plans them once instead of parsing and planning each again (which
+    cost it about as much as running them). PREPARE and EXECUTE are statements of their own,
+    so a batch stays one query text, one round trip."""
+
+    def __init__(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        self.connection = connection
+        # Each prepared statement's EXECUTE, in the driver's placeholders.
+        self.executes: dict[str, str] = {}
+
+    def prepare(self, statements: Iterable[str]) -> list[str]:
+        """The PREPAREs of the statements this connection has not prepared yet (a parameter
+        that appears more than once is one parameter, numbered as it first appears)."""
+        prepares = []
+        for sql in statements:
+            if sql in self.executes:
+                continue
+            name = f"journal_{len(self.executes)}"
+            keys = list(dict.fromkeys(_PLACEHOLDER.findall(sql)))
+            numbered = sql
+            for number, key in enumerate(keys, 1):
+                numbered = numbered.replace(f"%({key})s", f"${number}")
+            prepares.append(f"PREPARE {name} AS {numbered}")
+            arguments = ", ".join(f"%({key})s" for key in keys)
+            self.executes[sql] = f"EXECUTE {name}({arguments})" if keys else f"EXECUTE {name}"
+        return prepares
+
+
 class Journal:
     """Reads and writes of the instance journal. Writes are the owner's alone."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        self._writers: dict[str, psycopg.AsyncConnection[Any]] = {}
+        self._writers: dict[str, _Writer] = {}
 
     async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
         """Commit one batch. Raises Deposed when a newer owner exists."""
@@ -612,31 +647,37 @@ class Journal:
         if rows.usage:
             statements.append((_INSERT_USAGE, {**_rows(rows.usage), **fenced}))
         statements.append((_POOL_COUNTERS, rows.pool))
-        await self._commit(instance, [*statements, *rows.statements])
+        await self._commit(instance, statements, rows.statements)
 
-    async def _commit(self, instance: str, statements: Sequence[Statement]) -> None:
-        """One transaction in one round trip: the statements go in one pipeline between BEGIN
-        and COMMIT, on the instance's own connection (an owner writes one batch at a time).
-        Each is prepared on the connection the first time it is sent: a batch's statements
-        are the same every time, and PostgreSQL planning them anew cost about as much as
-        running them. A statement that fails (the fence, when a newer owner took the
-        instance) fails the rest, and the transaction is rolled back."""
-        connection = self._writers.get(instance)
-        if connection is None or connection.closed:
+    async def _commit(
+        self, instance: str, statements: Sequence[Statement], unprepared: Sequence[Statement]
+    ) -> None:
+        """One transaction in one round trip: the statements, bound here, go as one query
+        between BEGIN and COMMIT, on the instance's own connection (an owner writes one batch
+        at a time). The journal's own statements run prepared (`_Writer`), the record's that
+        ride along (`unprepared`) as they are. A statement that fails (the fence, when a newer
+        owner took the instance) fails the rest, and the transaction is rolled back."""
+        writer = self._writers.get(instance)
+        if writer is None or writer.connection.closed:
             # Autocommit: the driver adds no BEGIN of its own (a round trip).
             connection = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
-            self._writers[instance] = connection
+            writer = self._writers[instance] = _Writer(connection)
+        cursor = psycopg.AsyncClientCursor(writer.connection)
+        query = ";".join(
+            [
+                *writer.prepare(sql for sql, _ in statements),
+                "BEGIN",
+                *(cursor.mogrify(writer.executes[sql], params) for sql, params in statements),
+                *(cursor.mogrify(sql, params) for sql, params in unprepared),
+                "COMMIT",
+            ]
+        )
         try:
-            async with connection.pipeline():
-                cursor = connection.cursor()
-                await cursor.execute("BEGIN")
-                for sql, params in statements:
-                    await cursor.execute(sql, params, prepare=True)
-                await cursor.execute("COMMIT")
+            await cursor.execute(query)
         except psycopg.Error as exc:
             # Whatever failed, this connection is not trusted again.
             del self._writers[instance]
-            await connection.close()
+            await writer.connection.close()
             if exc.sqlstate == DEPOSED_SQLSTATE:
                 raise Deposed(instance) from exc
             if exc.sqlstate == REUSED_SQLSTATE and exc.diag.message_primary:
@@ -649,8 +690,8 @@ class Journal:
     async def close(self) -> None:
         """Close the owners' write connections."""
         writers, self._writers = self._writers, {}
-        for connection in writers.values():
-            await connection.close()
+        for writer in writers.values():
+            await writer.connection.close()
 
     async def instances_of(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
         """The instances these reservations are recorded on (the ones that are)."""
