@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvquota.v1 import admission_pb2 as admission_pb
@@ -73,10 +75,14 @@ _END_REASONS = {
 }
 
 
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def timestamp(value: datetime) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromDatetime(value)
-    return stamp
+    """As Timestamp.FromDatetime has it (a naive value is UTC), by exact timedelta arithmetic:
+    a twentieth of its cost, and every answer carries several."""
+    since = value.replace(tzinfo=UTC) - EPOCH if value.tzinfo is None else value - EPOCH
+    return Timestamp(seconds=since.days * 86_400 + since.seconds, nanos=since.microseconds * 1000)
 
 
 # Protobuf's own bounds: Durations of at most 10,000 years, Timestamps in years 1 to 9999.
@@ -181,7 +187,6 @@ def reservation(value: Reservation) -> pb.Reservation:
         reserved_blocks=value.reserved_blocks,
         reserved_tokens=value.reserved_tokens,
         prefix_hit_blocks=value.prefix_hit_blocks,
-        block_table=[block_handle(h) for h in value.block_table],
         lease_ttl=duration(value.lease_ttl_seconds),
         output_tokens=value.output_tokens or 0,
         shadow_refusal=value.shadow_refusal or "",
@@ -196,6 +201,7 @@ def reservation(value: Reservation) -> pb.Reservation:
     ):
         if when is not None:
             getattr(message, field).CopyFrom(timestamp(when))
+    add_block_handles(message.block_table, value.block_table)
     if value.queue_position is not None:
         message.queue_position = value.queue_position
     message.offloaded_bytes = value.offloaded_bytes or 0
@@ -209,6 +215,19 @@ def reservation(value: Reservation) -> pb.Reservation:
 
 def block_handle(value: BlockHandle) -> pb.BlockHandle:
     return pb.BlockHandle(block_id=value.block_id, generation=value.generation)
+
+
+def add_block_handles(
+    field: RepeatedCompositeFieldContainer[pb.BlockHandle], values: Iterable[BlockHandle]
+) -> None:
+    """Append handles to a message's repeated field. Filled in place: a whole table (96
+    entries and more on every Admit) costs a third of building each handle as a message of
+    its own and copying it in."""
+    add = field.add
+    for value in values:
+        entry = add()
+        entry.block_id = value.block_id
+        entry.generation = value.generation
 
 
 def hash_algo(value: pb.PrefixHashAlgo.ValueType, violations: list[FieldViolation]) -> HashAlgo:
@@ -446,15 +465,16 @@ _TIERS = {
 
 
 def pin(value: Pin) -> pb.Pin:
-    return pb.Pin(
+    message = pb.Pin(
         name=f"{value.owner}/pins/{value.pin_id}",
         instance=names.instance_name(value.instance),
         prompt_tokens=value.prompt_tokens,
         pinned_blocks=value.pinned_blocks,
         state=_PIN_STATES[value.state],
-        blocks=[block_handle(h) for h in value.blocks],
         create_time=timestamp(value.created_at),
     )
+    add_block_handles(message.blocks, value.blocks)
+    return message
 
 
 def signed_event_hash(content_hash: bytes | None) -> int:
