@@ -19,7 +19,6 @@ NOT_YET_IN_MEMORY = {
     # These put their state in through the SQL ledger, then read it through a server.
     "test_top.py::test_top_once_shows_the_ledger": "sets up through the SQL ledger",
     "test_top.py::test_top_json_is_one_snapshot": "sets up through the SQL ledger",
-    "test_reclaim_jobs.py::test_every_replica_s_maintenance_loop": "sets up through the ledger",
     # Replicas in memory mode: test_owned_replicas.py.
     "test_crash.py": "sets up through the SQL ledger",
     "test_replicas.py": "checks the per-block tables",
