@@ -17,8 +17,6 @@ from quota_service.config import Settings
 NOT_YET_IN_MEMORY = {
     "test_check.py": "kvquota check reads the per-block tables",
     # These put their state in through the SQL ledger, then read it through a server.
-    "test_top.py::test_top_once_shows_the_ledger": "sets up through the SQL ledger",
-    "test_top.py::test_top_json_is_one_snapshot": "sets up through the SQL ledger",
     # Replicas in memory mode: test_owned_replicas.py.
     "test_crash.py": "sets up through the SQL ledger",
     "test_replicas.py": "checks the per-block tables",
