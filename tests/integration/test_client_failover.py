@@ -12,7 +12,7 @@ import grpc
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from kvquota.client import AsyncKvquotaClient
+from kvquota.client import AsyncKvquotaClient, RetryPolicy
 from kvquota.v1 import admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
 from tests.integration.grpc_helpers import admit, until_queued
@@ -22,6 +22,9 @@ from tests.integration.test_replicas import start_replica
 
 # On the memory hot path, how soon a stopped replica's instances may be served by another.
 OWNER_LEASE_SECONDS = "2"
+# On the memory hot path the second replica answers INSTANCE_MOVING (with a retry delay) until
+# the first one, its grace over, gave the instance up: a budget for a slow, busy machine.
+RETRY = RetryPolicy(max_attempts=10, deadline_seconds=30)
 
 
 def stop(process: subprocess.Popen[str]) -> None:
@@ -45,7 +48,7 @@ async def test_admit_moves_to_another_replica_when_its_server_shuts_down(
         async with (
             grpc.aio.insecure_channel(first_address) as to_first,
             grpc.aio.insecure_channel(second_address) as to_second,
-            AsyncKvquotaClient([first_address, second_address]) as client,
+            AsyncKvquotaClient([first_address, second_address], retry=RETRY) as client,
         ):
             holder = await admission_pb2_grpc.AdmissionServiceStub(to_first).Admit(
                 admit("holder", 1000, 24)  # all 64 blocks
