@@ -45,6 +45,8 @@ def configure(level: str, log_format: str) -> None:
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     logging.basicConfig(level=level, handlers=[handler], force=True)
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    # Which migrations run, and the progress of those that carry a large table.
+    logging.getLogger("alembic.runtime.migration").setLevel(logging.INFO)
     # grpc's DEBUG says "Loaded running loop" once per call, drowning ours.
     logging.getLogger("grpc").setLevel(max(logging.getLevelName(level), logging.INFO))
     # httpx logs every request's URL, and LMCache's URLs carry cache salts.

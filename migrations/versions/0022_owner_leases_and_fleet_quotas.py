@@ -68,7 +68,8 @@ $$
 """
 
 # What each tenant holds per instance now, from whichever layout holds it: the journal's live
-# tables and pins, or the per-block ledger's tenant_blocks (a database holds one or the other).
+# tables and pins, or the per-block ledger's tenant_blocks (a database holds one or the other);
+# an offloaded session's tokens are not in flight.
 FILL_TOTALS = """
 INSERT INTO instance_tenant_totals
     (tenant, instance, blocks_in_use, tokens_in_flight, pinned_blocks, queued_requests)
@@ -82,7 +83,8 @@ FROM (
     SELECT tenant, instance, count(*), 0, count(*) FILTER (WHERE pin_refs > 0), 0
     FROM tenant_blocks GROUP BY tenant, instance
     UNION ALL
-    SELECT tenant, instance, 0, sum(reserved_tokens) FILTER (WHERE state = 'ADMITTED'), 0,
+    SELECT tenant, instance, 0,
+           sum(reserved_tokens) FILTER (WHERE state = 'ADMITTED' AND offloaded_bytes IS NULL), 0,
            count(*) FILTER (WHERE state = 'QUEUED')
     FROM reservations WHERE state IN ('ADMITTED', 'QUEUED') GROUP BY tenant, instance
 ) AS held

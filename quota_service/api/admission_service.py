@@ -23,6 +23,7 @@ from quota_service.core.reasons import Reason
 from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
 from quota_service.enforcement.termination import Termination
 from quota_service.metrics import ServiceMetrics
+from quota_service.owner.owners import forwarded_call
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
 
@@ -68,7 +69,9 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                 # The caller went away: its request leaves the queue (or, admitted just now,
                 # gives its blocks back), whatever becomes of this task. Not so when the server
                 # cut the call at the end of its shutdown grace: the caller retries elsewhere.
-                if not self._waiters.closed:
+                # Nor when the call was forwarded here: the replica it came through may have
+                # died, and the caller retries; one whose caller left cancels it (forwarding).
+                if not self._waiters.closed and not forwarded_call.get():
                     await asyncio.shield(self._abandon(reservation))
                 raise
         return pb.AdmitResponse(reservation=convert.reservation(reservation), cache_salt=salt)

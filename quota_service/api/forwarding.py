@@ -10,12 +10,15 @@ authenticated before it is forwarded (and again by the owner), and measured wher
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pool, message_factory
 
+from kvquota.v1 import admission_pb2
 from quota_service.api.auth import PACKAGE
 from quota_service.api.error_status import (
     Behavior,
@@ -26,10 +29,16 @@ from quota_service.api.error_status import (
     responses,
 )
 from quota_service.core.errors import KvQuotaError, ServedElsewhere
+from quota_service.core.names import reservation_name
 from quota_service.core.reasons import Reason
 from quota_service.owner.owners import Owners, forwarded_call
 
+log = logging.getLogger(__name__)
+
 FORWARDED_BY_KEY = "kvquota-forwarded-by"
+_ADMISSION = admission_pb2.DESCRIPTOR.services_by_name["AdmissionService"].full_name
+ADMIT = f"/{_ADMISSION}/Admit"
+CANCEL = f"/{_ADMISSION}/Cancel"
 # What a caller is told to wait when the replica serving its instance does not answer: about the
 # time another one takes to notice its lease lapsed and take the instance over.
 RETRY_AFTER_LOST_OWNER_SECONDS = 1.0
@@ -75,6 +84,7 @@ class ForwardingInterceptor(WrappingInterceptor):
             ("grpc.max_send_message_length", max_message_bytes),
         ]
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._cancelling: set[asyncio.Future[Any]] = set()
 
     def covers(self, method: str) -> bool:
         return method.startswith(PACKAGE)
@@ -103,6 +113,25 @@ class ForwardingInterceptor(WrappingInterceptor):
             retry_delay_seconds=RETRY_AFTER_LOST_OWNER_SECONDS,
         )
 
+    def _cancel_admit(self, address: str, request: Any, metadata: list[Any]) -> None:
+        """The caller of a forwarded Admit went away. The owner keeps a forwarded Admit's place
+        in its queue when the call is cut (the forwarding replica may have died, and the caller
+        retry elsewhere), so it is told to cancel the request, as it would for its own caller."""
+        name = reservation_name(request.tenant.removeprefix("tenants/"), request.request_id)
+        cancel: grpc.aio.UnaryUnaryMultiCallable[Any, Any] = self._channel(address).unary_unary(
+            CANCEL, request_serializer=_serialize, response_deserializer=None
+        )
+        sent = asyncio.ensure_future(
+            cancel(admission_pb2.CancelRequest(name=name), metadata=metadata, timeout=5.0)
+        )
+        self._cancelling.add(sent)
+        sent.add_done_callback(self._cancelled)
+
+    def _cancelled(self, sent: asyncio.Future[Any]) -> None:
+        self._cancelling.discard(sent)
+        if not sent.cancelled() and sent.exception() is not None:
+            log.warning("cancelling a forwarded Admit failed: %s", sent.exception())
+
     def unary(
         self, behavior: Behavior[Request, Response], method: str
     ) -> Behavior[Request, Response]:
@@ -119,12 +148,15 @@ class ForwardingInterceptor(WrappingInterceptor):
                 call = self._channel(elsewhere.address).unary_unary(
                     method, request_serializer=_serialize, response_deserializer=read
                 )
+                passed_on = _passed_on(metadata, self._owners.name)
                 try:
                     answer: Response = await call(
-                        request,
-                        metadata=_passed_on(metadata, self._owners.name),
-                        timeout=context.time_remaining(),
+                        request, metadata=passed_on, timeout=context.time_remaining()
                     )
+                except asyncio.CancelledError:
+                    if method == ADMIT:
+                        self._cancel_admit(elsewhere.address, request, passed_on)
+                    raise
                 except grpc.aio.AioRpcError as failed:
                     if _transport_failure(failed):
                         raise self._lost(elsewhere) from failed

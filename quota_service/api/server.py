@@ -114,6 +114,14 @@ class RunningServer:
         log.info("shutting down: draining in-flight RPCs for up to %ss", grace_seconds)
         await self._health.enter_graceful_shutdown()
         self._stop.set()
+        if self._owners is not None:
+            # The instances served here go to other replicas first: calls still in flight,
+            # and those of a queued Admit woken later, are forwarded to their new owners.
+            if self._leases is not None:
+                self._leases.cancel()
+                with suppress(asyncio.CancelledError):
+                    await self._leases
+            await self._owners.hand_over()
         # Calls in flight run on. Those still waiting when the grace is nearly over (a queued
         # Admit, a watch) are answered then, UNAVAILABLE: ask another replica (a queued
         # request keeps its place), rather than cancelled with no answer when it ends.
@@ -133,10 +141,6 @@ class RunningServer:
         await self._termination.close()
         await self._cpu_tier.close()
         await self._followers.stop()
-        if self._leases is not None:
-            self._leases.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._leases
         if self._forwarding is not None:
             await self._forwarding.close()
         if self._owners is not None:
@@ -292,6 +296,8 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     listener = Listener(database_url)
     listener.subscribe(waiters.on_notification)
     listener.subscribe(dispatcher.on_notification)
+    if hot_path.owners is not None:
+        listener.subscribe(hot_path.owners.on_notification)
     api_keys = ApiKeys(engine)
     audit = AuditLog(engine)
     authenticator = Authenticator(api_keys, settings.auth_required, settings.auth_cache_seconds)

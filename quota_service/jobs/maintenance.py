@@ -94,18 +94,20 @@ class Maintenance:
 
     def steps(self) -> tuple[Step, ...]:
         """The sweep's steps, by name, in order."""
+        # Served from memory, each replica does this work for the instances it owns.
+        shared = self.settings.hot_path == "ledger"
         return (
-            Step("lease reaper", self.reap_leases, one_replica=True),
+            Step("lease reaper", self.reap_leases, one_replica=shared),
             Step(
                 "engine aborts",
                 lambda: self.termination.sweep(self.settings.reaper_batch_size),
-                one_replica=True,
+                one_replica=shared,
             ),
             # Instances registered since the last sweep get their engine followed.
             Step("engine followers", self.followers.scan),
             # Dispatch also on a timer: a notification may have been lost.
-            Step("dispatch sweep", self.ledger.dispatch_all, one_replica=True),
-            Step("offboarding", self.offboarding.resume_all, one_replica=True),
+            Step("dispatch sweep", self.ledger.dispatch_all, one_replica=shared),
+            Step("offboarding", self.offboarding.resume_all, one_replica=shared),
             Step("reclaim policy", self.policy.sweep),
             Step("reclaim steps", lambda: self.reclaim.run_open(self.settings.reaper_batch_size)),
             # LMCache coordinators follow the ledger's quotas and pins; L1 fill is read.

@@ -222,8 +222,10 @@ class InstanceOwner:
                     waiter.set_exception(error)
         self._writing = self._open = None
 
-    async def settled(self) -> None:
-        """Wait until no batch is being written."""
+    async def retire(self, why: str) -> None:
+        """Take no operation more, and wait until those taken are committed and answered."""
+        if self.failure is None:
+            self.failure = why
         writer = self._writer
         if writer is not None:
             await asyncio.wait([writer])

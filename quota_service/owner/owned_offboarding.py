@@ -35,24 +35,28 @@ class OwnedOffboarding(Offboarding):
         self._owned = ledger
         self._owners = owners
 
-    async def _start(self, tenant: str, scope: str) -> None:
-        freed = shared = pinned_by_others = 0
+    async def _instances_here(self) -> list[str]:
         await self._owners.take_over_unowned()
+        return [owner.instance for owner in self._owners.served()]
+
+    async def _start(self, tenant: str, scope: str) -> None:
+        here = await self._instances_here()
+        counted = await self.recorded_elsewhere(tenant, scope, here)
+        del counted["left_over"]
         for owner in self._owners.served():
             machine = owner.machine
             pool = machine.pool
-            here = machine.tenants.get(tenant)
-            if here is not None:
+            held = machine.tenants.get(tenant)
+            if held is not None:
                 private = (NO_SCOPE, machine.scope_id(scope))
-                for block, entries in here.held.items():
+                for block, entries in held.held.items():
                     exclusive = pool.ref_count(block) == entries and pool.scope_id(block) in private
-                    freed += exclusive
-                    shared += not exclusive
-                    pinned_by_others += pool.pin_count(block) > here.pinned.get(block, 0)
-            freed += machine.cached_in_scope(scope)
-        counted = {"freed": freed, "shared": shared, "pinned_by_others": pinned_by_others}
+                    counted["freed"] += exclusive
+                    counted["shared"] += not exclusive
+                    counted["pinned_by_others"] += pool.pin_count(block) > held.pinned.get(block, 0)
+            counted["freed"] += machine.cached_in_scope(scope)
         await self._mark_deleting(tenant, scope, START_COUNTED, counted)
-        await self._owners.refresh_tenants()
+        await self._owners.tenant_changed(tenant)
 
     async def _end_batch(self, instance: str, tenant: str, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
@@ -66,12 +70,17 @@ class OwnedOffboarding(Offboarding):
             await self._owners.run(owner.instance, free)
 
     async def _finish(self, tenant: str, scope: str) -> OffboardingReport:
-        nothing_held = all(
-            not (here := o.machine.tenants.get(tenant)) or not here.held
-            for o in self._owners.served()
-        ) and not any(o.machine.cached_in_scope(scope) for o in self._owners.served())
+        """Finished once nothing of the tenant is left here or, as recorded, elsewhere (the
+        replicas serving those instances finish their part in their maintenance sweeps)."""
+        served = self._owners.served()
+        elsewhere = await self.recorded_elsewhere(tenant, scope, [o.instance for o in served])
+        nothing_held = (
+            not elsewhere["left_over"]
+            and all(not (here := o.machine.tenants.get(tenant)) or not here.held for o in served)
+            and not any(o.machine.cached_in_scope(scope) for o in served)
+        )
         report = await self._mark_deleted(
             tenant, scope, FINISH_COUNTED, {"nothing_held": nothing_held}
         )
-        await self._owners.refresh_tenants()
+        await self._owners.tenant_changed(tenant)
         return report

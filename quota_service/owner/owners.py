@@ -60,7 +60,7 @@ from quota_service.store.journal import (
     Statement,
     TenantTotals,
 )
-from quota_service.store.ledger import Ledger
+from quota_service.store.ledger import LapsedOnEngine, Ledger, PendingAbort
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,10 @@ class Owners:
         self._totals_elsewhere: dict[str, Elsewhere] = {}
         # Request ids a batch found recorded already: their Admits are answered from the record.
         self.reused: set[tuple[str, str]] = set()
+        self._tenants_stale = False
+        self._refreshing: asyncio.Task[None] | None = None
+        # Shutting down (hand_over): no instance is claimed any more.
+        self._closing = False
 
     @property
     def name(self) -> str:
@@ -119,6 +123,8 @@ class Owners:
         if owner is not None and owner.failure is None:
             return owner
         self._raise_if_held(instance)
+        if self._closing:
+            await self._raise_holder(instance)
         lock = self._taking.setdefault(instance, asyncio.Lock())
         async with lock:
             owner = self._owners.get(instance)
@@ -168,6 +174,19 @@ class Owners:
         else:
             raise ServedElsewhere(instance, held.address)
 
+    async def _raise_holder(self, instance: str) -> NoReturn:
+        """A replica shutting down claims nothing: the instance's new owner, if it has one yet,
+        serves the call, or the caller is told to retry shortly."""
+        holder = await self.journal.holder(instance)
+        if holder is not None and holder.owner != self._name:
+            self._held[instance] = (holder, time.monotonic() + holder.seconds_left)
+            self._raise_if_held(instance)
+        raise KvQuotaError(
+            Reason.INSTANCE_MOVING,
+            f"instances/{instance} is moving between replicas; retry shortly",
+            retry_delay_seconds=MAX_MOVING_RETRY_SECONDS,
+        )
+
     def forget_holder(self, instance: str) -> None:
         """The replica that held the instance did not answer: read its lease again next time
         (and take the instance over once it has lapsed)."""
@@ -188,12 +207,16 @@ class Owners:
                 owner.lease_until = asked_at + lease if self._lease_seconds else math.inf
             else:
                 owner.stop("a newer owner took it")
+        # In case a notification of a tenant's change was lost.
+        await self.refresh_tenants()
         await self.refresh_totals_elsewhere()
         await self.take_over_unowned()
 
     async def take_over_unowned(self) -> None:
         """Serve here the instances no replica's lease covers that have work waiting (an owner
         that died or stopped left reservations, a queue, an engine to follow)."""
+        if self._closing:
+            return
         for instance in await self.journal.unowned():
             if instance in self._owners and self._owners[instance].failure is None:
                 continue
@@ -214,19 +237,20 @@ class Owners:
             for tenant, held in (await self.holdings_elsewhere()).items()
         }
 
-    async def close(self) -> None:
-        """Stop serving: wait for the batches being written (what the owners acknowledged is
-        in the record), give the leases up so that other replicas take over at once, and close
-        the owners' journal connections."""
+    async def hand_over(self) -> None:
+        """Stop serving (a replica shutting down): take no operation more, let those taken
+        commit and be answered, and give the leases up, so that other replicas take the
+        instances over at once; calls for them that reach this replica from then on are
+        forwarded to their new owners."""
+        self._closing = True
         served = self.served()
         for owner in served:
-            owner.stop("this replica is stopping")
-        for owner in served:
-            await owner.settled()
-        try:
-            await self.journal.release(self._name, {o.instance: o.epoch for o in served})
-        finally:
-            await self.journal.close()
+            await owner.retire("this replica is stopping")
+        await self.journal.release(self._name, {o.instance: o.epoch for o in served})
+
+    async def close(self) -> None:
+        """Close the owners' journal connections."""
+        await self.journal.close()
 
     async def run(
         self,
@@ -251,6 +275,31 @@ class Owners:
         for owner in self._owners.values():
             for one in settings:
                 owner.machine.set_tenant(one)
+
+    async def tenant_changed(self, tenant: str) -> None:
+        """A tenant (or a namespace's salt) changed through this replica: its machines learn it
+        now, the other replicas' ones when the notification reaches them (or at their next
+        lease renewal)."""
+        await self.refresh_tenants()
+        await self.journal.tell_tenant_changed(tenant)
+
+    def on_notification(self, kind: str, subject: str) -> None:
+        """A tenant changed through another replica: learn it (one refresh at a time, and one
+        more if others changed meanwhile)."""
+        if kind != "tenants":
+            return
+        self._tenants_stale = True
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.create_task(self._refresh_while_stale())
+
+    async def _refresh_while_stale(self) -> None:
+        while self._tenants_stale:
+            self._tenants_stale = False
+            try:
+                await self.refresh_tenants()
+            except Exception:
+                log.warning("reading the tenants' settings failed", exc_info=True)
+                return
 
     async def tenant_settings(self, tenant: str) -> TenantSettings:
         """A tenant's settings as the catalog has them now."""
@@ -461,6 +510,44 @@ class OwnedLedger(Ledger):
             lambda m, now: _answer(m, m.release_blocks(tenant, request_id, handles, now)),
         )
 
+    async def reap_expired(self, batch: int) -> int:
+        """End, on the instances served here, up to `batch` reservations whose lease ran out
+        (LEASE_EXPIRED; on an instance with an engine, Termination has it abort them first)
+        and queued ones whose wait budget did (QUEUE_TIMEOUT): each owner reaps its own."""
+        ended = 0
+        for owner in self._owners.served():
+
+            def reap(machine: InstanceMachine, now: float, budget: int = batch - ended) -> int:
+                aborted_first = machine.spec.engine is not None
+                lapsed = [
+                    r
+                    for r in machine.reservations.values()
+                    if _lapsed(r, now)
+                    and not (aborted_first and r.state is ReservationState.ADMITTED)
+                ][:budget]
+                for record in lapsed:
+                    reason = (
+                        EndReason.LEASE_EXPIRED
+                        if record.state is ReservationState.ADMITTED
+                        else EndReason.QUEUE_TIMEOUT
+                    )
+                    machine.end(*record.key, reason, now)
+                return len(lapsed)
+
+            if ended < batch:
+                ended += await self._owners.run(owner.instance, reap)
+        return ended
+
+    async def lapsed_on_engines(self, batch: int) -> list[LapsedOnEngine]:
+        """Those of the instances served here (their owner asks their engine to abort)."""
+        found = await super().lapsed_on_engines(batch)
+        return [r for r in found if self._owners.holding(r.tenant, r.request_id)]
+
+    async def pending_aborts(self, batch: int) -> list[PendingAbort]:
+        """Those of the instances served here."""
+        found = await super().pending_aborts(batch)
+        return [p for p in found if self._owners.holding(p.tenant, p.request_id)]
+
     async def dispatch(self, instance: str) -> int:
         owners = self._owners
 
@@ -503,25 +590,28 @@ class OwnedCatalog(Catalog):
         shadow_mode: bool = False,
     ) -> Tenant:
         created = await super().create_tenant(tenant, display_name, weight, quota, shadow_mode)
-        await self._owners.refresh_tenants()
+        await self._owners.tenant_changed(tenant)
         return created
 
     async def update_tenant(self, tenant: str, changes: dict[str, object]) -> Tenant:
         updated = await super().update_tenant(tenant, changes)
-        await self._owners.refresh_tenants()
+        await self._owners.tenant_changed(tenant)
         return updated
 
     async def set_tenant_state(self, tenant: str, state: TenantState) -> Tenant:
         updated = await super().set_tenant_state(tenant, state)
-        await self._owners.refresh_tenants()
+        await self._owners.tenant_changed(tenant)
         return updated
 
     async def rotate_salt(self, collection: str, owner_id: str) -> None:
         await super().rotate_salt(collection, owner_id)
-        await self._owners.refresh_tenants()
+        # A namespace's salt is its tenants' too: every replica rereads them all anyway.
+        await self._owners.tenant_changed(owner_id)
 
     async def drain_instance(self, instance: str) -> Instance:
-        drained = await super().drain_instance(instance)
+        # The owner first: a call for an instance served elsewhere is forwarded there before
+        # anything changed here.
         owner = await self._owners.owner(instance)
+        drained = await super().drain_instance(instance)
         owner.machine.state = drained.state
         return drained

@@ -514,6 +514,8 @@ _RELEASE = text(
 # Instances to take over without waiting for a call: those whose owner's lease lapsed (it died
 # or stopped, leaving live reservations, a queue), and those never owned whose engine publishes
 # KV events to follow. Others are claimed by the replica that first serves a call for them.
+# The other replicas' machines learn a tenant's change from this (notifications.py).
+_TENANT_CHANGED = text("SELECT pg_notify('kvquota_events', 'tenants:' || :tenant)")
 _UNOWNED = text(
     "SELECT i.instance FROM instances i LEFT JOIN instance_owners o ON o.instance = i.instance "
     "WHERE (o.instance IS NOT NULL AND coalesce(o.lease_expires_at <= now(), true)) "
@@ -682,10 +684,16 @@ class Journal:
             claimed = claim.mappings().first()
             if claimed is None:
                 held = (await conn.execute(_HOLDER, {"instance": instance})).mappings().one()
-                raise InstanceHeld(
-                    instance, held["owner"], held["address"], float(held["seconds_left"])
-                )
+                raise _held(instance, held)
             return await _recorded(conn, instance, dict(claimed))
+
+    async def holder(self, instance: str) -> InstanceHeld | None:
+        """The replica whose lease on the instance runs now, if one does."""
+        async with self._engine.connect() as conn:
+            held = (await conn.execute(_HOLDER, {"instance": instance})).mappings().first()
+        if held is None or held["seconds_left"] is None or held["seconds_left"] <= 0:
+            return None
+        return _held(instance, held)
 
     async def renew(self, owner: str, epochs: Mapping[str, int], lease_seconds: float) -> set[str]:
         """Extend this replica's leases on these instances (under these epochs); returns the
@@ -706,6 +714,11 @@ class Journal:
         params = {"owner": owner, "instances": list(epochs), "epochs": list(epochs.values())}
         async with self._engine.begin() as conn:
             await conn.execute(_RELEASE, params)
+
+    async def tell_tenant_changed(self, tenant: str) -> None:
+        """Tell every replica that a tenant's settings or state changed."""
+        async with self._engine.begin() as conn:
+            await conn.execute(_TENANT_CHANGED, {"tenant": tenant})
 
     async def unowned(self) -> list[str]:
         """The instances to take over now that no replica's lease covers (see _UNOWNED)."""
@@ -728,6 +741,10 @@ class Journal:
             owner = (await conn.execute(_OWNER, {"instance": instance})).mappings().first()
             found = dict(owner) if owner is not None else {"epoch": 0, "batch": 0, "clocks": {}}
             return await _recorded(conn, instance, found)
+
+
+def _held(instance: str, row: RowMapping) -> InstanceHeld:
+    return InstanceHeld(instance, row["owner"], row["address"], float(row["seconds_left"]))
 
 
 async def _recorded(

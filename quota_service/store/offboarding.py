@@ -72,16 +72,19 @@ START_COUNTED = text(
 )
 _STATE = text("SELECT state FROM tenants WHERE tenant = :tenant")
 
+# Of the instances :here (NULL: every one), the replica offboarding serves them.
+_HERE = "(CAST(:here AS text[]) IS NULL OR {0} = ANY(CAST(:here AS text[])))"
 _QUEUED = text(
-    "SELECT request_id FROM reservations WHERE tenant = :tenant AND state = 'QUEUED' LIMIT :batch"
+    "SELECT request_id FROM reservations WHERE tenant = :tenant AND state = 'QUEUED' "
+    f"AND {_HERE.format('instance')} LIMIT :batch"
 )
 
 # The instances (and their engines) with the tenant's admitted reservations to end; those with
 # an abort pending are the maintenance loop's to end.
 _INSTANCES_WITH_ADMITTED = text(
-    """
+    f"""
     SELECT i.instance, i.engine_url FROM instances i
-    WHERE EXISTS (SELECT 1 FROM reservations r
+    WHERE {_HERE.format("i.instance")} AND EXISTS (SELECT 1 FROM reservations r
                   WHERE r.tenant = :tenant AND r.instance = i.instance AND r.state = 'ADMITTED'
                     AND r.abort_requested_at IS NULL)
     """
@@ -158,6 +161,30 @@ FINISH_COUNTED = text(
                       WHERE tenant = :tenant AND state IN ('QUEUED', 'ADMITTED'))
     """
 )
+# What the tenant holds on the instances other than :here, from the journal's record (served
+# from memory by other replicas): as START_COUNTED counts it, and whether anything is left.
+_RECORDED_ELSEWHERE = text(
+    """
+    WITH mine AS (
+        SELECT instance, block_id, count(*) AS entries, count(*) FILTER (WHERE pinned) AS pins
+        FROM journal_slot_references
+        WHERE tenant = :tenant AND instance <> ALL(CAST(:here AS text[]))
+        GROUP BY instance, block_id
+    ), judged AS (
+        SELECT s.ref_count = m.entries AND coalesce(s.hash_scope, :scope) = :scope AS exclusive,
+               s.pin_count > m.pins AS pinned_by_others
+        FROM mine m JOIN journal_slots s USING (instance, block_id)
+    ), cached AS (
+        SELECT count(*) AS blocks FROM journal_slots
+        WHERE hash_scope = :scope AND ref_count = 0 AND instance <> ALL(CAST(:here AS text[]))
+    )
+    SELECT (SELECT count(*) FILTER (WHERE exclusive) FROM judged)
+               + (SELECT blocks FROM cached) AS freed,
+           (SELECT count(*) FILTER (WHERE NOT exclusive) FROM judged) AS shared,
+           (SELECT count(*) FILTER (WHERE pinned_by_others) FROM judged) AS pinned_by_others,
+           (SELECT count(*) FROM judged) + (SELECT blocks FROM cached) AS left_over
+    """
+)
 _REPORT = text(
     """
     SELECT offboard_freed_blocks, offboard_shared_blocks, offboard_pinned_by_others,
@@ -219,8 +246,9 @@ class Offboarding:
     async def delete_tenant(self, tenant: str) -> OffboardingReport:
         scope = tenant_name(tenant)
         await self._start(tenant, scope)
-        await self._end_reservations(tenant)
-        while owned := await self._pins.active_of_tenant(tenant, BATCH):
+        here = await self._instances_here()
+        await self._end_reservations(tenant, here)
+        while owned := await self._pins.active_of_tenant(tenant, BATCH, here):
             for owner, pin_id in owned:
                 await self._pins.unpin(owner, pin_id)
         await self._free_own_cache(tenant, scope)
@@ -272,13 +300,27 @@ class Offboarding:
             tenants = [r[0] for r in await conn.execute(_DELETING)]
         return sum([(await self.delete_tenant(tenant)).finished for tenant in tenants])
 
-    async def _end_reservations(self, tenant: str) -> None:
+    async def _instances_here(self) -> list[str] | None:
+        """The instances this replica offboards on (None: every one); the replicas that serve
+        the others do their part (resume_all)."""
+        return None
+
+    async def recorded_elsewhere(
+        self, tenant: str, scope: str, here: Sequence[str]
+    ) -> dict[str, int]:
+        """What the tenant holds on the instances not `here`, as the journal records it:
+        freed, shared and pinned_by_others as offboarding counts them, and left_over."""
+        async with self._engine.connect() as conn:
+            keys = {"tenant": tenant, "scope": scope, "here": list(here)}
+            return dict((await conn.execute(_RECORDED_ELSEWHERE, keys)).mappings().one())
+
+    async def _end_reservations(self, tenant: str, here: list[str] | None) -> None:
         """End every live reservation of the tenant. Queued ones leave the queue one by one,
         through the ledger (the queue limits keep them few); admitted ones end in batches, one
         transaction per batch and instance. The loop ends once a pass finds none: one the
         dispatcher admitted just before offboarding began is found by the next pass. Those
         left waiting for their engine's abort are not looked at again."""
-        keys = {"tenant": tenant, "batch": BATCH}
+        keys = {"tenant": tenant, "batch": BATCH, "here": here}
         while True:
             async with self._engine.connect() as conn:
                 queued = [r[0] for r in await conn.execute(_QUEUED, keys)]

@@ -102,7 +102,8 @@ _LIST_PINS = text(
 )
 
 _ACTIVE_PINS_OF_TENANT = text(
-    "SELECT owner, pin_id FROM pins WHERE tenant = :tenant AND state = 'ACTIVE' LIMIT :batch"
+    "SELECT owner, pin_id FROM pins WHERE tenant = :tenant AND state = 'ACTIVE' "
+    "AND (CAST(:here AS text[]) IS NULL OR instance = ANY(CAST(:here AS text[]))) LIMIT :batch"
 )
 
 
@@ -212,9 +213,13 @@ class Pins:
         async with self._engine.connect() as conn:
             return [pin_from_row(r) for r in (await conn.execute(_LIST_PINS, params)).mappings()]
 
-    async def active_of_tenant(self, tenant: str, batch: int) -> list[tuple[str, str]]:
+    async def active_of_tenant(
+        self, tenant: str, batch: int, here: Sequence[str] | None = None
+    ) -> list[tuple[str, str]]:
+        """The tenant's active pins (on the instances `here`, if given)."""
+        keys = {"tenant": tenant, "batch": batch, "here": None if here is None else list(here)}
         async with self._engine.connect() as conn:
-            rows = await conn.execute(_ACTIVE_PINS_OF_TENANT, {"tenant": tenant, "batch": batch})
+            rows = await conn.execute(_ACTIVE_PINS_OF_TENANT, keys)
             return [(r.owner, r.pin_id) for r in rows]
 
     async def _find(

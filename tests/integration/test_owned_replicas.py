@@ -24,7 +24,7 @@ from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_g
 from kvquota.v1 import resources_pb2 as pb
 from tests.integration.grpc_helpers import quota, rich_error
 from tests.integration.test_fairness_short_holds import flood
-from tests.integration.test_replicas import start_replica
+from tests.integration.test_replicas import serving_address, spawn_replica
 
 # Served from memory whatever the suite's hot path: run once, by `make test-memory`.
 pytestmark = [
@@ -55,8 +55,8 @@ class Replica:
 
 @pytest.fixture
 def processes(database_url: str) -> Iterator[list[tuple[subprocess.Popen[str], str]]]:
-    started = [
-        start_replica(
+    spawned = [
+        spawn_replica(
             database_url,
             hot_path="memory",
             owner_lease_seconds=str(LEASE_SECONDS),
@@ -64,6 +64,7 @@ def processes(database_url: str) -> Iterator[list[tuple[subprocess.Popen[str], s
         )
         for _ in range(3)
     ]
+    started = [(process, serving_address(process)) for process in spawned]
     yield started
     for process, _ in started:
         if process.poll() is None:
@@ -310,3 +311,95 @@ async def test_a_paused_owner_commits_nothing_once_another_took_over(
     after = await owner.gateway.Admit(_admit("acme", "after", "gpu-a"))
     assert after.reservation.state == pb.RESERVATION_STATE_ADMITTED
     assert (await _owners(engine))["gpu-a"] == (address, epoch)
+
+
+async def test_tenant_changes_and_offboarding_reach_every_owner(
+    engine: AsyncEngine, fleet: list[Replica]
+) -> None:
+    first, second, third = fleet
+    await _register(first, "gpu-a", "gpu-b")
+    await _tenant(first, "acme")
+    await first.gateway.Admit(_admit("acme", "on-a", "gpu-a"))  # 5 blocks each
+    await second.gateway.Admit(_admit("acme", "on-b", "gpu-b"))
+    await third.admin.PinPrefix(
+        admin_pb2.PinPrefixRequest(
+            parent="tenants/acme",
+            pin_id="system",
+            instance="instances/gpu-b",
+            token_ids=list(range(1, 4 * BLOCK + 1)),
+        )
+    )
+    # Suspended through a replica that owns neither instance: both owners refuse at once.
+    await third.admin.SuspendTenant(admin_pb2.SuspendTenantRequest(name="tenants/acme"))
+    for replica, instance in ((first, "gpu-a"), (second, "gpu-b")):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await replica.gateway.Admit(_admit("acme", f"late-{instance}", instance))
+        assert rich_error(refused.value).reason == "TENANT_SUSPENDED"
+    await third.admin.ResumeTenant(admin_pb2.ResumeTenantRequest(name="tenants/acme"))
+
+    deleted = await third.admin.DeleteTenant(admin_pb2.DeleteTenantRequest(name="tenants/acme"))
+    # 5 + 5 blocks in tables and 4 pinned, all the tenant's alone; the owners end them all.
+    assert deleted.report.freed_blocks == 14
+    for _ in range(100):
+        got = await first.admin.GetTenant(admin_pb2.GetTenantRequest(name="tenants/acme"))
+        if got.state == pb.TENANT_STATE_DELETED:
+            break
+        await asyncio.sleep(0.2)
+    assert got.state == pb.TENANT_STATE_DELETED
+    async with engine.connect() as conn:
+        held = await conn.execute(
+            text("SELECT count(*) FROM journal_slot_references WHERE tenant = 'acme'")
+        )
+        assert held.scalar_one() == 0
+        totals = await conn.execute(
+            text("SELECT blocks_in_use, pinned_blocks FROM tenants WHERE tenant = 'acme'")
+        )
+        assert tuple(totals.one()) == (0, 0)
+
+
+async def test_a_forwarding_replica_killed_mid_call_loses_nothing(
+    engine: AsyncEngine, fleet: list[Replica]
+) -> None:
+    owner, forwarder, other = fleet
+    await _register(owner, "gpu-a")
+    await _tenant(owner, "acme")
+    holder = await owner.gateway.Admit(_admit("acme", "holder", "gpu-a", prompt=8000))
+    waiter = _admit("acme", "waiter", "gpu-a", prompt=200)
+    waiter.wait_timeout.FromSeconds(60)
+    waiting = asyncio.ensure_future(forwarder.gateway.Admit(waiter))
+    for _ in range(100):
+        if (await _recorded_states(engine)).get("waiter") == "QUEUED":
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the Admit never reached the owner's queue")
+    forwarder.process.send_signal(signal.SIGKILL)
+    forwarder.process.wait()
+    with pytest.raises(grpc.aio.AioRpcError) as lost:
+        await waiting
+    assert lost.value.code() is grpc.StatusCode.UNAVAILABLE
+    await other.gateway.Release(admission_pb2.ReleaseRequest(name=holder.reservation.name))
+    # The caller retries the same request through another replica: it kept its place in the
+    # queue, and was admitted once the holder left.
+    again = await other.gateway.Admit(waiter)
+    recorded = await _recorded_states(engine)
+    assert again.reservation.state == pb.RESERVATION_STATE_ADMITTED
+    assert recorded["waiter"] == "ADMITTED"
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text("SELECT count(*) FROM reservations WHERE request_id = 'waiter'")
+        )
+        assert rows.scalar_one() == 1
+
+
+async def test_a_forwarded_call_is_not_forwarded_again(fleet: list[Replica]) -> None:
+    owner, _, other = fleet
+    await _register(owner, "gpu-a")
+    await _tenant(owner, "acme")
+    await owner.gateway.Admit(_admit("acme", "claim", "gpu-a"))
+    # As if another replica had forwarded it here, believing this one the owner.
+    with pytest.raises(grpc.aio.AioRpcError) as moving:
+        await other.gateway.Admit(
+            _admit("acme", "hop", "gpu-a"), metadata=(("kvquota-forwarded-by", "elsewhere"),)
+        )
+    assert rich_error(moving.value).reason == "INSTANCE_MOVING"

@@ -35,8 +35,8 @@ QUOTA = TenantQuota(
 ADDRESS = re.compile(r"serving gRPC on (\S+)")
 
 
-def start_replica(database_url: str, **settings: str) -> tuple[subprocess.Popen[str], str]:
-    """A `kvquota serve` process on database_url; returns it and the address it serves on."""
+def spawn_replica(database_url: str, **settings: str) -> subprocess.Popen[str]:
+    """A `kvquota serve` process on database_url, starting (serving_address waits for it)."""
     env = {
         **os.environ,
         "KVQUOTA_DATABASE_URL": database_url,
@@ -45,19 +45,29 @@ def start_replica(database_url: str, **settings: str) -> tuple[subprocess.Popen[
         "KVQUOTA_AUTH_REQUIRED": "false",
         **{f"KVQUOTA_{k.upper()}": v for k, v in settings.items()},
     }
-    process = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "quota_service.cli", "serve"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )
+
+
+def serving_address(process: subprocess.Popen[str]) -> str:
+    """The address a spawned replica serves on, once it does."""
     assert process.stdout is not None
     for line in process.stdout:
         match = ADDRESS.search(line)
         if match:
-            return process, match.group(1)
+            return match.group(1)
     raise AssertionError(f"replica exited with {process.wait()} before serving")
+
+
+def start_replica(database_url: str, **settings: str) -> tuple[subprocess.Popen[str], str]:
+    """A `kvquota serve` process on database_url; returns it and the address it serves on."""
+    process = spawn_replica(database_url, **settings)
+    return process, serving_address(process)
 
 
 @pytest.fixture

@@ -1,0 +1,652 @@
+"""Migration 0023 carries a live per-block ledger into the instance journal. A database at the
+revision before it is filled through the per-block ledger itself (pins of a tenant and of a
+namespace, shared prefixes, single blocks given back, blocks cached by ended reservations and
+counted by the engine's KV events, an idle and an offloaded session, a queue of two tenants at
+two priorities) and upgraded; each instance taken over from the journal must then hold exactly
+what the per-block tables held, the journal's views must say what those tables say, and an
+Admit must get what the per-block ledger would have given it."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import make_url, text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.core.admission import AdmitRequest
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.hashing import block_hashes, event_hash
+from quota_service.core.instance_machine import InstanceMachine
+from quota_service.core.kv_events import BlockStored, EventBatch
+from quota_service.core.model import EndReason, Reservation, ReservationState
+from quota_service.core.queueing import QueuePolicy
+from quota_service.owner.instance_owner import InstanceOwner, take_over
+from quota_service.store import blocks, migrate
+from quota_service.store.catalog import Catalog
+from quota_service.store.database import connect
+from quota_service.store.journal import GENERATIONS_PER_EPOCH, NO_TOTALS, Journal, totals_of
+from quota_service.store.ledger import Ledger, offload
+from quota_service.store.pins import Pins
+from quota_service.store.reconcile import Reconciler
+from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
+from tests.integration.test_pins_and_offboarding import BS, tokens
+from tests.unit.machine_fixtures import assert_same_machine, recount, slot_rows
+
+LIMITS = Settings().admission_limits
+# The revision the per-block ledger fills, before the migration.
+PREVIOUS = "0022"
+CARRIED = ("gpu-0", "gpu-1")
+# Served from memory before the migration: it must be left as it is.
+JOURNALED = "gpu-2"
+
+
+def prompt(
+    request_id: str,
+    ids: list[int],
+    tenant: str = "acme",
+    instance: str = "gpu-0",
+    priority: int = 0,
+    wait: float = 0.0,
+) -> AdmitRequest:
+    # Two output tokens: the first gets a slot (vLLM never computes the last one's KV).
+    base = request(request_id, len(ids), 2, tenant=tenant, instance=instance)
+    return replace(
+        base,
+        params=replace(base.params, priority=priority),
+        prompt_token_ids=tuple(ids),
+        wait_timeout_seconds=wait,
+    )
+
+
+@pytest.fixture
+async def ledger_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    """The test's database at the revision before the migration."""
+    migrate.downgrade(database_url, PREVIOUS)
+    engine = connect(database_url)
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture
+def copy_of(server_url: str) -> Iterator[Callable[[str], str]]:
+    """Copies of a database (nothing may be connected to it meanwhile), dropped afterwards."""
+    copies: list[str] = []
+
+    def copy(url: str) -> str:
+        name = f"kvq_copy_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{make_url(url).database}"')
+        copies.append(name)
+        return make_url(url).set(database=name).render_as_string(hide_password=False)
+
+    yield copy
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        for name in copies:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def fill(engine: AsyncEngine) -> None:
+    """Everything the per-block ledger holds that the journal must carry, on gpu-0 and gpu-1."""
+    catalog = Catalog(engine)
+    await add_instance(engine, "gpu-0", blocks=48)
+    await add_instance(engine, "gpu-1", blocks=16)
+    await add_tenant(engine, "acme")
+    await add_tenant(engine, "beta")
+    await catalog.update_tenant("beta", {"weight": 3})
+    await add_tenant(engine, "gamma")
+    await catalog.create_namespace("public")
+    await catalog.update_tenant("gamma", {"namespace": "public"})
+    ledger, pins = Ledger(engine, LIMITS), Pins(engine, LIMITS)
+
+    await pins.pin("tenants/acme", "system", "gpu-0", tokens(1, 3))
+    await pins.pin("namespaces/public", "system", "gpu-0", tokens(2, 2))
+    # On the pinned prefixes, and two of beta's sharing a prefix.
+    await ledger.admit(prompt("on-pin", tokens(1, 3) + tokens(3, 1, extra=5)))
+    await ledger.admit(prompt("shared", tokens(2, 2) + tokens(4, 1), tenant="gamma"))
+    for request_id in ("b1", "b2"):
+        await ledger.admit(prompt(request_id, tokens(5, 3, extra=3), tenant="beta"))
+    # Ended: their hashed blocks stay cached, least recently released first.
+    salts = {}
+    for request_id, tenant, seed in (
+        ("gone-1", "acme", 6),
+        ("gone-2", "beta", 7),
+        ("gone-3", "acme", 8),
+    ):
+        _, salts[tenant] = await ledger.admit(prompt(request_id, tokens(seed, 3, extra=1), tenant))
+        await ledger.end(tenant, request_id, EndReason.RELEASED, 1)
+    # The engine holds copies of a cached prefix and of one in use.
+    stored = [
+        BlockStored(tuple(event_hash(h) for h in block_hashes(ids, BS, salt)), None, (), BS, "GPU")
+        for ids, salt in ((tokens(6, 3), salts["acme"]), (tokens(5, 2), salts["beta"]))
+    ]
+    await Reconciler(engine, ledger).apply("gpu-0", 0, EventBatch(0.0, tuple(stored), None))
+    # Single blocks given back: b1's first (b2 still holds it) and its last (freed).
+    b1 = await ledger.get("beta", "b1")
+    await ledger.release_blocks("beta", "b1", [b1.block_table[0], b1.block_table[-1]])
+    # Sessions idle between turns: one on the GPU, one offloaded to the CPU tier.
+    for request_id in ("idle", "offloaded"):
+        await ledger.admit(request(request_id, 2 * BS, BS, tenant="beta"))
+        await ledger.suspend("beta", request_id, ())
+    async with engine.begin() as conn:
+        await conn.execute(blocks.LOCK_INSTANCE, {"instance": "gpu-0"})
+        assert await offload(conn, "gpu-0", "beta", "offloaded") == 3
+    # The free slots taken, requests larger than what is cached wait: the tenants' fair tags
+    # order them (beta's weight is 3), a higher priority goes first.
+    free = (await counters(engine))["instance:gpu-0"]["free_blocks"]
+    await ledger.admit(request("fill", free * BS - 1, 1))
+    for request_id, tenant, priority in (
+        ("q1", "acme", 0),
+        ("q2", "beta", 0),
+        ("q3", "acme", 0),
+        ("q4", "beta", 0),
+        ("q5", "acme", 1),
+    ):
+        big = prompt(request_id, tokens(20, 12), tenant, priority=priority, wait=600.0)
+        assert (await ledger.admit(big))[0].state is ReservationState.QUEUED
+
+    # Another instance, where a queued request was dispatched (its class's virtual time moved
+    # on); tenants' totals span both.
+    await ledger.admit(prompt("ended", tokens(10, 3), tenant="beta", instance="gpu-1"))
+    await ledger.admit(request("full", 12 * BS - 1, 1, instance="gpu-1"))
+    waited = prompt("waited", tokens(9, 2, extra=4), instance="gpu-1", wait=600.0)
+    assert (await ledger.admit(waited))[0].state is ReservationState.QUEUED
+    for tenant, request_id in (("beta", "ended"), ("acme", "full")):
+        await ledger.end(tenant, request_id, EndReason.RELEASED, 1)
+    assert await ledger.dispatch("gpu-1") == 1
+    async with engine.begin() as conn:
+        # A free slot that turned over more than 2**40 times: the new owner's generations
+        # must start above it too.
+        await conn.execute(
+            text(
+                "UPDATE blocks SET generation = :turned WHERE instance = 'gpu-1' AND block_id = "
+                "(SELECT max(block_id) FROM blocks WHERE instance = 'gpu-1' AND state = 'FREE')"
+            ),
+            {"turned": 3 * GENERATIONS_PER_EPOCH + 7},
+        )
+
+
+async def served_from_memory(engine: AsyncEngine, journal: Journal) -> None:
+    """gpu-2, served from memory before the migration, with a reservation in its journal."""
+    await add_instance(engine, JOURNALED, blocks=16)
+    owner = await owner_of(engine, journal, JOURNALED, "replica-0")
+    await owner.apply(lambda m, now: m.admit(prompt("mem", tokens(11, 2), instance=JOURNALED), now))
+
+
+async def owner_of(
+    engine: AsyncEngine, journal: Journal, instance: str, name: str = "replica-a"
+) -> InstanceOwner:
+    return await take_over(journal, Catalog(engine), instance, LIMITS, QueuePolicy(), name)
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one instance holds, as one layout or the other says it (comparable with ==)."""
+
+    # Slots not free: id, state, references, pins, generation, hash, scope, engine copies.
+    slots: list[tuple[Any, ...]]
+    # Cached slots, the next to be evicted first.
+    lru: list[int]
+    counts: dict[str, int]
+    # Each live block table by its holder's name: (slot, generation, released) in table order.
+    tables: dict[str, list[tuple[int, int, bool]]]
+    queue: list[str]
+    # Each tenant's distinct slots, pinned slots and tokens in flight there.
+    holdings: dict[str, tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a layout of the record keeps what `Held` compares."""
+
+    slots: str
+    pool: str
+    tables: str
+    queue: str
+    holdings: str
+
+
+_NAME = "'tenants/' || tenant || '/reservations/' || request_id"
+_LIVE = "instance = :i AND state IN ('QUEUED', 'ADMITTED')"
+
+PER_BLOCK = Layout(
+    slots="blocks",
+    pool="instances",
+    tables=(
+        "SELECT h.name, array_agg(b.block_id ORDER BY b.position), "
+        "array_agg(b.generation ORDER BY b.position), array_agg(b.released ORDER BY b.position) "
+        f"FROM (SELECT holder_id, {_NAME} AS name FROM reservations WHERE {_LIVE} "
+        "      UNION ALL "
+        "      SELECT holder_id, owner || '/pins/' || pin_id FROM pins "
+        "      WHERE instance = :i AND state = 'ACTIVE') AS h "
+        "JOIN block_refs b USING (holder_id) GROUP BY h.name"
+    ),
+    # The per-block ledger's dispatch order.
+    queue="ORDER BY priority DESC, virtual_start, queued_at",
+    holdings=(
+        "SELECT tenant, sum(blocks), sum(pinned), sum(tokens) FROM ("
+        "  SELECT tenant, count(*) AS blocks, count(*) FILTER (WHERE pin_refs > 0) AS pinned, "
+        "         0 AS tokens FROM tenant_blocks WHERE instance = :i GROUP BY tenant "
+        "  UNION ALL "
+        "  SELECT tenant, 0, 0, sum(reserved_tokens) FROM reservations "
+        "  WHERE instance = :i AND state = 'ADMITTED' AND offloaded_bytes IS NULL GROUP BY tenant"
+        ") AS h GROUP BY tenant"
+    ),
+)
+# The journal's rows, and the views derived from them.
+JOURNALED_ROWS = Layout(
+    slots="journal_slots",
+    pool="journal_pool_counts",
+    tables=(
+        f"SELECT {_NAME}, block_ids, block_generations, "
+        "       ARRAY(SELECT p - 1 = ANY(coalesce(released_positions, '{}')) "
+        "             FROM generate_subscripts(block_ids, 1) AS p ORDER BY p) "
+        f"FROM reservations WHERE {_LIVE} AND block_ids IS NOT NULL "
+        "UNION ALL "
+        "SELECT owner || '/pins/' || pin_id, block_ids, block_generations, "
+        "       ARRAY(SELECT false FROM generate_subscripts(block_ids, 1)) "
+        "FROM pins WHERE instance = :i AND state = 'ACTIVE'"
+    ),
+    # The machine's order: queue_arrival breaks ties of priority and start tag.
+    queue="ORDER BY priority DESC, virtual_start, queue_arrival",
+    holdings=(
+        "SELECT tenant, blocks_in_use, pinned_blocks, tokens_in_flight "
+        "FROM journal_tenant_holdings WHERE instance = :i"
+    ),
+)
+
+
+async def held_in(engine: AsyncEngine, layout: Layout, instance: str) -> Held:
+    keys = {"i": instance}
+    async with engine.connect() as conn:
+
+        async def rows(query: str) -> Any:
+            return await conn.execute(text(query), keys)
+
+        slots = await rows(
+            "SELECT block_id, state, ref_count, pin_count, generation, content_hash, hash_scope, "
+            f"engine_copies FROM {layout.slots} WHERE instance = :i AND state <> 'FREE' "
+            "ORDER BY block_id"
+        )
+        lru = await rows(
+            f"SELECT block_id FROM {layout.slots} WHERE instance = :i AND state = 'CACHED' "
+            "ORDER BY lru_seq, block_id"
+        )
+        counts = await rows(
+            'SELECT free_blocks AS "FREE", cached_blocks AS "CACHED", '
+            f'blocks_in_use AS "IN_USE", pinned_blocks AS "PINNED" FROM {layout.pool} '
+            "WHERE instance = :i"
+        )
+        tables = await rows(layout.tables)
+        queue = await rows(
+            f"SELECT {_NAME} FROM reservations WHERE instance = :i AND state = 'QUEUED' "
+            + layout.queue
+        )
+        holdings = await rows(layout.holdings)
+        return Held(
+            [tuple(row) for row in slots],
+            list(lru.scalars()),
+            dict(counts.mappings().one()),
+            {name: list(zip(b, g, r, strict=True)) for name, b, g, r in tables},
+            list(queue.scalars()),
+            {tenant: (int(b), int(p), int(t)) for tenant, b, p, t in holdings},
+        )
+
+
+def held_by_machine(machine: InstanceMachine) -> Held:
+    pool = machine.pool
+    slots = [
+        (
+            *row,
+            machine.scopes[pool.scope_id(row[0])] if row[5] else None,
+            pool.engine_copies(row[0]),
+        )
+        for row in slot_rows(machine)
+        if row[1] != "FREE"
+    ]
+    tables = {r.name: r.table for r in machine.reservations.values() if r.table is not None} | {
+        f"{p.owner}/pins/{p.pin_id}": p.table for p in machine.pins.values()
+    }
+    return Held(
+        slots,
+        pool.lru_order(),
+        pool.counts(),
+        {
+            name: list(zip(t.blocks, t.generations, map(bool, t.released), strict=True))
+            for name, t in tables.items()
+        },
+        [r.name for r in machine.queued()],
+        {
+            name: (len(here.held), len(here.pinned), here.tokens)
+            for name, here in machine.tenants.items()
+            if here.held or here.tokens
+        },
+    )
+
+
+_FREE_GENERATIONS = text(
+    "SELECT block_id, generation FROM blocks WHERE instance = :i AND state = 'FREE'"
+)
+_CLOCKS = text(
+    "SELECT (SELECT jsonb_object_agg(priority, virtual_time) FROM fair_clocks "
+    "        WHERE instance = :i) AS virtual_time, "
+    "       (SELECT jsonb_object_agg(tenant, last_finish) FROM ("
+    "            SELECT tenant, jsonb_object_agg(priority, last_finish) AS last_finish "
+    "            FROM fair_tags WHERE instance = :i GROUP BY tenant) AS f) AS last_finish, "
+    "       mean_hold_seconds, drift_blocks, "
+    "       (SELECT jsonb_object_agg(tenant, mean_hold_seconds) FROM tenants "
+    "        WHERE tenant IN (SELECT tenant FROM fair_tags WHERE instance = :i "
+    "                         UNION SELECT tenant FROM reservations "
+    "                         WHERE instance = :i AND state IN ('QUEUED', 'ADMITTED') "
+    "                         UNION SELECT tenant FROM pins "
+    "                         WHERE instance = :i AND state = 'ACTIVE')) AS tenant_holds "
+    "FROM instances WHERE instance = :i"
+)
+
+
+@dataclass(frozen=True)
+class Clocks:
+    virtual_time: dict[int, float]
+    last_finish: dict[str, dict[int, float]]
+    mean_hold_seconds: float | None
+    drift_blocks: int
+    # Each tenant's mean holding time (None where the instance knows nothing of it).
+    tenant_holds: dict[str, float | None]
+
+
+async def clocks_of_ledger(engine: AsyncEngine, instance: str, tenants: list[str]) -> Clocks:
+    async with engine.connect() as conn:
+        row = (await conn.execute(_CLOCKS, {"i": instance})).mappings().one()
+    holds = row["tenant_holds"] or {}
+    return Clocks(
+        {int(p): t for p, t in (row["virtual_time"] or {}).items()},
+        {
+            tenant: {int(p): t for p, t in finish.items()}
+            for tenant, finish in (row["last_finish"] or {}).items()
+        },
+        row["mean_hold_seconds"],
+        row["drift_blocks"],
+        {tenant: holds.get(tenant) for tenant in tenants},
+    )
+
+
+def clocks_of_machine(machine: InstanceMachine) -> Clocks:
+    return Clocks(
+        machine.virtual_time,
+        {name: here.last_finish for name, here in machine.tenants.items() if here.last_finish},
+        machine.mean_hold_seconds,
+        machine.drift_blocks,
+        {name: here.mean_hold_seconds for name, here in machine.tenants.items()},
+    )
+
+
+async def live_reservations(
+    engine: AsyncEngine, ledger: Ledger, instance: str
+) -> dict[str, Reservation]:
+    async with engine.connect() as conn:
+        keys = await conn.execute(
+            text(
+                "SELECT tenant, request_id FROM reservations "
+                "WHERE instance = :i AND state IN ('QUEUED', 'ADMITTED')"
+            ),
+            {"i": instance},
+        )
+        live = keys.all()
+    return {
+        f"tenants/{tenant}/reservations/{request_id}": await ledger.get(tenant, request_id)
+        for tenant, request_id in live
+    }
+
+
+# What the migration must not change: the per-block tables, tenants' totals, usage history, and
+# every column of reservations and pins but the journal's.
+_UNTOUCHED_TABLES = (
+    "blocks",
+    "block_refs",
+    "tenant_blocks",
+    "tenants",
+    "instances",
+    "tombstones",
+    "fair_clocks",
+    "fair_tags",
+    "usage_events",
+    "usage_hours",
+)
+_UNTOUCHED = text(
+    "SELECT "
+    + ", ".join(f"ARRAY(SELECT row::text FROM {t} AS row ORDER BY 1)" for t in _UNTOUCHED_TABLES)
+    + ", ARRAY(SELECT (to_jsonb(r) - 'block_ids' - 'block_generations' - 'released_positions' "
+    "- 'queue_arrival')::text FROM reservations r ORDER BY 1), "
+    "ARRAY(SELECT (to_jsonb(p) - 'block_ids' - 'block_generations')::text FROM pins p ORDER BY 1)"
+)
+# What the journal holds (times of writing aside).
+_JOURNAL = text(
+    "SELECT ARRAY(SELECT (instance, owner, epoch, batch, clocks)::text FROM instance_owners "
+    "             ORDER BY 1), "
+    "       ARRAY(SELECT (instance, batch, scopes, slots, generations, digests, scope_ids, "
+    "                     engine_copies, lru_seqs)::text FROM pool_checkpoints ORDER BY 1), "
+    "       ARRAY(SELECT (instance, batch)::text FROM pool_deltas ORDER BY 1), "
+    "       ARRAY(SELECT (tenant, request_id, block_ids, block_generations, released_positions, "
+    "                     queue_arrival)::text FROM reservations ORDER BY 1), "
+    "       ARRAY(SELECT (owner, pin_id, block_ids, block_generations)::text FROM pins "
+    "             ORDER BY 1)"
+)
+
+
+_OWNERS = text("SELECT instance, owner, epoch, batch, clocks FROM instance_owners ORDER BY 1")
+_CHECKPOINTED = text("SELECT instance, batch FROM pool_checkpoints ORDER BY 1")
+FIELDS = ("blocks", "tokens", "pinned", "queued")
+_TOTALS = text(
+    "SELECT tenant, blocks_in_use, tokens_in_flight, pinned_blocks, queued_requests FROM tenants"
+)
+_TOTALS_PER_INSTANCE = text(
+    "SELECT tenant, instance, blocks_in_use, tokens_in_flight, pinned_blocks, queued_requests "
+    "FROM instance_tenant_totals WHERE blocks_in_use <> 0 OR tokens_in_flight <> 0 "
+    "OR pinned_blocks <> 0 OR queued_requests <> 0"
+)
+
+
+async def check_totals(
+    engine: AsyncEngine, owners: dict[str, InstanceOwner], tenants: list[str]
+) -> None:
+    """Tenants' totals, fleet-wide and per instance, are what the machines hold."""
+    per_instance = {
+        (tenant, name): totals_of(owner.machine, tenant)
+        for name, owner in owners.items()
+        for tenant in tenants
+    }
+    fleet = {
+        tenant: [sum(getattr(per_instance[(tenant, name)], f) for name in owners) for f in FIELDS]
+        for tenant in tenants
+    }
+    assert {row[0]: list(row[1:]) for row in await all_rows(engine, _TOTALS)} == fleet
+    assert {
+        (row[0], row[1]): list(row[2:]) for row in await all_rows(engine, _TOTALS_PER_INSTANCE)
+    } == {
+        key: [getattr(held_there, f) for f in FIELDS]
+        for key, held_there in per_instance.items()
+        if held_there != NO_TOTALS
+    }
+
+
+async def all_rows(engine: AsyncEngine, query: Any) -> list[tuple[Any, ...]]:
+    async with engine.connect() as conn:
+        return [tuple(row) for row in await conn.execute(query)]
+
+
+async def rows_of(engine: AsyncEngine, query: Any) -> tuple[Any, ...]:
+    async with engine.connect() as conn:
+        return tuple((await conn.execute(query)).one())
+
+
+@pytest.mark.slow
+async def test_a_taken_over_instance_holds_what_the_per_block_ledger_held(
+    ledger_engine: AsyncEngine,
+    database_url: str,
+    copy_of: Callable[[str], str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = ledger_engine
+    await fill(engine)
+    journal = Journal(engine)
+    await served_from_memory(engine, journal)
+    await journal.close()
+    ledger = Ledger(engine, LIMITS)
+    tenants = ["acme", "beta", "gamma"]
+    held = {name: await held_in(engine, PER_BLOCK, name) for name in CARRIED}
+    clocks = {name: await clocks_of_ledger(engine, name, tenants) for name in CARRIED}
+    reservations = {name: await live_reservations(engine, ledger, name) for name in CARRIED}
+    async with engine.connect() as conn:
+        free: dict[str, dict[int, int]] = {
+            name: {b: g for b, g in await conn.execute(_FREE_GENERATIONS, {"i": name})}
+            for name in CARRIED
+        }
+    untouched = await rows_of(engine, _UNTOUCHED)
+    owned_before = await all_rows(engine, _OWNERS)
+    # The per-block ledger as it is, to answer the same Admits.
+    await engine.dispose()
+    as_it_was = copy_of(database_url)
+
+    caplog.set_level(logging.INFO, logger="alembic.runtime.migration")
+    migrate.upgrade(database_url)
+    assert await rows_of(engine, _UNTOUCHED) == untouched
+    for done, name in enumerate(CARRIED, 1):
+        assert f"instances/{name} carried ({done} of 2)" in caplog.text
+    # Owner rows that any replica may claim, with epochs above the generations handed out (a
+    # slot of gpu-1 turned over 3 x 2**40 times); gpu-2's journal as it was.
+    owned = await all_rows(engine, _OWNERS)
+    assert [row[:4] for row in owned[:2]] == [
+        ("gpu-0", "migrations/0023", 1, 0),
+        ("gpu-1", "migrations/0023", 4, 0),
+    ]
+    assert owned[2:] == owned_before
+    assert await all_rows(engine, _CHECKPOINTED) == [("gpu-0", 0), ("gpu-1", 0)]
+
+    journal = Journal(engine)
+    owners = {name: await owner_of(engine, journal, name) for name in (*CARRIED, JOURNALED)}
+    for name in CARRIED:
+        machine = owners[name].machine
+        recount(machine)
+        assert held_by_machine(machine) == held[name], name
+        assert await held_in(engine, JOURNALED_ROWS, name) == held[name], name
+        assert clocks_of_machine(machine) == clocks[name], name
+        assert {
+            r.name: r.snapshot(machine.queue_position(r)) for r in machine.reservations.values()
+        } == reservations[name], name
+        # Every handle the ledger handed out is stale on a slot that is free now.
+        for block, generation in free[name].items():
+            assert machine.pool.generation(block) > generation, (name, block)
+    assert list(owners[JOURNALED].machine.reservations) == [("acme", "mem")]
+    await check_totals(engine, owners, tenants)
+
+    # The same Admits, on the per-block ledger as it was and on the machines: the same hits on
+    # the same cached and shared blocks, and the same blocks evicted for the rest (priority 2
+    # goes ahead of the queue).
+    wanted = [
+        prompt("again-1", tokens(6, 3, extra=1), priority=2),
+        prompt("again-2", tokens(2, 2) + tokens(4, 1, extra=3), tenant="gamma", priority=2),
+        prompt("again-3", tokens(5, 3, extra=3), tenant="beta", priority=2),
+        prompt("again-4", tokens(1, 3) + tokens(3, 1, extra=5), priority=2),
+        prompt("again-5", tokens(7, 3, extra=1), tenant="beta", priority=2),
+        prompt("again-6", tokens(10, 3, extra=2), tenant="beta", instance="gpu-1"),
+    ]
+    old_ledger_engine = connect(as_it_was)
+    old_ledger = Ledger(old_ledger_engine, LIMITS)
+    for one in wanted:
+        by_ledger = await admitted(old_ledger.admit(one))
+        by_owner = await admitted(owners[one.params.instance].apply(admit_in_memory(one)))
+        assert by_owner == by_ledger, one.params.request_id
+    await old_ledger_engine.dispose()
+    # What the owners journaled since is what a next owner rebuilds.
+    for name in CARRIED:
+        fresh = await owner_of(engine, journal, name, "replica-b")
+        assert_same_machine(owners[name].machine, fresh.machine)
+    await journal.close()
+
+
+def admit_in_memory(wanted: AdmitRequest) -> Callable[[InstanceMachine, float], Reservation]:
+    return lambda machine, now: machine.admit(wanted, now).snapshot()
+
+
+async def admitted(admit: Awaitable[Any]) -> tuple[Any, ...]:
+    """What an Admit got: the refusal's reason, or its state, hits and block table (the
+    generations of new blocks from free slots differ: the new owner's start higher)."""
+    try:
+        answer = await admit
+    except KvQuotaError as refused:
+        return (refused.reason,)
+    found: Reservation = answer[0] if isinstance(answer, tuple) else answer
+    hits = found.prefix_hit_blocks
+    return (
+        found.state,
+        hits,
+        found.block_table[:hits],
+        [h.block_id for h in found.block_table],
+    )
+
+
+async def test_downgrade_clears_what_was_carried_until_an_owner_writes(
+    ledger_engine: AsyncEngine, database_url: str
+) -> None:
+    engine = ledger_engine
+    await fill(engine)
+    untouched = await rows_of(engine, _UNTOUCHED)
+    cleared = await rows_of(engine, _JOURNAL)
+    migrate.upgrade(database_url)
+    carried = await rows_of(engine, _JOURNAL)
+    migrate.downgrade(database_url, PREVIOUS)
+    assert await rows_of(engine, _JOURNAL) == cleared
+    assert await rows_of(engine, _UNTOUCHED) == untouched
+    migrate.upgrade(database_url)
+    assert await rows_of(engine, _JOURNAL) == carried
+
+    # Once an owner has committed a batch, the per-block tables no longer hold all there is:
+    # the downgrade refuses, and changes nothing.
+    journal = Journal(engine)
+    owner = await owner_of(engine, journal, "gpu-1")
+    after = request("after", 2 * BS, BS, instance="gpu-1")
+    await owner.apply(lambda m, now: m.admit(after, now))
+    await journal.close()
+    written = await rows_of(engine, _JOURNAL)
+    with pytest.raises(RuntimeError, match=r"instances/gpu-1 at batch 1; nothing was changed"):
+        migrate.downgrade(database_url, PREVIOUS)
+    assert await rows_of(engine, _JOURNAL) == written
+    assert not migrate.pending(database_url)
+
+
+@pytest.mark.parametrize(
+    ("corruption", "error"),
+    [
+        (
+            "UPDATE blocks SET content_hash = substring(content_hash FROM 2) WHERE block_id = 1",
+            "instances/gpu-0: a block's content hash is not 32 bytes long",
+        ),
+        (
+            "UPDATE blocks SET hash_scope = NULL WHERE block_id = 1",
+            "instances/gpu-0: a block holds a hash with no scope",
+        ),
+    ],
+    ids=["short digest", "no scope"],
+)
+async def test_a_slot_the_journal_cannot_hold_stops_the_migration(
+    ledger_engine: AsyncEngine, database_url: str, corruption: str, error: str
+) -> None:
+    engine = ledger_engine
+    await add_instance(engine, blocks=16)
+    await add_tenant(engine, "acme")
+    ledger = Ledger(engine, LIMITS)
+    await ledger.admit(prompt("r", tokens(1, 2, extra=1)))
+    await ledger.end("acme", "r", EndReason.RELEASED, 1)
+    async with engine.begin() as conn:
+        await conn.execute(text(corruption))
+    before = await rows_of(engine, _JOURNAL)
+    with pytest.raises(RuntimeError, match=error):
+        migrate.upgrade(database_url)
+    assert await rows_of(engine, _JOURNAL) == before
+    assert migrate.pending(database_url)
