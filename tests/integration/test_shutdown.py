@@ -26,8 +26,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from kvquota.client import AsyncKvquotaClient
 from kvquota.v1 import admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
+from quota_service.api import server
+from quota_service.config import Settings
 from tests.integration.grpc_helpers import STATUS_DETAILS_KEY, rich_error
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant
@@ -146,8 +149,9 @@ async def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_within_
     # Another replica of the fleet, which keeps serving.
     other, other_address = start_replica(database_url, owner_lease_seconds=OWNER_LEASE_SECONDS)
     channel = grpc.aio.insecure_channel(address)
-    other_channel = grpc.aio.insecure_channel(other_address)
-    elsewhere = admission_pb2_grpc.AdmissionServiceStub(other_channel)
+    # A gateway's client of it: on the memory hot path it retries INSTANCE_MOVING while the
+    # instances this replica served move to the other one.
+    elsewhere = AsyncKvquotaClient(other_address)
     stub = admission_pb2_grpc.AdmissionServiceStub(channel)
     serving, draining = asyncio.Event(), asyncio.Event()
     health_stub: Any = health_pb2_grpc.HealthStub(channel)  # its stubs lack the methods
@@ -241,7 +245,7 @@ async def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_within_
 
         # Another replica releases the holders: the waiting Admits are admitted, the watches end.
         for request_id in HOLDERS:
-            await elsewhere.Release(
+            await elsewhere.admission.Release(
                 admission_pb2.ReleaseRequest(
                     name=f"tenants/acme/reservations/{request_id}", output_tokens=OUTPUT
                 )
@@ -265,7 +269,7 @@ async def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_within_
         assert time.monotonic() - signalled < GRACE_SECONDS + EXIT_MARGIN_SECONDS
     finally:
         await channel.close()
-        await other_channel.close()
+        await elsewhere.close()
         if process.poll() is None:
             process.kill()
             process.wait()
@@ -315,3 +319,26 @@ async def check_ledger(engine: AsyncEngine, calls: list[Call]) -> None:
         elif call.method == "Release" and call.outcome == "ok":
             expected[call.request_id] = ("ENDED", "RELEASED")
     assert {r: (row.state, row.end_reason) for r, row in found.items()} == expected
+
+
+async def test_no_call_is_taken_once_a_watcher_was_told_the_server_drains(
+    engine: AsyncEngine, database_url: str, settings: Settings
+) -> None:
+    """Whatever a drain begins with (on the memory hot path: handing the instances over), the
+    server refuses new calls before a health watcher hears NOT_SERVING."""
+    await add_instance(engine, "gpu-0", blocks=4 * 16)
+    await add_tenant(engine, "acme")
+    running = await server.start(settings, database_url)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+        await stub.Admit(admit_request("h0"))  # gpu-0 is served here (in memory: owned)
+        serving, draining = asyncio.Event(), asyncio.Event()
+        health_stub: Any = health_pb2_grpc.HealthStub(channel)
+        health_watch = health_stub.Watch(health_pb2.HealthCheckRequest())
+        health = asyncio.ensure_future(statuses(health_watch, serving, draining))
+        await asyncio.wait_for(serving.wait(), 30)
+        stopping = asyncio.ensure_future(running.stop(GRACE_SECONDS))
+        await asyncio.wait_for(health, GRACE_SECONDS)
+        health_watch.cancel()
+        assert await outcome_of(stub.Admit(admit_request("new"))) == "refused"
+        await stopping
