@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-memory test-long test-unit test-engines test-gateways bench-fidelity stress stress-short lint format proto bench clean
+.PHONY: help venv run test test-memory test-long test-unit test-engines test-gateways bench-fidelity stress stress-short stress-short-memory lint format proto bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -117,6 +117,9 @@ stress: $(STAMP) ## Random load on two servers, simulated engines and PostgreSQL
 stress-short: $(STAMP) ## The one-minute form of `make stress` that CI runs (a fault every ~12 s)
 	$(BIN)/python -m stress --duration 60 --fault-interval 12
 	KVQUOTA_FUZZ_EXAMPLES=60 $(call PYTEST,tests/integration/test_fuzz.py)
+
+stress-short-memory: $(STAMP) ## stress-short with the hot path in memory: the servers own instances under 2 s leases and forward to each other
+	KVQUOTA_HOT_PATH=memory KVQUOTA_OWNER_LEASE_SECONDS=2 $(BIN)/python -m stress --duration 60 --fault-interval 12
 
 lint: $(STAMP) ## ruff (lint and format check), mypy --strict, and buf lint on the protos
 	$(BIN)/ruff check .

@@ -76,10 +76,28 @@ class Sizes:
     big_pool: int
     offboard_blocks: int
     pgbench_scale: int
+    # Slots of the throughput instance and of each fleet instance (room for two requests per
+    # client is kept, whatever this says).
+    throughput_pool: int
 
 
-FULL = Sizes(small_pool=1_000, big_pool=1_000_000, offboard_blocks=100_000, pgbench_scale=10)
-QUICK = Sizes(small_pool=1_000, big_pool=20_000, offboard_blocks=1_920, pgbench_scale=1)
+FULL = Sizes(
+    small_pool=1_000,
+    big_pool=1_000_000,
+    offboard_blocks=100_000,
+    pgbench_scale=10,
+    throughput_pool=8_192,
+)
+QUICK = Sizes(
+    small_pool=1_000,
+    big_pool=20_000,
+    offboard_blocks=1_920,
+    pgbench_scale=1,
+    throughput_pool=1_024,
+)
+# The queue mix runs at least this long: on a loaded machine the smoke form must still see
+# requests admitted from the queue.
+QUEUE_MIN_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -371,7 +389,7 @@ class Suite:
 
     async def setup(self, gateway: Gateway, database_url: str) -> None:
         biggest = max(self.args.concurrency)
-        throughput_slots = max(8_192, 2 * biggest * Shape().blocks)
+        throughput_slots = max(self.sizes.throughput_pool, 2 * biggest * Shape().blocks)
         await load.register_instance(gateway, "tput", throughput_slots)
         await load.register_instance(gateway, "pool-small", self.sizes.small_pool)
         seconds = await load.register_instance(gateway, "pool-big", self.sizes.big_pool)
@@ -584,8 +602,7 @@ class Suite:
         that are waiting. With six each, weight 4 often had none queued when a slot freed, and
         got 31% instead of 50%."""
         clients = 48
-        # A queued pair takes seconds on a loaded machine: the smoke form must still see some.
-        seconds = max(self.args.seconds, 5.0)
+        seconds = max(self.args.seconds, QUEUE_MIN_SECONDS)
         say(f"queue mix: {clients} clients of 4 tenants, room for 10, {seconds:g} s")
         result = await load.closed_loop(
             gateway,

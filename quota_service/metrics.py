@@ -263,7 +263,15 @@ def _tenant_families(tenants: list[TenantHoldings]) -> Iterator[Metric]:
         for name, help_text in (
             ("gpu_blocks", "Distinct GPU blocks the tenant's reservations and pins hold."),
             ("pinned_blocks", "GPU blocks the tenant's pins hold resident (within gpu_blocks)."),
-            ("cpu_tier_bytes", "Bytes the tenant's offloaded sessions hold in the CPU tier."),
+            (
+                "cpu_tier_bytes",
+                "Bytes the tenant's offloaded sessions hold in the CPU tier, compressed or not "
+                "(what max_cpu_tier_bytes bounds).",
+            ),
+            (
+                "cpu_tier_compressed_bytes",
+                "Of cpu_tier_bytes, the bytes held compressed (the COMPRESS tier).",
+            ),
             ("tokens_in_flight", "Tokens (prompt + max output, times n) of its live requests."),
             ("queued_requests", "The tenant's requests waiting in instance queues."),
             ("live_reservations", "The tenant's admitted reservations."),
@@ -279,6 +287,7 @@ def _tenant_families(tenants: list[TenantHoldings]) -> Iterator[Metric]:
             ("gpu_blocks", t.gpu_blocks),
             ("pinned_blocks", t.pinned_blocks),
             ("cpu_tier_bytes", t.cpu_tier_bytes),
+            ("cpu_tier_compressed_bytes", t.compressed_bytes),
             ("tokens_in_flight", t.tokens_in_flight),
             ("queued_requests", t.queued_requests),
             ("live_reservations", t.live_reservations),

@@ -778,6 +778,96 @@ class ListBlocksResponse(_message.Message):
 Global___ListBlocksResponse: _TypeAlias = ListBlocksResponse  # noqa: Y015
 
 @_typing.final
+class CheckInstanceRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    MAX_DIFFERENCES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """instances/{instance}"""
+    max_differences: _builtins.int
+    """At most this many differences are listed: 1 to 1000; unset means 100."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        max_differences: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_differences", b"max_differences", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckInstanceRequest: _TypeAlias = CheckInstanceRequest  # noqa: Y015
+
+@_typing.final
+class CheckInstanceResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    DIFFERENCES_FIELD_NUMBER: _builtins.int
+    MORE_DIFFERENCES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """instances/{instance}"""
+    epoch: _builtins.int
+    """The epoch of the owner whose memory was compared."""
+    more_differences: _builtins.bool
+    """More differences than max_differences were found."""
+    @_builtins.property
+    def differences(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceDifference]:
+        """What differs, slot by slot, tenant by tenant and reservation by reservation; empty when
+        the owner's memory equals the record.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        differences: _abc.Iterable[Global___InstanceDifference] | None = ...,
+        more_differences: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["differences", b"differences", "epoch", b"epoch", "more_differences", b"more_differences", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckInstanceResponse: _TypeAlias = CheckInstanceResponse  # noqa: Y015
+
+@_typing.final
+class InstanceDifference(_message.Message):
+    """One thing an owner's memory and its record hold differently."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBJECT_FIELD_NUMBER: _builtins.int
+    MEMORY_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
+    subject: _builtins.str
+    """What differs: a slot, a tenant's holdings, a field of a reservation, a pin."""
+    memory: _builtins.str
+    """How it reads in the owner's memory."""
+    record: _builtins.str
+    """How it reads in the machine rebuilt from the record."""
+    def __init__(
+        self,
+        *,
+        subject: _builtins.str = ...,
+        memory: _builtins.str = ...,
+        record: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory", "record", b"record", "subject", b"subject"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceDifference: _TypeAlias = InstanceDifference  # noqa: Y015
+
+@_typing.final
 class CreateReclaimJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -131,6 +131,11 @@ class AdminServiceStub:
                 request_serializer=kvquota_dot_v1_dot_admin__pb2.ListBlocksRequest.SerializeToString,
                 response_deserializer=kvquota_dot_v1_dot_admin__pb2.ListBlocksResponse.FromString,
                 _registered_method=True)
+        self.CheckInstance = channel.unary_unary(
+                '/kvquota.v1.AdminService/CheckInstance',
+                request_serializer=kvquota_dot_v1_dot_admin__pb2.CheckInstanceRequest.SerializeToString,
+                response_deserializer=kvquota_dot_v1_dot_admin__pb2.CheckInstanceResponse.FromString,
+                _registered_method=True)
         self.CreateReclaimJob = channel.unary_unary(
                 '/kvquota.v1.AdminService/CreateReclaimJob',
                 request_serializer=kvquota_dot_v1_dot_admin__pb2.CreateReclaimJobRequest.SerializeToString,
@@ -298,6 +303,16 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckInstance(self, request, context):
+        """Compares the instance's state machine in this replica's memory with one rebuilt from the
+        record, as a new owner would rebuild it (without claiming the instance), and lists what
+        differs: nothing, when the owner's memory equals what the record derives. Only a replica
+        that serves the instance from memory can answer (INSTANCE_NOT_IN_MEMORY otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateReclaimJob(self, request, context):
         """Reclaim: plan (dry_run) or run a job that takes KV memory back tier by tier.
         """
@@ -447,6 +462,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ListBlocks,
                     request_deserializer=kvquota_dot_v1_dot_admin__pb2.ListBlocksRequest.FromString,
                     response_serializer=kvquota_dot_v1_dot_admin__pb2.ListBlocksResponse.SerializeToString,
+            ),
+            'CheckInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckInstance,
+                    request_deserializer=kvquota_dot_v1_dot_admin__pb2.CheckInstanceRequest.FromString,
+                    response_serializer=kvquota_dot_v1_dot_admin__pb2.CheckInstanceResponse.SerializeToString,
             ),
             'CreateReclaimJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateReclaimJob,
@@ -1003,6 +1023,33 @@ class AdminService:
             '/kvquota.v1.AdminService/ListBlocks',
             kvquota_dot_v1_dot_admin__pb2.ListBlocksRequest.SerializeToString,
             kvquota_dot_v1_dot_admin__pb2.ListBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvquota.v1.AdminService/CheckInstance',
+            kvquota_dot_v1_dot_admin__pb2.CheckInstanceRequest.SerializeToString,
+            kvquota_dot_v1_dot_admin__pb2.CheckInstanceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,12 @@ class AdminServiceStub:
     ListInstances: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListInstancesRequest, _admin_pb2.ListInstancesResponse]
     DrainInstance: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DrainInstanceRequest, _resources_pb2.Instance]
     ListBlocks: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListBlocksRequest, _admin_pb2.ListBlocksResponse]
+    CheckInstance: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CheckInstanceRequest, _admin_pb2.CheckInstanceResponse]
+    """Compares the instance's state machine in this replica's memory with one rebuilt from the
+    record, as a new owner would rebuild it (without claiming the instance), and lists what
+    differs: nothing, when the owner's memory equals what the record derives. Only a replica
+    that serves the instance from memory can answer (INSTANCE_NOT_IN_MEMORY otherwise).
+    """
     CreateReclaimJob: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CreateReclaimJobRequest, _resources_pb2.ReclaimJob]
     """Reclaim: plan (dry_run) or run a job that takes KV memory back tier by tier."""
     GetReclaimJob: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetReclaimJobRequest, _resources_pb2.ReclaimJob]
@@ -106,6 +112,12 @@ class AdminServiceAsyncStub(AdminServiceStub):
     ListInstances: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListInstancesRequest, _admin_pb2.ListInstancesResponse]  # type: ignore[assignment]
     DrainInstance: _aio.UnaryUnaryMultiCallable[_admin_pb2.DrainInstanceRequest, _resources_pb2.Instance]  # type: ignore[assignment]
     ListBlocks: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListBlocksRequest, _admin_pb2.ListBlocksResponse]  # type: ignore[assignment]
+    CheckInstance: _aio.UnaryUnaryMultiCallable[_admin_pb2.CheckInstanceRequest, _admin_pb2.CheckInstanceResponse]  # type: ignore[assignment]
+    """Compares the instance's state machine in this replica's memory with one rebuilt from the
+    record, as a new owner would rebuild it (without claiming the instance), and lists what
+    differs: nothing, when the owner's memory equals what the record derives. Only a replica
+    that serves the instance from memory can answer (INSTANCE_NOT_IN_MEMORY otherwise).
+    """
     CreateReclaimJob: _aio.UnaryUnaryMultiCallable[_admin_pb2.CreateReclaimJobRequest, _resources_pb2.ReclaimJob]  # type: ignore[assignment]
     """Reclaim: plan (dry_run) or run a job that takes KV memory back tier by tier."""
     GetReclaimJob: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetReclaimJobRequest, _resources_pb2.ReclaimJob]  # type: ignore[assignment]
@@ -262,6 +274,18 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.ListBlocksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ListBlocksResponse, _abc.Awaitable[_admin_pb2.ListBlocksResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CheckInstance(
+        self,
+        request: _admin_pb2.CheckInstanceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.CheckInstanceResponse, _abc.Awaitable[_admin_pb2.CheckInstanceResponse]]:
+        """Compares the instance's state machine in this replica's memory with one rebuilt from the
+        record, as a new owner would rebuild it (without claiming the instance), and lists what
+        differs: nothing, when the owner's memory equals what the record derives. Only a replica
+        that serves the instance from memory can answer (INSTANCE_NOT_IN_MEMORY otherwise).
+        """
 
     @_abc_1.abstractmethod
     def CreateReclaimJob(

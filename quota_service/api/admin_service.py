@@ -34,6 +34,9 @@ from quota_service.store.reclaim import ReclaimJobs
 Context = grpc.aio.ServicerContext[Any, Any]
 # Principals and method names are far shorter; a longer filter can match nothing.
 MAX_AUDIT_FILTER = 100
+# Differences CheckInstance lists unless asked otherwise, and at most.
+DEFAULT_DIFFERENCES = 100
+MAX_DIFFERENCES = 1000
 
 
 async def describe_engine(url: str) -> EngineDescription:
@@ -311,6 +314,29 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return pb.ListBlocksResponse(
             blocks=[convert.block(b) for b in found],
             next_page_token=pagination.next_token([str(b.block_id) for b in found], page.size),
+        )
+
+    async def CheckInstance(
+        self, request: pb.CheckInstanceRequest, context: Context
+    ) -> pb.CheckInstanceResponse:
+        instance, name_violation = names.parse_child(request.name, "instances", "name")
+        limit = request.max_differences or DEFAULT_DIFFERENCES
+        limit_violation = None
+        if not 1 <= limit <= MAX_DIFFERENCES:
+            limit_violation = FieldViolation(
+                "max_differences", f"must be 1 to {MAX_DIFFERENCES}, got {limit}"
+            )
+        refuse_invalid([name_violation, limit_violation])
+        assert instance is not None
+        epoch, found = await self._inspection.check_instance(instance)
+        return pb.CheckInstanceResponse(
+            name=names.instance_name(instance),
+            epoch=epoch,
+            differences=[
+                pb.InstanceDifference(subject=d.subject, memory=d.memory, record=d.record)
+                for d in found[:limit]
+            ],
+            more_differences=len(found) > limit,
         )
 
     async def CreateReclaimJob(

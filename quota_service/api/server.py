@@ -110,6 +110,11 @@ class RunningServer:
     def metrics_port(self) -> int | None:
         return None if self._metrics is None else self._metrics.server_port
 
+    @property
+    def owners(self) -> Owners | None:
+        """The instances this replica serves from memory (None: its hot path is the ledger)."""
+        return self._owners
+
     async def _hand_over(self) -> None:
         """The instances served here go to other replicas: calls still in flight, and those of
         a queued Admit woken later, are forwarded to their new owners."""

@@ -1,6 +1,7 @@
 """`kvquota check`: the invariants checked over a deployment's record, each by its number with
-its verdict (OK, VIOLATED, or NOT CHECKED and why) and the first rows that break it. Exits 1
-when one is violated, so a cron job or a CI step can run it."""
+its verdict (OK, VIOLATED, or NOT CHECKED and why) and the first rows that break it; with
+--server, also each instance's owner's memory against the record (invariant 8), asked of that
+replica. Exits 1 when one is violated, so a cron job or a CI step can run it."""
 
 from __future__ import annotations
 
@@ -9,11 +10,24 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
+import grpc
+
+from kvquota.v1 import admin_pb2, admin_pb2_grpc
+from quota_service.api.admin_service import MAX_DIFFERENCES
 from quota_service.cli.command import AddParser, add_json_option
-from quota_service.cli.connection import database_url
+from quota_service.cli.connection import add_server_options, channel, database_url, every_page
 from quota_service.cli.formatting import print_json, table_lines
 from quota_service.config import Settings
-from quota_service.core.invariants import DEFAULT_ROWS, InvariantReport, Offence, Verdict
+from quota_service.core.invariants import (
+    DEFAULT_ROWS,
+    InvariantReport,
+    Offence,
+    OwnerCheck,
+    Verdict,
+    with_owners,
+)
+from quota_service.core.machine_comparison import Difference
+from quota_service.core.names import instance_id
 
 INDENT = " " * 13
 
@@ -27,6 +41,12 @@ def add_parsers(add_parser: AddParser) -> None:
         type=int,
         default=DEFAULT_ROWS,
         help="offending rows shown per check (default: %(default)s)",
+    )
+    add_server_options(
+        check,
+        default=None,
+        help="also ask the replica at this gRPC address to compare each instance's memory "
+        "with the record",
     )
     add_json_option(check, "text")
     check.set_defaults(run=run_check)
@@ -48,11 +68,53 @@ def run_check(args: argparse.Namespace, settings: Settings) -> int:
             await engine.dispose()
 
     reports = asyncio.run(check())
+    if args.server:
+        try:
+            owners = ask_owners(args)
+        except grpc.RpcError as exc:
+            print(
+                f"kvquota check: {args.server}: {exc.code().name}: {exc.details()}", file=sys.stderr
+            )
+            return 2
+        reports = [with_owners(r, owners) if r.number == 8 else r for r in reports]
     if args.json:
         print_json([_report_json(r) for r in reports])
     else:
         print("\n".join(report_lines(reports)))
     return 1 if any(r.verdict is Verdict.VIOLATED for r in reports) else 0
+
+
+def ask_owners(args: argparse.Namespace) -> list[OwnerCheck]:
+    """Every instance's owner at --server, asked to compare its memory with the record. An
+    instance it does not hold in memory, or that stays too busy to compare, is not compared."""
+    with channel(args) as transport:
+        stub = admin_pb2_grpc.AdminServiceStub(transport)
+
+        def page(token: str) -> tuple[list[str], str]:
+            found = stub.ListInstances(admin_pb2.ListInstancesRequest(page_token=token))
+            return [i.name for i in found.instances], found.next_page_token
+
+        checks = []
+        for name in every_page(page):
+            instance = instance_id(name)
+            request = admin_pb2.CheckInstanceRequest(
+                name=name, max_differences=min(args.limit, MAX_DIFFERENCES)
+            )
+            try:
+                answer = stub.CheckInstance(request)
+            except grpc.RpcError as exc:
+                if exc.code() not in (
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.UNAVAILABLE,
+                ):
+                    raise
+                checks.append(OwnerCheck(instance, not_compared=exc.details()))
+                continue
+            differences = tuple(
+                Difference(d.subject, d.memory, d.record) for d in answer.differences
+            )
+            checks.append(OwnerCheck(instance, differences, answer.more_differences))
+        return checks
 
 
 def report_lines(reports: Sequence[InvariantReport]) -> list[str]:

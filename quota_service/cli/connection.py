@@ -26,8 +26,12 @@ def database_url(settings: Settings) -> str:
     return embedded.start(settings.data_dir)
 
 
-def add_server_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", default="127.0.0.1:50051", help="kvquota gRPC address")
+def add_server_options(
+    parser: argparse.ArgumentParser,
+    default: str | None = "127.0.0.1:50051",
+    help: str = "kvquota gRPC address",
+) -> None:
+    parser.add_argument("--server", default=default, help=help)
     parser.add_argument("--tls-ca", help="PEM of the CA the server's certificate is signed by")
     parser.add_argument("--tls-cert", help="this client's certificate (mutual TLS)")
     parser.add_argument("--tls-key", help="its private key")

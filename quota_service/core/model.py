@@ -325,8 +325,10 @@ class TenantHoldings:
     # Distinct GPU blocks its live reservations and pins reference (pinned ones included).
     gpu_blocks: int
     pinned_blocks: int
-    # Bytes its offloaded (suspended) sessions hold in the CPU tier.
+    # Bytes its offloaded (suspended) sessions hold in the CPU tier, compressed or not (what
+    # its CPU-tier quota counts), and of those the bytes held compressed.
     cpu_tier_bytes: int
+    compressed_bytes: int
     tokens_in_flight: int
     queued_requests: int
     live_reservations: int

@@ -6,8 +6,10 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.core.instance_machine import InstanceMachine
+from quota_service.core.machine_comparison import Difference
 from quota_service.core.model import Block, BlockState, InstanceUsage, ReservationState
 from quota_service.core.pagination import Page
+from quota_service.owner.owned_check import differences_from_record
 from quota_service.owner.owners import Owners
 from quota_service.store.inspection import Inspection
 
@@ -84,3 +86,6 @@ class OwnedInspection(Inspection):
             if one is not None:
                 found.append(one)
         return sorted(found, key=lambda u: u.instance)
+
+    async def check_instance(self, instance: str) -> tuple[int, list[Difference]]:
+        return await differences_from_record(self._owners, instance)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service.core.machine_comparison import Difference, not_in_memory
 from quota_service.core.model import (
     Block,
     BlockState,
@@ -80,16 +81,20 @@ _JOURNAL_TENANT_USAGE = text(
 )
 
 # Every tenant not yet deleted: its counters and quota, its live reservations and the bytes its
-# offloaded sessions hold in the CPU tier (one pass over the live reservations).
+# offloaded sessions hold in the CPU tier, compressed or not, as its CPU-tier quota counts them
+# (one pass over the live reservations).
 _TENANT_HOLDINGS = text(
     """
     SELECT t.tenant, t.blocks_in_use, t.pinned_blocks, coalesce(r.cpu_bytes, 0) AS cpu_bytes,
-           t.tokens_in_flight, t.queued_requests, coalesce(r.live, 0) AS live,
+           coalesce(r.compressed_bytes, 0) AS compressed_bytes, t.tokens_in_flight,
+           t.queued_requests, coalesce(r.live, 0) AS live,
            t.max_blocks, t.max_tokens_in_flight, t.max_queued_requests, t.max_pinned_blocks,
            t.max_cpu_tier_bytes
     FROM tenants t
     LEFT JOIN (
-        SELECT tenant, count(*) AS live, sum(offloaded_bytes)::bigint AS cpu_bytes
+        SELECT tenant, count(*) AS live,
+               sum(offloaded_bytes + coalesce(compressed_bytes, 0))::bigint AS cpu_bytes,
+               sum(compressed_bytes)::bigint AS compressed_bytes
         FROM reservations WHERE state = 'ADMITTED' GROUP BY tenant
     ) r USING (tenant)
     WHERE t.state <> 'DELETED'
@@ -161,6 +166,7 @@ class Inspection:
                     gpu_blocks=r["blocks_in_use"],
                     pinned_blocks=r["pinned_blocks"],
                     cpu_tier_bytes=r["cpu_bytes"],
+                    compressed_bytes=r["compressed_bytes"],
                     tokens_in_flight=r["tokens_in_flight"],
                     queued_requests=r["queued_requests"],
                     live_reservations=r["live"],
@@ -174,6 +180,11 @@ class Inspection:
                 )
                 for r in rows
             ]
+
+    async def check_instance(self, instance: str) -> tuple[int, list[Difference]]:
+        """The epoch of this replica's owner of the instance, and what its memory holds
+        differently from the record (invariant 8). The ledger holds no instance in memory."""
+        raise not_in_memory(instance, "its hot path is the ledger")
 
     async def purge_tombstones(self, retention_seconds: float, batch: int) -> int:
         """Forget tombstones older than the retention period; returns how many went."""

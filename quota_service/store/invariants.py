@@ -1,49 +1,113 @@
-"""The invariants (core/invariants.py numbers them) checked over the record: each invariant the
-record can show is one function of a few queries, each query selecting the rows that break it,
-so an empty result everywhere means the record is consistent. They read the per-block tables
-today; a view of the record can take their place one function at a time.
+"""The invariants (core/invariants.py numbers them) checked over the record, whichever hot path
+wrote it. An instance an owner serves from memory (it has a row in `instance_owners`) is
+recorded by the journal: reservation and pin rows with block arrays, pool checkpoints and
+deltas, read through the views of migration 0021. Every other instance is recorded by the
+per-block tables (blocks, block_refs, tenant_blocks). Each check reads both layouts into one
+shape: the live entries of every table and pin, the current generation of every slot that has
+one, counters beside what they count; counters are judged in core/invariants.py, and each
+other check is a query selecting the rows that break it, so an empty result everywhere means
+the record is consistent. A check that only one layout can fail (the per-block rows' stored
+reference counts, the journal's arrays) reads that layout alone.
 
 One read-only, repeatable-read transaction covers every check, so a check run under traffic
-compares rows of one moment."""
+compares rows of one moment; its queries go in one round trip."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
+import psycopg
 from sqlalchemy import TextClause, text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.core.invariants import (
     DEFAULT_ROWS,
     INVARIANTS,
     InvariantReport,
     Offence,
+    Tally,
     judged,
     not_checked,
+    offence,
+    pool_tally,
+    tally_offences,
 )
 
-SLOT_STATES = text("""
-    SELECT i.instance, i.capacity_blocks AS capacity, coalesce(b.total, 0) AS slots,
-           i.free_blocks || '/' || coalesce(b.free, 0) AS free,
-           i.cached_blocks || '/' || coalesce(b.cached, 0) AS cached,
-           i.blocks_in_use || '/' || coalesce(b.in_use, 0) AS in_use,
-           i.pinned_blocks || '/' || coalesce(b.pinned, 0) AS pinned
+# The instances the journal records; the per-block tables say nothing of them.
+_JOURNALED = "SELECT instance FROM instance_owners"
+
+# Every live entry of a block table or a pin, whichever layout records it. The per-block rows
+# name their holder by id; the journal's view, which holds admitted reservations' and active
+# pins' entries only, by name. (Entries of ended holders in the per-block rows are counted,
+# and found by their own check.)
+_LIVE_ENTRIES = f"""
+    SELECT r.instance, r.block_id, r.generation, r.tenant, r.pinned,
+           coalesce('tenants/' || v.tenant || '/reservations/' || v.request_id,
+                    p.owner || '/pins/' || p.pin_id, 'holder ' || r.holder_id) AS holder
+    FROM block_refs r
+    LEFT JOIN reservations v ON v.holder_id = r.holder_id
+    LEFT JOIN pins p ON p.holder_id = r.holder_id
+    WHERE NOT r.released AND r.instance NOT IN ({_JOURNALED})
+    UNION ALL
+    SELECT instance, block_id, generation, tenant, pinned, holder FROM journal_slot_references
+    WHERE instance IN ({_JOURNALED})
+"""
+
+# Each slot's current generation where the record keeps one: every slot's row in the per-block
+# layout, each slot holding contents in the journal's (a slot only referenced takes its
+# generation from the entries naming it, which must then agree).
+_CURRENT_GENERATIONS = f"""
+    SELECT instance, block_id, generation FROM blocks WHERE instance NOT IN ({_JOURNALED})
+    UNION ALL
+    SELECT instance, block_id, generation FROM journal_slot_contents
+    WHERE instance IN ({_JOURNALED})
+"""
+
+WITH_ENTRIES = f"WITH live_entries AS ({_LIVE_ENTRIES}) "
+
+JOURNALED_INSTANCES = text(f"SELECT count(*) FROM ({_JOURNALED}) AS journaled")
+
+# Each instance's counters (free, cached, in use, pinned only), then those states counted from
+# its slots.
+POOL_TALLIES = text(f"""
+    SELECT i.instance, i.capacity_blocks,
+           i.free_blocks, i.cached_blocks, i.blocks_in_use, i.pinned_blocks,
+           coalesce(c.free, 0), coalesce(c.cached, 0), coalesce(c.in_use, 0),
+           coalesce(c.pinned, 0)
     FROM instances i
     LEFT JOIN (
-        SELECT instance, count(*) AS total,
-               count(*) FILTER (WHERE state = 'FREE') AS free,
+        SELECT instance, count(*) FILTER (WHERE state = 'FREE') AS free,
                count(*) FILTER (WHERE state = 'CACHED') AS cached,
                count(*) FILTER (WHERE state = 'IN_USE') AS in_use,
                count(*) FILTER (WHERE state = 'PINNED') AS pinned
-        FROM blocks GROUP BY instance
-    ) b USING (instance)
-    WHERE coalesce(b.total, 0) <> i.capacity_blocks
-       OR coalesce(b.free, 0) <> i.free_blocks OR coalesce(b.cached, 0) <> i.cached_blocks
-       OR coalesce(b.in_use, 0) <> i.blocks_in_use OR coalesce(b.pinned, 0) <> i.pinned_blocks
-    ORDER BY i.instance LIMIT :limit
+        FROM blocks WHERE instance NOT IN ({_JOURNALED}) GROUP BY instance
+        UNION ALL
+        SELECT instance, free_blocks, cached_blocks, blocks_in_use, pinned_blocks
+        FROM journal_pool_counts WHERE instance IN ({_JOURNALED})
+    ) c USING (instance)
+    ORDER BY i.instance
 """)
 
-REFERENCE_COUNTS = text("""
+SLOTS_OUT_OF_RANGE = text(f"""
+    {WITH_ENTRIES}
+    SELECT * FROM (
+        SELECT e.instance, e.block_id, e.holder AS named_by FROM live_entries e
+        JOIN instances i USING (instance)
+        WHERE e.block_id NOT BETWEEN 0 AND i.capacity_blocks - 1
+        UNION ALL
+        SELECT c.instance, c.block_id, 'contents recorded' FROM journal_slot_contents c
+        JOIN instances i USING (instance)
+        WHERE c.block_id NOT BETWEEN 0 AND i.capacity_blocks - 1
+          AND c.instance IN ({_JOURNALED})
+    ) outside
+    ORDER BY instance, block_id LIMIT :limit
+""")
+
+REFERENCE_COUNTS = text(f"""
     SELECT b.instance, b.block_id, b.generation, b.ref_count, coalesce(r.entries, 0) AS entries,
            b.pin_count, coalesce(r.pins, 0) AS pin_entries
     FROM blocks b
@@ -52,110 +116,177 @@ REFERENCE_COUNTS = text("""
                count(*) FILTER (WHERE pinned) AS pins
         FROM block_refs WHERE NOT released GROUP BY instance, block_id, generation
     ) r ON r.instance = b.instance AND r.block_id = b.block_id AND r.generation = b.generation
-    WHERE b.ref_count <> coalesce(r.entries, 0) OR b.pin_count <> coalesce(r.pins, 0)
-       OR b.pin_count < 0 OR b.ref_count < b.pin_count
+    WHERE (b.ref_count <> coalesce(r.entries, 0) OR b.pin_count <> coalesce(r.pins, 0)
+           OR b.pin_count < 0 OR b.ref_count < b.pin_count)
+      AND b.instance NOT IN ({_JOURNALED})
     ORDER BY b.instance, b.block_id LIMIT :limit
 """)
 
-ENTRIES_OF_ENDED_HOLDERS = text("""
-    SELECT holder_id, position, instance, block_id FROM block_refs
-    WHERE NOT released AND holder_id NOT IN (
-        SELECT holder_id FROM reservations WHERE state = 'ADMITTED'
-        UNION ALL SELECT holder_id FROM pins WHERE state = 'ACTIVE'
-    )
-    ORDER BY holder_id, position LIMIT :limit
+# Per-block entries whose holder is not live, and the journal's rows that keep block arrays
+# without being live (ending a reservation or a pin clears them).
+ENTRIES_OF_ENDED_HOLDERS = text(f"""
+    SELECT * FROM (
+        SELECT coalesce('tenants/' || v.tenant || '/reservations/' || v.request_id,
+                        p.owner || '/pins/' || p.pin_id, 'holder ' || r.holder_id) AS holder,
+               r.instance, coalesce(v.state, p.state, 'unknown') AS state,
+               count(*) AS entries
+        FROM block_refs r
+        LEFT JOIN reservations v ON v.holder_id = r.holder_id
+        LEFT JOIN pins p ON p.holder_id = r.holder_id
+        WHERE NOT r.released AND r.instance NOT IN ({_JOURNALED})
+          AND coalesce(v.state, p.state, 'unknown') NOT IN ('ADMITTED', 'ACTIVE')
+        GROUP BY 1, 2, 3
+        UNION ALL
+        SELECT 'tenants/' || tenant || '/reservations/' || request_id, instance, state,
+               cardinality(block_ids) - coalesce(cardinality(released_positions), 0)
+        FROM reservations
+        WHERE block_ids IS NOT NULL AND state <> 'ADMITTED' AND instance IN ({_JOURNALED})
+        UNION ALL
+        SELECT owner || '/pins/' || pin_id, instance, state, cardinality(block_ids) FROM pins
+        WHERE block_ids IS NOT NULL AND state <> 'ACTIVE' AND instance IN ({_JOURNALED})
+    ) ended
+    ORDER BY holder LIMIT :limit
 """)
 
 OFFLOADED_WITH_BLOCKS = text("""
     SELECT r.tenant, r.request_id, r.state FROM reservations r
     WHERE r.offloaded_bytes IS NOT NULL AND (
         (r.state = 'ADMITTED' AND r.suspended_at IS NULL)
+        OR r.block_ids IS NOT NULL
         OR EXISTS (SELECT 1 FROM block_refs b WHERE b.holder_id = r.holder_id AND NOT b.released))
     ORDER BY r.tenant, r.request_id LIMIT :limit
 """)
 
-TENANT_COUNTERS = text("""
-    SELECT t.tenant,
-           t.blocks_in_use || '/' || coalesce(tb.blocks, 0) || '/' || coalesce(r.blocks, 0)
-               AS blocks,
-           t.pinned_blocks || '/' || coalesce(tb.pinned, 0) AS pinned,
-           t.tokens_in_flight || '/' || coalesce(v.tokens, 0) AS tokens_in_flight
+SLOTS_TWICE_IN_A_TABLE = text(f"""
+    {WITH_ENTRIES}
+    SELECT holder, instance, block_id, count(*) AS entries FROM live_entries
+    GROUP BY holder, instance, block_id HAVING count(*) > 1
+    ORDER BY holder, block_id LIMIT :limit
+""")
+
+# A journal row's arrays: a generation per slot, released positions inside the table, once.
+MALFORMED_TABLES = text(f"""
+    SELECT * FROM (
+        SELECT 'tenants/' || tenant || '/reservations/' || request_id AS holder,
+               cardinality(block_ids) AS slots, cardinality(block_generations) AS generations,
+               released_positions::text AS released
+        FROM reservations
+        WHERE block_ids IS NOT NULL AND instance IN ({_JOURNALED}) AND (
+            cardinality(block_ids) IS DISTINCT FROM cardinality(block_generations)
+            OR EXISTS (SELECT 1 FROM unnest(released_positions) AS x(p)
+                       WHERE p NOT BETWEEN 0 AND cardinality(block_ids) - 1)
+            OR coalesce(cardinality(released_positions), 0)
+               <> (SELECT count(DISTINCT p) FROM unnest(released_positions) AS x(p)))
+        UNION ALL
+        SELECT owner || '/pins/' || pin_id, cardinality(block_ids), cardinality(block_generations),
+               NULL
+        FROM pins
+        WHERE block_ids IS NOT NULL AND instance IN ({_JOURNALED})
+          AND cardinality(block_ids) IS DISTINCT FROM cardinality(block_generations)
+    ) malformed
+    ORDER BY holder LIMIT :limit
+""")
+
+# Each tenant's fleet-wide counters (blocks, pinned blocks, tokens in flight, queued requests),
+# then each counted from the record: blocks as distinct slots per instance, summed.
+TENANT_TALLIES = text(f"""
+    {WITH_ENTRIES}
+    SELECT t.tenant, t.blocks_in_use, t.pinned_blocks, t.tokens_in_flight, t.queued_requests,
+           coalesce(h.blocks, 0), coalesce(h.pinned, 0), coalesce(v.tokens, 0),
+           coalesce(q.queued, 0)
     FROM tenants t
-    LEFT JOIN (SELECT tenant, count(*) AS blocks, count(*) FILTER (WHERE pin_refs > 0) AS pinned
-               FROM tenant_blocks GROUP BY tenant) tb USING (tenant)
-    LEFT JOIN (SELECT tenant, count(DISTINCT (instance, block_id)) AS blocks
-               FROM block_refs WHERE NOT released AND tenant IS NOT NULL
-               GROUP BY tenant) r USING (tenant)
+    LEFT JOIN (
+        SELECT tenant, sum(blocks) AS blocks, sum(pinned) AS pinned FROM (
+            SELECT tenant, instance, count(DISTINCT block_id) AS blocks,
+                   count(DISTINCT block_id) FILTER (WHERE pinned) AS pinned
+            FROM live_entries WHERE tenant IS NOT NULL GROUP BY tenant, instance
+        ) per_instance GROUP BY tenant
+    ) h USING (tenant)
     LEFT JOIN (SELECT tenant, sum(reserved_tokens) AS tokens FROM reservations
                WHERE state = 'ADMITTED' AND offloaded_bytes IS NULL
                GROUP BY tenant) v USING (tenant)
-    WHERE t.blocks_in_use <> coalesce(tb.blocks, 0) OR t.blocks_in_use <> coalesce(r.blocks, 0)
-       OR t.pinned_blocks <> coalesce(tb.pinned, 0)
-       OR t.tokens_in_flight <> coalesce(v.tokens, 0)
-    ORDER BY t.tenant LIMIT :limit
+    LEFT JOIN (SELECT tenant, count(*) AS queued FROM reservations WHERE state = 'QUEUED'
+               GROUP BY tenant) q USING (tenant)
+    ORDER BY t.tenant
 """)
 
-TENANT_BLOCK_REFERENCES = text("""
-    SELECT tb.tenant, tb.instance, tb.block_id, tb.refs, coalesce(r.refs, 0) AS entries,
-           tb.pin_refs, coalesce(r.pins, 0) AS pin_entries
-    FROM tenant_blocks tb
-    LEFT JOIN (SELECT tenant, instance, block_id, generation, count(*) AS refs,
+# The per-block layout's own row per tenant and block against the entries naming it.
+TENANT_BLOCK_REFERENCES = text(f"""
+    SELECT coalesce(tb.tenant, r.tenant) AS tenant, coalesce(tb.instance, r.instance) AS instance,
+           coalesce(tb.block_id, r.block_id) AS block_id, coalesce(tb.refs, 0) AS refs,
+           coalesce(r.refs, 0) AS entries, coalesce(tb.pin_refs, 0) AS pin_refs,
+           coalesce(r.pins, 0) AS pin_entries
+    FROM (SELECT * FROM tenant_blocks WHERE instance NOT IN ({_JOURNALED})) tb
+    FULL JOIN (SELECT tenant, instance, block_id, generation, count(*) AS refs,
                       count(*) FILTER (WHERE pinned) AS pins
-               FROM block_refs WHERE NOT released AND tenant IS NOT NULL
+               FROM block_refs
+               WHERE NOT released AND tenant IS NOT NULL AND instance NOT IN ({_JOURNALED})
                GROUP BY tenant, instance, block_id, generation) r
       ON r.tenant = tb.tenant AND r.instance = tb.instance AND r.block_id = tb.block_id
      AND r.generation = tb.generation
-    WHERE tb.refs <> coalesce(r.refs, 0) OR tb.pin_refs <> coalesce(r.pins, 0)
-    ORDER BY tb.tenant, tb.instance, tb.block_id LIMIT :limit
+    WHERE tb.refs IS DISTINCT FROM r.refs OR coalesce(tb.pin_refs, 0) <> coalesce(r.pins, 0)
+    ORDER BY 1, 2, 3 LIMIT :limit
 """)
 
-QUEUE_COUNTERS = text("""
-    SELECT * FROM (
-        SELECT 'instances/' || i.instance AS name,
-               i.queued_requests || '/' || coalesce(q.n, 0) AS queued,
-               i.queued_prompt_tokens || '/' || coalesce(q.tokens, 0) AS prompt_tokens
-        FROM instances i
-        LEFT JOIN (SELECT instance, count(*) AS n, sum(prompt_tokens) AS tokens
-                   FROM reservations WHERE state = 'QUEUED' GROUP BY instance) q USING (instance)
-        WHERE i.queued_requests <> coalesce(q.n, 0)
-           OR i.queued_prompt_tokens <> coalesce(q.tokens, 0)
-        UNION ALL
-        SELECT 'tenants/' || t.tenant, t.queued_requests || '/' || coalesce(q.n, 0), '-'
-        FROM tenants t
-        LEFT JOIN (SELECT tenant, count(*) AS n FROM reservations WHERE state = 'QUEUED'
-                   GROUP BY tenant) q USING (tenant)
-        WHERE t.queued_requests <> coalesce(q.n, 0)
-    ) counters
-    ORDER BY name LIMIT :limit
+# Each instance's queue counters (requests, prompt tokens), then those of its queued
+# reservations.
+QUEUE_TALLIES = text("""
+    SELECT i.instance, i.queued_requests, i.queued_prompt_tokens,
+           coalesce(q.n, 0), coalesce(q.tokens, 0)
+    FROM instances i
+    LEFT JOIN (SELECT instance, count(*) AS n, sum(prompt_tokens) AS tokens
+               FROM reservations WHERE state = 'QUEUED' GROUP BY instance) q USING (instance)
+    ORDER BY i.instance
 """)
 
-STALE_ENTRIES = text("""
-    SELECT r.holder_id, r.position, r.instance, r.block_id, r.generation,
-           b.generation AS current_generation, s.reason AS tombstone
-    FROM block_refs r
-    JOIN blocks b ON b.instance = r.instance AND b.block_id = r.block_id
-    LEFT JOIN tombstones s ON s.instance = r.instance AND s.block_id = r.block_id
-     AND s.generation = r.generation
-    WHERE NOT r.released AND (r.generation <> b.generation OR s.block_id IS NOT NULL)
-    ORDER BY r.holder_id, r.position LIMIT :limit
+STALE_ENTRIES = text(f"""
+    {WITH_ENTRIES}, current_generations AS ({_CURRENT_GENERATIONS})
+    SELECT e.holder, e.instance, e.block_id, e.generation, g.generation AS current_generation,
+           s.reason AS tombstone
+    FROM live_entries e
+    LEFT JOIN current_generations g ON g.instance = e.instance AND g.block_id = e.block_id
+    LEFT JOIN tombstones s ON s.instance = e.instance AND s.block_id = e.block_id
+     AND s.generation = e.generation
+    WHERE e.generation IS DISTINCT FROM coalesce(g.generation, e.generation)
+       OR s.block_id IS NOT NULL
+    ORDER BY e.holder, e.block_id LIMIT :limit
 """)
 
-FREED_WITH_SCOPE = text("""
-    SELECT instance, block_id, generation, hash_scope FROM blocks
-    WHERE ref_count = 0 AND content_hash IS NULL AND hash_scope IS NOT NULL
+SLOTS_AT_TWO_GENERATIONS = text(f"""
+    {WITH_ENTRIES}
+    SELECT instance, block_id, array_agg(DISTINCT generation)::text AS generations
+    FROM live_entries GROUP BY instance, block_id HAVING count(DISTINCT generation) > 1
     ORDER BY instance, block_id LIMIT :limit
 """)
 
-TOMBSTONED_CURRENT_HANDLES = text("""
-    SELECT b.instance, b.block_id, b.generation, s.reason FROM blocks b
-    JOIN tombstones s ON s.instance = b.instance AND s.block_id = b.block_id
-     AND s.generation = b.generation
-    ORDER BY b.instance, b.block_id LIMIT :limit
+FREED_WITH_SCOPE = text(f"""
+    SELECT instance, block_id, generation, hash_scope FROM blocks
+    WHERE ref_count = 0 AND content_hash IS NULL AND hash_scope IS NOT NULL
+      AND instance NOT IN ({_JOURNALED})
+    ORDER BY instance, block_id LIMIT :limit
 """)
 
-COPIES_WITHOUT_CONTENTS = text("""
+# The journal's contents: a whole digest, under a scope its checkpoint or delta names.
+CONTENTS_WITHOUT_SCOPE = text(f"""
+    SELECT instance, block_id, generation, octet_length(content_hash) AS hash_bytes, hash_scope
+    FROM journal_slot_contents
+    WHERE (hash_scope IS NULL OR octet_length(content_hash) <> 32)
+      AND instance IN ({_JOURNALED})
+    ORDER BY instance, block_id LIMIT :limit
+""")
+
+TOMBSTONED_CURRENT_HANDLES = text(f"""
+    WITH current_generations AS ({_CURRENT_GENERATIONS})
+    SELECT g.instance, g.block_id, g.generation, s.reason FROM current_generations g
+    JOIN tombstones s ON s.instance = g.instance AND s.block_id = g.block_id
+     AND s.generation = g.generation
+    ORDER BY g.instance, g.block_id LIMIT :limit
+""")
+
+COPIES_WITHOUT_CONTENTS = text(f"""
     SELECT instance, block_id, generation, engine_copies FROM blocks
     WHERE content_hash IS NULL AND (engine_copies <> 0 OR engine_confirmed_at IS NOT NULL)
+      AND instance NOT IN ({_JOURNALED})
     ORDER BY instance, block_id LIMIT :limit
 """)
 
@@ -169,13 +300,14 @@ SHARED_SALTS = text("""
     ORDER BY 1 LIMIT :limit
 """)
 
-PINS_MISSING_BLOCKS = text("""
-    SELECT p.owner, p.pin_id, p.instance, p.pinned_blocks, count(r.position) AS entries
+PINS_MISSING_BLOCKS = text(f"""
+    {WITH_ENTRIES}
+    SELECT p.owner, p.pin_id, p.instance, p.pinned_blocks, count(e.block_id) AS entries
     FROM pins p
-    LEFT JOIN block_refs r ON r.holder_id = p.holder_id AND NOT r.released
+    LEFT JOIN live_entries e ON e.holder = p.owner || '/pins/' || p.pin_id
     WHERE p.state = 'ACTIVE'
-    GROUP BY p.holder_id, p.owner, p.pin_id, p.instance, p.pinned_blocks
-    HAVING count(r.position) <> p.pinned_blocks
+    GROUP BY p.owner, p.pin_id, p.instance, p.pinned_blocks
+    HAVING count(e.block_id) <> p.pinned_blocks
     ORDER BY p.owner, p.pin_id LIMIT :limit
 """)
 
@@ -188,124 +320,230 @@ NEITHER_LIVE_NOR_ENDED = text("""
     ORDER BY tenant, request_id LIMIT :limit
 """)
 
+# Every journal write moves its owner's batch counter under the owner's epoch first, and
+# records its deltas and checkpoints at that batch: a later one was written unfenced.
+UNFENCED_BATCHES = text("""
+    SELECT o.instance, o.epoch, o.batch AS owner_batch, w.written, w.batch FROM instance_owners o
+    JOIN (SELECT instance, 'delta' AS written, batch FROM pool_deltas
+          UNION ALL SELECT instance, 'checkpoint', batch FROM pool_checkpoints) w USING (instance)
+    WHERE w.batch > o.batch OR o.epoch < 1
+    ORDER BY o.instance, w.batch LIMIT :limit
+""")
 
-async def _offences(
-    conn: AsyncConnection, limit: int, checks: dict[str, TextClause]
+
+Judge = Callable[[Sequence[str], Sequence[tuple[Any, ...]], int], list[Offence]]
+
+
+@dataclass(frozen=True)
+class RecordQuery:
+    """A query over the record, and how its rows are judged (the offences they show, the
+    first `limit` of each check's)."""
+
+    query: TextClause
+    judge: Judge
+
+
+def breaking(check: str, query: TextClause) -> RecordQuery:
+    """A query that selects the rows breaking `check` (one more than shown, to say that there
+    are more)."""
+    return RecordQuery(query, partial(offence, check))
+
+
+TallyOf = Callable[[Any, tuple[Any, ...], tuple[Any, ...]], Tally]
+
+
+def counters(
+    check: str,
+    key: str,
+    fields: Sequence[str],
+    query: TextClause,
+    tally: TallyOf = Tally,
+    recorded: int | None = None,
+) -> RecordQuery:
+    """A query of a key, then the `recorded` counters (as many as `fields` unless said), then
+    the same counted."""
+    width = len(fields) if recorded is None else recorded
+    return RecordQuery(query, partial(_counters, check, key, fields, tally, width))
+
+
+def _counters(
+    check: str,
+    key: str,
+    fields: Sequence[str],
+    tally: TallyOf,
+    width: int,
+    columns: Sequence[str],
+    rows: Sequence[tuple[Any, ...]],
+    limit: int,
 ) -> list[Offence]:
-    """The checks that found rows: one more row than shown is read, to say that there are more."""
-    found = []
-    for check, query in checks.items():
-        result = await conn.execute(query, {"limit": limit + 1})
-        rows = [tuple(row) for row in result.all()]
-        if rows:
-            columns = tuple(result.keys())
-            found.append(Offence(check, columns, tuple(rows[:limit]), len(rows) > limit))
-    return found
+    tallies = [tally(row[0], row[1 : 1 + width], row[1 + width :]) for row in rows]
+    return tally_offences(check, key, fields, tallies, limit)
 
 
-async def slot_states(conn: AsyncConnection, limit: int) -> list[Offence]:
-    checks = {
-        "an instance's counters (recorded/counted) match its slots, one per block": SLOT_STATES
-    }
-    return await _offences(conn, limit, checks)
+def _pool(instance: str, recorded: tuple[Any, ...], counted: tuple[Any, ...]) -> Tally:
+    """POOL_TALLIES leads the recorded counters with the capacity."""
+    capacity, *states = recorded
+    return pool_tally(instance, capacity, states, counted)
 
 
-async def reference_counts(conn: AsyncConnection, limit: int) -> list[Offence]:
-    checks = {
-        "a block's references and pins = the live entries naming its current handle": (
-            REFERENCE_COUNTS
-        ),
-        "only admitted reservations and active pins hold entries": ENTRIES_OF_ENDED_HOLDERS,
-        "a session offloaded to the CPU tier is suspended and holds no entries": (
-            OFFLOADED_WITH_BLOCKS
-        ),
-    }
-    return await _offences(conn, limit, checks)
-
-
-async def tenant_holdings(conn: AsyncConnection, limit: int) -> list[Offence]:
-    checks = {
-        "a tenant's blocks (recorded/held/referenced), pins and tokens in flight match": (
-            TENANT_COUNTERS
-        ),
-        "a tenant's references to a block = its live entries naming it": TENANT_BLOCK_REFERENCES,
-        "queued requests (recorded/counted) = the queued reservations": QUEUE_COUNTERS,
-    }
-    return await _offences(conn, limit, checks)
-
-
-async def handles(conn: AsyncConnection, limit: int) -> list[Offence]:
-    checks = {
-        "no live entry names a tombstoned or outdated handle": STALE_ENTRIES,
-        "a freed block keeps no contents a prefix lookup could return": FREED_WITH_SCOPE,
-        "a block's current handle is never tombstoned": TOMBSTONED_CURRENT_HANDLES,
-        "a block without contents holds no copy the engine reported": COPIES_WITHOUT_CONTENTS,
-        "no two tenants or namespaces share a cache salt": SHARED_SALTS,
-    }
-    return await _offences(conn, limit, checks)
-
-
-async def pinned_blocks(conn: AsyncConnection, limit: int) -> list[Offence]:
-    checks = {"an active pin holds every block of its prefix": PINS_MISSING_BLOCKS}
-    return await _offences(conn, limit, checks)
-
-
-async def live_or_ended(conn: AsyncConnection, limit: int) -> list[Offence]:
-    checks = {
-        "a reservation is queued, admitted with a lease, or ended with a time and a reason": (
-            NEITHER_LIVE_NOR_ENDED
-        )
-    }
-    return await _offences(conn, limit, checks)
-
-
-RecordCheck = Callable[[AsyncConnection, int], Awaitable[list[Offence]]]
-
-# Each invariant the record shows: what of it the checks cover, and the check.
-CHECKED: dict[int, tuple[str, RecordCheck]] = {
-    1: ("each instance's counters against its slot rows", slot_states),
+# Each invariant the record shows: what of it the checks cover, and the checks.
+CHECKED: dict[int, tuple[str, list[RecordQuery]]] = {
+    1: (
+        "each instance's counters against its slots (its rows, or the journal's views)",
+        [
+            counters(
+                "an instance's counters (recorded/counted) match its slots, and add up to its "
+                "capacity",
+                "instance",
+                ("slots", "free", "cached", "in_use", "pinned"),
+                POOL_TALLIES,
+                _pool,
+                recorded=5,
+            ),
+            breaking("every slot named or recorded is one of the instance's", SLOTS_OUT_OF_RANGE),
+        ],
+    ),
     2: (
         "every slot's counts against the live entries and pins naming it; entries of live "
-        "holders only",
-        reference_counts,
+        "holders only, each slot once per table",
+        [
+            breaking(
+                "a block's references and pins = the live entries naming its current handle",
+                REFERENCE_COUNTS,
+            ),
+            breaking(
+                "only admitted reservations and active pins hold entries", ENTRIES_OF_ENDED_HOLDERS
+            ),
+            breaking(
+                "a session offloaded to the CPU tier is suspended and holds no entries",
+                OFFLOADED_WITH_BLOCKS,
+            ),
+            breaking("no table or pin names a slot twice", SLOTS_TWICE_IN_A_TABLE),
+            breaking(
+                "a table's arrays: a generation per slot, released positions within it, once",
+                MALFORMED_TABLES,
+            ),
+        ],
     ),
     3: (
-        "each tenant's counters against its live entries, reservations and queue (within "
-        "quota at admission: the admission tests)",
-        tenant_holdings,
+        "each tenant's counters against its live entries, reservations and queue, summed over "
+        "instances (within quota at admission: the admission tests)",
+        [
+            counters(
+                "a tenant's counters (recorded/counted) match its live entries, reservations "
+                "and queue",
+                "tenant",
+                ("blocks", "pinned", "tokens_in_flight", "queued"),
+                TENANT_TALLIES,
+            ),
+            breaking(
+                "a tenant's references to a block = its live entries naming it",
+                TENANT_BLOCK_REFERENCES,
+            ),
+            counters(
+                "an instance's queue counters (recorded/counted) = its queued reservations",
+                "instance",
+                ("queued", "prompt_tokens"),
+                QUEUE_TALLIES,
+            ),
+        ],
     ),
     4: (
-        "live entries against current handles and tombstones, freed slots, salts (the hashes "
-        "themselves: the hashing tests)",
-        handles,
+        "live entries against current generations and tombstones, recorded contents, salts "
+        "(the hashes themselves: the hashing tests)",
+        [
+            breaking("no live entry names a tombstoned or outdated handle", STALE_ENTRIES),
+            breaking("live entries name a slot at one generation", SLOTS_AT_TWO_GENERATIONS),
+            breaking(
+                "a freed block keeps no contents a prefix lookup could return", FREED_WITH_SCOPE
+            ),
+            breaking(
+                "recorded contents are a whole hash under a known scope", CONTENTS_WITHOUT_SCOPE
+            ),
+            breaking("a block's current handle is never tombstoned", TOMBSTONED_CURRENT_HANDLES),
+            breaking(
+                "a block without contents holds no copy the engine reported",
+                COPIES_WITHOUT_CONTENTS,
+            ),
+            breaking("no two tenants or namespaces share a cache salt", SHARED_SALTS),
+        ],
     ),
     6: (
         "each active pin holds its whole prefix (what a reclaim plan counts: the planner's tests)",
-        pinned_blocks,
+        [breaking("an active pin holds every block of its prefix", PINS_MISSING_BLOCKS)],
     ),
     7: (
         "the record's half; the crash half is `make stress`'s, which checks after every fault",
-        live_or_ended,
+        [
+            breaking(
+                "a reservation is queued, admitted with a lease, or ended with a time and a reason",
+                NEITHER_LIVE_NOR_ENDED,
+            )
+        ],
+    ),
+    8: (
+        "the record's half: every journal batch fenced by its owner's epoch (each owner's "
+        "memory: `kvquota check --server`)",
+        [breaking("the journal holds no batch past its owner's counter", UNFENCED_BATCHES)],
     ),
 }
 
 NOT_CHECKED = {
     5: "a property of repeated calls, not of a record: the ledger's and the model's tests "
     "repeat them",
-    8: "instances are served from the record itself: there is no owner's memory or epoch to "
-    "compare yet",
 }
+# Invariant 8 when no instance is served from memory.
+NO_OWNERS = "no instance is served from memory: the record has no owner's epoch to check"
+
+Rows = tuple[tuple[str, ...], list[tuple[Any, ...]]]
+
+
+async def _read(engine: AsyncEngine, queries: Sequence[TextClause], limit: int) -> list[Rows]:
+    """Each query's columns and rows, read in one round trip (the checks run after every step
+    of the model tests) and one read-only, repeatable-read transaction. The queries go in the
+    driver's pipeline as prepared statements, which the pooled connection keeps: a check run
+    again plans nothing."""
+    async with engine.connect() as conn:
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        driver = (await conn.get_raw_connection()).driver_connection
+        assert driver is not None
+        params = {"limit": limit + 1}
+        cursors = []
+        try:
+            async with driver.pipeline():
+                await driver.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                for query in queries:
+                    cursor = driver.cursor()
+                    sql = str(query.compile(dialect=conn.dialect))
+                    await cursor.execute(sql, params, prepare=True)
+                    cursors.append(cursor)
+                await driver.execute("COMMIT")
+            found: list[Rows] = []
+            for cursor in cursors:
+                columns = tuple(c.name for c in cursor.description)
+                found.append((columns, await cursor.fetchall()))
+                await cursor.close()
+        except psycopg.Error as exc:
+            # As every other read of the store fails: callers handle SQLAlchemy's errors.
+            raise DBAPIError.instance(None, None, exc, psycopg.Error) from exc
+        return found
 
 
 async def check_record(engine: AsyncEngine, limit: int = DEFAULT_ROWS) -> list[InvariantReport]:
     """Every invariant in order: judged from the record, or not checked and why."""
+    checks = [q for _, queries in CHECKED.values() for q in queries]
+    (_, [(journaled,)]), *results = await _read(
+        engine, [JOURNALED_INSTANCES, *(q.query for q in checks)], limit
+    )
+    offences: dict[int, list[Offence]] = {}
+    for number, (_, queries) in CHECKED.items():
+        offences[number] = [o for q in queries for o in q.judge(*results.pop(0), limit)]
     reports = []
-    async with engine.connect() as conn:
-        await conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
-        for number in INVARIANTS:
-            if number in NOT_CHECKED:
-                reports.append(not_checked(number, NOT_CHECKED[number]))
-            else:
-                scope, check = CHECKED[number]
-                reports.append(judged(number, scope, await check(conn, limit)))
+    for number in INVARIANTS:
+        if number in NOT_CHECKED:
+            reports.append(not_checked(number, NOT_CHECKED[number]))
+        elif number == 8 and not journaled:
+            reports.append(not_checked(number, NO_OWNERS))
+        else:
+            reports.append(judged(number, CHECKED[number][0], offences[number]))
     return reports

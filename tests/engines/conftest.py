@@ -139,7 +139,7 @@ def start_vllm(
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            process.kill()
+            stop_vllm(process, signal.SIGKILL)  # its engine core too, not only the API server
             pytest.fail(f"vLLM did not start within {STARTUP_SECONDS}s; see {log_path}")
         time.sleep(1)
 
@@ -392,8 +392,9 @@ def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
 
 
 class ChunkWriter:
-    """Stores token sequences into the MP server as vLLM's worker would (scripts/lmcache_writer.py
-    in LMCache's Python, one process for the session)."""
+    """Stores token sequences into the MP server as vLLM's worker would, and retrieves them as
+    LMCache's vLLM connector would (scripts/lmcache_writer.py in LMCache's Python, one process
+    for the session)."""
 
     def __init__(self, lmcache: Lmcache) -> None:
         self.process = subprocess.Popen(
@@ -427,6 +428,17 @@ class ChunkWriter:
         answer = json.loads(self._answer())
         assert answer["stored"], answer
         return int(answer["chunks"])
+
+    def retrieve(self, salt: str, token_ids: Sequence[int]) -> dict[str, object]:
+        """Look the tokens up and retrieve what is found, as LMCache's vLLM connector serves a
+        request's prefix: {"hit_tokens", "retrieved", "exact", "fp8_round_trip"} (see the
+        script)."""
+        assert self.process.stdin is not None
+        asked = {"salt": salt, "token_ids": list(token_ids), "retrieve": True}
+        self.process.stdin.write(json.dumps(asked) + "\n")
+        self.process.stdin.flush()
+        answer: dict[str, object] = json.loads(self._answer())
+        return answer
 
     def close(self) -> None:
         assert self.process.stdin is not None and self.process.stdout is not None

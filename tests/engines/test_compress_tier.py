@@ -1,13 +1,20 @@
 """The COMPRESS tier against a real LMCache coordinator and MP server whose L2 adapter stores
 chunks through an fp8 serde (half of float16's bytes): a suspended session is offloaded, then
 compressed by a reclaim job (its CPU-tier bytes drop by the measured ratio, in the ledger, in
-usage and in what `kvquota top` shows), then resumed (prefetched back into L1 at full size);
-pinned chunks are never compressed; a compress step killed mid-way is applied once."""
+usage and in what `kvquota top` shows), then resumed (prefetched back into L1 at full size,
+its next turn retrieving the whole prefix as LMCache's vLLM connector does);
+pinned chunks are never compressed; a kvquota server killed in the middle of a compress step
+leaves it to the next one, which applies it once; a session resumed between its demotion and
+its booking is never booked compressed."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import contextlib
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -28,11 +35,14 @@ from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger
 from quota_service.store.pins import Pins
-from quota_service.store.reclaim import ReclaimJobs
+from quota_service.store.reclaim import NOT_OFFLOADED_ANY_MORE, ReclaimJobs
 from quota_service.store.usage import UsageBook, UsageRollup
 from tests.engines.conftest import ChunkWriter, Lmcache, lmcache_at
+from tests.engines.lmcache_proxy import LmcacheProxy
 from tests.engines.test_lmcache_contract import CHUNK, GIB, register, salt_of, until
 from tests.engines.test_lmcache_contract import endpoint as lmcache_endpoint
+from tests.integration.invariants import assert_invariants
+from tests.integration.test_replicas import start_replica
 
 L1_CHUNK_BYTES = 16 << 10  # the writer's chunk in float16
 BLOCK_BYTES = 16384  # the registered instance's bytes per block (16 tokens)
@@ -75,6 +85,14 @@ async def pinned_chunks(lmcache: Lmcache, salt: str) -> int:
 
 
 FULL, COMPRESSED = {"l1": L1_CHUNK_BYTES}, {"l2": L1_CHUNK_BYTES // 2}
+# What a two-chunk session's next turn gets back from LMCache once it went through fp8: every
+# token of both chunks (the turn's own tokens are not cached), and the KV the writer stored,
+# cast to fp8 and back.
+FROM_FP8 = {"hit_tokens": 2 * CHUNK, "retrieved": True, "exact": False, "fp8_round_trip": True}
+
+
+def next_turn(session: list[int]) -> list[int]:
+    return session + list(range(7, 7 + 40))
 
 
 async def offloaded_session(
@@ -193,6 +211,9 @@ async def test_a_session_is_offloaded_compressed_and_resumed(
             None,
         )
         assert (await compressed_events(engine, "talker"))[-1] == (0, -(offloaded // 2))
+        # Its next turn finds the session's prefix in the CPU tier, as LMCache's vLLM
+        # connector asks for it: both chunks, retrieved decompressed from their fp8 form.
+        assert fp8_writer.retrieve(salt, next_turn(tokens)) == FROM_FP8
     finally:
         await termination.close()
         await tier.close()
@@ -235,39 +256,63 @@ async def test_pinned_chunks_are_never_compressed(
         await tier.close()
 
 
-class KilledAfterDemotion(CpuTierMirror):
-    """The executor's CPU tier, stopping for good right after LMCache demoted the session:
-    the task that runs the step is cancelled there, before the ledger heard of it."""
-
-    def __init__(self, books: CpuTierBooks, demoted: asyncio.Event) -> None:
-        super().__init__(books)
-        self._demoted = demoted
-
-    async def demote_session(self, tenant: str, request_id: str) -> DeleteResult | None:
-        result = await super().demote_session(tenant, request_id)
-        self._demoted.set()
-        await asyncio.Event().wait()  # the kill lands here
-        return result
-
-
-async def test_a_compress_step_killed_mid_way_is_applied_once(
-    fp8_lmcache: Lmcache, fp8_writer: ChunkWriter, engine: AsyncEngine, settings: Settings
-) -> None:
-    tokens = list(range(60_000, 60_000 + 2 * CHUNK))
-    ledger, tier = await offloaded_session(
-        engine, settings, fp8_lmcache, fp8_writer, "crasher", tokens
-    )
-    salt = await salt_of(engine, "crasher")
-    termination = Termination(ledger, abort_timeout_seconds=1, hard_timeout_seconds=5)
-    demoted = asyncio.Event()
-    doomed = KilledAfterDemotion(CpuTierBooks(engine), demoted)
+@contextlib.asynccontextmanager
+async def proxied(lmcache: Lmcache) -> AsyncIterator[tuple[Lmcache, LmcacheProxy]]:
+    """The LMCache that kvquota is given, reached through a proxy that can hold a demotion's
+    answer (tests/engines/lmcache_proxy.py)."""
+    proxy = LmcacheProxy(lmcache.coordinator_url, lmcache.instance_id)
+    await proxy.start()
     try:
+        yield replace(lmcache, coordinator_url=proxy.url), proxy
+    finally:
+        await proxy.close()
+
+
+def start_server(database_url: str) -> subprocess.Popen[str]:
+    """A `kvquota serve` process whose maintenance loop runs reclaim steps every 0.2 s (and
+    starts no job of its own)."""
+    process, _ = start_replica(
+        database_url, reaper_interval_seconds="0.2", reclaim_policy_max_tier="none"
+    )
+    return process
+
+
+def stop_server(process: subprocess.Popen[str], sig: int = signal.SIGTERM) -> None:
+    process.send_signal(sig)
+    process.wait(timeout=30)
+    assert process.stdout is not None
+    process.stdout.close()
+
+
+async def test_a_compress_step_survives_a_kill_of_the_server_running_it(
+    fp8_lmcache: Lmcache,
+    fp8_writer: ChunkWriter,
+    engine: AsyncEngine,
+    settings: Settings,
+    database_url: str,
+) -> None:
+    """A kvquota server's reclaim executor is killed (SIGKILL) right after LMCache demoted the
+    session, before the ledger heard of it; the next server finishes the step, once, and the
+    ledger's tiers and bytes agree with what LMCache holds."""
+    tokens = list(range(60_000, 60_000 + 2 * CHUNK))
+    async with proxied(fp8_lmcache) as (lmcache, proxy):
+        ledger, tier = await offloaded_session(
+            engine, settings, lmcache, fp8_writer, "crasher", tokens
+        )
+        await tier.close()
+        salt = await salt_of(engine, "crasher")
+        l1_before = (await Catalog(engine).get_instance("gpu-0")).cpu_used_bytes
+        assert l1_before is not None
         jobs, job_id = await compress_job(engine, "crasher")
-        run = asyncio.create_task(ReclaimExecutor(jobs, termination, doomed).run(job_id, 10))
-        await asyncio.wait_for(demoted.wait(), 30)
-        run.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await run
+        proxy.hold.armed = True
+        first = await asyncio.to_thread(start_server, database_url)
+        try:
+            await asyncio.wait_for(proxy.hold.demoted.wait(), 60)
+        finally:
+            stop_server(first, signal.SIGKILL)
+        proxy.hold.armed = False
+        proxy.hold.released.set()
+
         # Killed between LMCache and the ledger: the chunks are compressed, the step is still
         # planned with what was measured before they left L1, the session not booked yet.
         await until([COMPRESSED] * 2, lambda: sizes(fp8_lmcache, salt, tokens))
@@ -276,16 +321,98 @@ async def test_a_compress_step_killed_mid_way_is_applied_once(
         assert (await ledger.get("crasher", "chat")).compressed_bytes is None
         assert await compressed_events(engine, "crasher") == []
 
-        # The next executor finds nothing left in L1, books what was measured, once.
-        assert await ReclaimExecutor(jobs, termination, tier).run(job_id, 10) == 1
-        assert await ReclaimExecutor(jobs, termination, tier).run(job_id, 10) == 0
+        # The restarted server finds nothing left in L1 to demote and books what was
+        # measured, once; its CPU-tier mirror reads L1 two chunks emptier.
+        second = await asyncio.to_thread(start_server, database_url)
+        try:
+            await until(JobState.SUCCEEDED, lambda: job_state(jobs, job_id))
+            await until(
+                l1_before - 2 * L1_CHUNK_BYTES,
+                lambda: cpu_used_bytes(engine),
+            )
+        finally:
+            stop_server(second)
+    done = await jobs.get(job_id)
+    assert [(s.state, s.note) for s in done.steps] == [(StepState.APPLIED, None)]
+    offloaded = 32 * BLOCK_BYTES
+    session = await ledger.get("crasher", "chat")
+    assert (session.offloaded_bytes, session.compressed_bytes) == (0, offloaded // 2)
+    assert await compressed_events(engine, "crasher") == [(-offloaded, offloaded // 2)]
+    tenant = await Catalog(engine).get_tenant("crasher")
+    assert (tenant.cpu_tier_bytes, tenant.compressed_bytes) == (0, offloaded // 2)
+    await assert_invariants(engine)
+
+
+async def job_state(jobs: ReclaimJobs, job_id: str) -> JobState:
+    return (await jobs.get(job_id)).state
+
+
+async def cpu_used_bytes(engine: AsyncEngine) -> int | None:
+    return (await Catalog(engine).get_instance("gpu-0")).cpu_used_bytes
+
+
+class PausedAfterDemotion(CpuTierMirror):
+    """The executor's CPU tier, pausing right after LMCache demoted the session (its delete
+    answered) until `go` is set: the ledger has not heard of it yet."""
+
+    def __init__(self, books: CpuTierBooks) -> None:
+        super().__init__(books)
+        self.demoted = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def demote_session(self, tenant: str, request_id: str) -> DeleteResult | None:
+        result = await super().demote_session(tenant, request_id)
+        self.demoted.set()
+        await self.go.wait()
+        return result
+
+
+async def test_a_session_resumed_between_its_demotion_and_its_booking_stays_uncompressed(
+    fp8_lmcache: Lmcache, fp8_writer: ChunkWriter, engine: AsyncEngine, settings: Settings
+) -> None:
+    """LMCache demoted the session; before the step is booked, the session resumes (its
+    chunks prefetched back into L1, decompressed, as ResumeReservation does). The step is then
+    skipped: the ledger never books a resumed session compressed, its usage nets to zero, and
+    LMCache holds it in L1 again for its next turn."""
+    tokens = list(range(80_000, 80_000 + 2 * CHUNK))
+    ledger, tier = await offloaded_session(
+        engine, settings, fp8_lmcache, fp8_writer, "resumer", tokens
+    )
+    salt = await salt_of(engine, "resumer")
+    termination = Termination(ledger, abort_timeout_seconds=1, hard_timeout_seconds=5)
+    paused = PausedAfterDemotion(CpuTierBooks(engine))
+    try:
+        jobs, job_id = await compress_job(engine, "resumer")
+        run = asyncio.create_task(ReclaimExecutor(jobs, termination, paused).run(job_id, 10))
+        await asyncio.wait_for(paused.demoted.wait(), 30)
+        await until([COMPRESSED] * 2, lambda: sizes(fp8_lmcache, salt, tokens))
+
+        await tier.prefetch_session("resumer", "chat")
+        resumed = await ledger.resume("resumer", "chat", 0.0)
+        assert resumed.state is ReservationState.ADMITTED
+        paused.go.set()
+        assert await asyncio.wait_for(run, 30) == 1
+
         done = await jobs.get(job_id)
-        assert (done.state, done.steps[0].state) == (JobState.SUCCEEDED, StepState.APPLIED)
-        offloaded = 32 * BLOCK_BYTES
-        session = await ledger.get("crasher", "chat")
-        assert (session.offloaded_bytes, session.compressed_bytes) == (0, offloaded // 2)
-        assert await compressed_events(engine, "crasher") == [(-offloaded, offloaded // 2)]
+        assert (done.state, [(s.state, s.note) for s in done.steps]) == (
+            JobState.SUCCEEDED,
+            [(StepState.SKIPPED, NOT_OFFLOADED_ANY_MORE)],
+        )
+        session = await ledger.get("resumer", "chat")
+        assert (session.offloaded_bytes, session.compressed_bytes) == (None, None)
+        assert await compressed_events(engine, "resumer") == []
+        assert await cpu_events(engine, "resumer") == 0  # offloaded, then back on the GPU
+        await until([FULL | COMPRESSED] * 2, lambda: sizes(fp8_lmcache, salt, tokens))
+        assert fp8_writer.retrieve(salt, next_turn(tokens)) == FROM_FP8
+        await assert_invariants(engine)
     finally:
         await termination.close()
-        await doomed.close()
+        await paused.close()
         await tier.close()
+
+
+async def cpu_events(engine: AsyncEngine, tenant: str) -> int:
+    """The tenant's CPU-tier bytes by its usage events: what it holds there now."""
+    query = text("SELECT coalesce(sum(cpu_bytes), 0) FROM usage_events WHERE tenant = :tenant")
+    async with engine.connect() as conn:
+        return int((await conn.execute(query, {"tenant": tenant})).scalar_one())

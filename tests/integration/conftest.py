@@ -15,14 +15,9 @@ from quota_service.config import Settings
 # What the memory hot path (KVQUOTA_HOT_PATH=memory, `make test-memory`) does not serve yet, and
 # why: these tests are skipped in that run only. Each entry goes once its part moves over.
 NOT_YET_IN_MEMORY = {
-    "test_check.py": "kvquota check reads the per-block tables",
     "test_one_replica_steps.py::test_a_lapsed_lease_is_reaped_by_the_replica_that_holds": (
         "the per-block ledger's shared steps (each owner reaps its own instances in memory)"
     ),
-    # Replicas in memory mode: test_owned_replicas.py.
-    "test_replicas.py": "checks the per-block tables",
-    "test_crash.py": "invariant checks read the per-block tables",
-    "test_client_failover.py": "invariant checks read the per-block tables",
     # Its queued Admits, woken while the draining replica's instances move, are answered
     # INSTANCE_MOVING instead of waiting on at the new owner.
     "test_shutdown.py::test_sigterm_drains": "a queued Admit is not kept waiting while it moves",

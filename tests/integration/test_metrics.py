@@ -1,5 +1,6 @@
 """The Prometheus exporter serves the ledger's figures: per instance (drift among them), per
-tenant and tier, and what reclaim jobs gave back by tier."""
+tenant and tier (compressed sessions counted at their compressed size), and what reclaim jobs
+gave back by tier."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from quota_service.core.model import (
     ReservationState,
     TenantQuota,
 )
-from quota_service.core.reclaim import ReclaimTarget, Tier
+from quota_service.core.reclaim import CompressMeasurement, ReclaimTarget, Tier
 from quota_service.metrics import LedgerMetrics, ServiceMetrics, serve_metrics
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
@@ -33,6 +34,7 @@ from quota_service.store.reclaim import ReclaimJobs
 from quota_service.store.reconcile import Reconciler
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
 from tests.integration.scraping import body, key, matching, samples_of, scrape
+from tests.integration.test_compress_steps import COMPRESS_ONLY, FULL, HotPath, offloaded
 
 BS = 16
 GEOMETRY = geometry.KvGeometry(2, 2, 64, geometry.KvDtype.FP16)  # 16 KiB a block
@@ -159,6 +161,7 @@ async def test_tenants_by_tier_queues_and_reclaim_by_tier(
         "gpu_blocks": 2 + 4,  # the pin and "busy": "chat" left the GPU
         "pinned_blocks": 2,
         "cpu_tier_bytes": 4 * BLOCK_BYTES,  # "chat", offloaded
+        "cpu_tier_compressed_bytes": 0,
         "tokens_in_flight": 4 * BS,  # "busy" alone: an offloaded session's tokens left too
         "queued_requests": 1,
         "live_reservations": 2,
@@ -193,3 +196,28 @@ async def test_tenants_by_tier_queues_and_reclaim_by_tier(
     assert ("kvquota_ledger_snapshot_timestamp_seconds", ()) in samples
     # Tenant labels are tenant ids; their secrets never reach the exporter.
     assert len(salts) == 2 and not any(salt in text for salt in salts)
+
+
+async def test_a_compressed_session_counts_in_the_cpu_tier_at_its_compressed_size(
+    engine: AsyncEngine, settings: Settings, exporter: tuple[LedgerMetrics, str]
+) -> None:
+    """Two offloaded sessions of 4 blocks; a COMPRESS step takes the coldest to a quarter of
+    its bytes. The tenant's CPU-tier bytes are what its quota counts: the other session whole
+    and the compressed one at its compressed size, which is also shown on its own."""
+    path = HotPath(engine, settings, memory=False)
+    await offloaded(engine, path, "chat", "idle")
+    await CpuTierBooks(engine).record_compression_ratio("gpu-0", 0.25)
+    jobs = path.jobs(FULL)
+    job = await jobs.create("compress", "gpu-0", COMPRESS_ONLY, dry_run=False)
+    assert [s.planned.reservation for s in job.steps] == [("acme", "chat")]
+    await jobs.run_step(job.job_id)
+    await jobs.record_measurement(job.job_id, 0, CompressMeasurement(4096, 1024, 0))
+    assert await jobs.compress(job.job_id, 0)
+
+    metrics, url = exporter
+    await metrics.refresh()
+    samples = await scrape(url)
+    acme = (("tenant", "acme"),)
+    whole = 4 * BLOCK_BYTES
+    assert samples[("kvquota_tenant_cpu_tier_bytes", acme)] == whole + whole // 4
+    assert samples[("kvquota_tenant_cpu_tier_compressed_bytes", acme)] == whole // 4

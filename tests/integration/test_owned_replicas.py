@@ -23,12 +23,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
 from tests.integration.grpc_helpers import quota, rich_error
+from tests.integration.invariants import assert_invariants
 from tests.integration.test_fairness_short_holds import flood
 from tests.integration.test_replicas import serving_address, spawn_replica
 
 # Served from memory whatever the suite's hot path: run once, by `make test-memory`.
 pytestmark = [
     pytest.mark.slow,
+    # Three server processes start for each test: on a loaded machine that alone takes a while.
+    pytest.mark.timeout(300),
     pytest.mark.skipif(
         os.environ.get("KVQUOTA_HOT_PATH") != "memory", reason="runs in make test-memory"
     ),
@@ -217,6 +220,7 @@ async def test_a_tenant_s_quota_stays_exact_across_instances_owned_by_different_
     # Never over-committed, and the record agrees with itself; 20 requests of 5 blocks fit.
     assert recorded == derived == 5 * live <= 100
     assert live == 20, outcomes
+    await assert_invariants(engine)
 
 
 async def test_weights_hold_when_clients_call_any_replica(fleet: list[Replica]) -> None:
@@ -278,6 +282,7 @@ async def test_a_killed_owner_s_instance_is_served_by_another_within_the_lease(
     assert acknowledged and all(recorded.get(r) == "ADMITTED" for r in acknowledged)
     assert not any(r in recorded for r in refused)
     assert (await _owners(engine))["gpu-a"][0] != owner.address
+    await assert_invariants(engine)
 
 
 async def test_a_paused_owner_commits_nothing_once_another_took_over(
@@ -311,6 +316,7 @@ async def test_a_paused_owner_commits_nothing_once_another_took_over(
     after = await owner.gateway.Admit(_admit("acme", "after", "gpu-a"))
     assert after.reservation.state == pb.RESERVATION_STATE_ADMITTED
     assert (await _owners(engine))["gpu-a"] == (address, epoch)
+    await assert_invariants(engine)
 
 
 async def test_tenant_changes_and_offboarding_reach_every_owner(
@@ -390,6 +396,7 @@ async def test_a_forwarding_replica_killed_mid_call_loses_nothing(
             text("SELECT count(*) FROM reservations WHERE request_id = 'waiter'")
         )
         assert rows.scalar_one() == 1
+    await assert_invariants(engine)
 
 
 async def test_a_forwarded_call_is_not_forwarded_again(fleet: list[Replica]) -> None:

@@ -198,7 +198,9 @@ def test_backlogged_tenants_share_admissions_by_weight_under_short_holds() -> No
     for client in clients:
         start(client, now)
         now += 0.001
-    while events and now < NOW + 30:
+    # Ten simulated seconds, about 2,000 admissions: the share is steady well before (74.6%
+    # here, 74.9% after thirty).
+    while events and now < NOW + 10:
         now, _, _, client = heapq.heappop(events)
         tenant = client.split("-")[0]
         admitted[tenant] += 1
