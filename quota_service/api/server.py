@@ -115,18 +115,20 @@ class RunningServer:
         """The instances this replica serves from memory (None: its hot path is the ledger)."""
         return self._owners
 
+    async def _hand_over(self) -> None:
+        """The instances served here go to other replicas: calls still in flight, and those of
+        a queued Admit woken later, are forwarded to their new owners."""
+        assert self._owners is not None
+        if self._leases is not None:
+            self._leases.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._leases
+        await self._owners.hand_over()
+
     async def stop(self, grace_seconds: float) -> None:
         log.info("shutting down: draining in-flight RPCs for up to %ss", grace_seconds)
         await self._health.enter_graceful_shutdown()
         self._stop.set()
-        if self._owners is not None:
-            # The instances served here go to other replicas first: calls still in flight,
-            # and those of a queued Admit woken later, are forwarded to their new owners.
-            if self._leases is not None:
-                self._leases.cancel()
-                with suppress(asyncio.CancelledError):
-                    await self._leases
-            await self._owners.hand_over()
         # Calls in flight run on. Those still waiting when the grace is nearly over (a queued
         # Admit, a watch) are answered then, UNAVAILABLE: ask another replica (a queued
         # request keeps its place), rather than cancelled with no answer when it ends.
@@ -134,12 +136,17 @@ class RunningServer:
         handback = loop.call_later(
             grace_seconds - min(HANDBACK_SECONDS, grace_seconds / 4), self._waiters.close
         )
+        # Begins once the server refuses new calls: a call sent after the drain began is
+        # refused, never taken while the instances move.
+        handing_over = None if self._owners is None else asyncio.ensure_future(self._hand_over())
         try:
             # Refuses new calls before its first await, so before a health watcher can be
             # told NOT_SERVING.
             await self._server.stop(grace_seconds)
         finally:
             handback.cancel()
+        if handing_over is not None:
+            await handing_over
         await self._maintenance
         await self._listener.stop()
         await self._dispatcher.stop()

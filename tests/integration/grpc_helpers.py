@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ import pytest
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 
-from kvquota.v1 import admission_pb2, error_reason_pb2
+from kvquota.v1 import admission_pb2, admission_pb2_grpc, error_reason_pb2
 from kvquota.v1 import resources_pb2 as pb
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
@@ -108,3 +109,20 @@ def admit(
         max_output_tokens=output,
         **extra,
     )
+
+
+async def until_queued(
+    gateway: admission_pb2_grpc.AdmissionServiceAsyncStub, name: str, seconds: float = 30
+) -> None:
+    """Wait until the reservation `name` is queued: an Admit with a wait budget, sent and not
+    answered yet, has reached the server (the bound only stops a broken test)."""
+    request = admission_pb2.GetReservationRequest(name=name)
+    async with asyncio.timeout(seconds):
+        while True:
+            try:
+                if (await gateway.GetReservation(request)).state == pb.RESERVATION_STATE_QUEUED:
+                    return
+            except grpc.aio.AioRpcError as error:  # its Admit has not arrived yet
+                if error.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            await asyncio.sleep(0.05)

@@ -5,18 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from dataclasses import replace
 
+import grpc
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from kvquota.v1 import admission_pb2, admission_pb2_grpc
 from quota_service.api import server
 from quota_service.cli import main as cli_main
 from quota_service.cli.formatting import format_size, parse_size
 from quota_service.config import Settings
-from quota_service.core.model import EndReason
-from quota_service.store.ledger import Ledger
-from tests.integration.ledger_fixtures import add_instance, add_tenant, request
+from tests.integration.grpc_helpers import admit
+from tests.integration.ledger_fixtures import add_instance, add_tenant
 
 
 def test_sizes() -> None:
@@ -41,13 +41,14 @@ async def test_reclaim_prints_the_plan_and_the_result(
 ) -> None:
     await add_instance(engine, blocks=32)
     await add_tenant(engine, "acme")
-    ledger = Ledger(engine, settings.admission_limits)
-    tokens = tuple(range(64))
-    await ledger.admit(replace(request("r", len(tokens), 1), prompt_token_ids=tokens))
-    await ledger.end("acme", "r", EndReason.RELEASED, 1)
     running = await server.start(settings, database_url)
     address = f"127.0.0.1:{running.port}"
     try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            # Four full prompt blocks stay cached after the release.
+            gateway = admission_pb2_grpc.AdmissionServiceStub(channel)
+            done = await gateway.Admit(admit("r", 64, 1, prompt_token_ids=range(64)))
+            await gateway.Release(admission_pb2.ReleaseRequest(name=done.reservation.name))
         plan_only = ["reclaim", "--instance", "gpu-0", "--blocks", "3", "--server", address]
         assert await asyncio.to_thread(cli_main, [*plan_only, "--dry-run"]) == 0
         out = capsys.readouterr().out.splitlines()

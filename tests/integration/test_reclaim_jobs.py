@@ -13,7 +13,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from quota_service.api import server
+from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
+from kvquota.v1 import resources_pb2 as pb
 from quota_service.config import Settings
 from quota_service.core.errors import Code, KvQuotaError
 from quota_service.core.model import EndReason
@@ -25,6 +26,7 @@ from quota_service.store.reclaim import (
     FEWER_CACHED_SINCE_PLAN,
     ReclaimJobs,
 )
+from tests.integration.grpc_helpers import admit
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
 
@@ -250,20 +252,30 @@ async def test_concurrent_executors_share_a_job_without_applying_a_step_twice(
 
 
 async def test_every_replica_s_maintenance_loop_executes_open_jobs(
-    engine: AsyncEngine, settings: Settings, database_url: str
+    engine: AsyncEngine,
+    gateway: admission_pb2_grpc.AdmissionServiceAsyncStub,
+    admin: admin_pb2_grpc.AdminServiceAsyncStub,
 ) -> None:
-    await cached_pool(engine, settings, 8)
-    running = await server.start(settings, database_url)
-    try:
-        jobs = ReclaimJobs(engine)
-        job = await jobs.create("loop", "gpu-0", ReclaimTarget(8, Tier.FREE), dry_run=False)
-        for _ in range(100):
-            if (await jobs.get(job.job_id)).state is JobState.SUCCEEDED:
-                break
-            await asyncio.sleep(0.1)
-        assert (await jobs.get(job.job_id)).actual_blocks == 8
-    finally:
-        await running.stop(0)
+    await add_instance(engine, blocks=8 + 64)
+    await add_tenant(engine, "acme")
+    for i in range(2):  # each prompt's 4 blocks stay cached
+        tokens = prompt(i)
+        done = await gateway.Admit(admit(f"r{i}", len(tokens), 1, prompt_token_ids=tokens))
+        await gateway.Release(admission_pb2.ReleaseRequest(name=done.reservation.name))
+    job = await admin.CreateReclaimJob(
+        admin_pb2.CreateReclaimJobRequest(
+            instance="instances/gpu-0",
+            target_blocks=8,
+            max_tier=pb.RECLAIM_TIER_FREE,
+            request_id="loop",
+        )
+    )
+    for _ in range(100):
+        job = await admin.GetReclaimJob(admin_pb2.GetReclaimJobRequest(name=job.name))
+        if job.state == pb.RECLAIM_JOB_STATE_SUCCEEDED:
+            break
+        await asyncio.sleep(0.1)
+    assert job.actual_blocks == 8
     await assert_invariants(engine)
 
 

@@ -4,7 +4,7 @@ the grace, and the ledger loses nothing.
 A real `kvquota serve` process is put under load (Admit/Release loops on one instance) while, on
 another, full one, gateways wait in its queue and watch their reservations. Then it gets SIGTERM.
 What was in flight runs on during the grace: the waiting Admits are admitted as another replica
-(this test, through the ledger) releases blocks, the watches see their reservations end, a short
+releases blocks, the watches see their reservations end, a short
 wait budget runs out with QUEUE_TIMEOUT. A wait longer than the grace is answered UNAVAILABLE
 (SERVER_SHUTTING_DOWN) shortly before the grace ends, and its request stays queued, so that the
 caller's retry on another replica keeps its place. New calls are refused (UNAVAILABLE) from the
@@ -26,11 +26,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from kvquota.client import AsyncKvquotaClient
 from kvquota.v1 import admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
+from quota_service.api import server
 from quota_service.config import Settings
-from quota_service.core.model import EndReason
-from quota_service.store.ledger import Ledger
 from tests.integration.grpc_helpers import STATUS_DETAILS_KEY, rich_error
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant
@@ -47,6 +47,8 @@ NEXT = [f"q{i}" for i in range(4)]  # priority 1: admitted during the drain
 LATE = ["z0", "z1"]  # priority 0, wait longer than the grace: never admitted on this server
 SHORT = "s0"  # priority 0, its wait budget runs out during the drain
 LOADERS = 8
+# On the memory hot path, how soon the other replica may take over what this one served.
+OWNER_LEASE_SECONDS = "2"
 
 
 def admit_request(
@@ -131,21 +133,25 @@ async def until(condition: Callable[[], Awaitable[bool]], seconds: float = 30) -
 
 
 async def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_within_the_grace(
-    engine: AsyncEngine, database_url: str, settings: Settings
+    engine: AsyncEngine, database_url: str
 ) -> None:
     await add_instance(engine, "gpu-0", blocks=4 * 16)
     await add_instance(engine, "gpu-1", blocks=4096)
     await add_tenant(engine, "acme")
     await add_tenant(engine, "busy")
-    # This test stands in for another replica of the fleet, which keeps serving.
-    elsewhere = Ledger(engine, settings.admission_limits)
     process, address = start_replica(
         database_url,
         shutdown_grace_seconds=str(GRACE_SECONDS),
         auth_required="false",
         reaper_interval_seconds="0.2",
+        owner_lease_seconds=OWNER_LEASE_SECONDS,
     )
+    # Another replica of the fleet, which keeps serving.
+    other, other_address = start_replica(database_url, owner_lease_seconds=OWNER_LEASE_SECONDS)
     channel = grpc.aio.insecure_channel(address)
+    # A gateway's client of it: on the memory hot path it retries INSTANCE_MOVING while the
+    # instances this replica served move to the other one.
+    elsewhere = AsyncKvquotaClient(other_address)
     stub = admission_pb2_grpc.AdmissionServiceStub(channel)
     serving, draining = asyncio.Event(), asyncio.Event()
     health_stub: Any = health_pb2_grpc.HealthStub(channel)  # its stubs lack the methods
@@ -239,8 +245,11 @@ async def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_within_
 
         # Another replica releases the holders: the waiting Admits are admitted, the watches end.
         for request_id in HOLDERS:
-            await elsewhere.end("acme", request_id, EndReason.RELEASED, OUTPUT)
-        await elsewhere.dispatch("gpu-0")
+            await elsewhere.admission.Release(
+                admission_pb2.ReleaseRequest(
+                    name=f"tenants/acme/reservations/{request_id}", output_tokens=OUTPUT
+                )
+            )
         for request_id in NEXT:
             assert await answers[request_id] == "ok", request_id
         for request_id in HOLDERS:
@@ -260,11 +269,15 @@ async def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_within_
         assert time.monotonic() - signalled < GRACE_SECONDS + EXIT_MARGIN_SECONDS
     finally:
         await channel.close()
+        await elsewhere.close()
         if process.poll() is None:
             process.kill()
             process.wait()
-        assert process.stdout is not None
-        process.stdout.close()
+        other.terminate()
+        other.wait(timeout=30)
+        for started in (process, other):
+            assert started.stdout is not None
+            started.stdout.close()
 
     # The load: every call started once the drain was seen is refused. One sent as the signal
     # arrived may be refused, or cancelled by gRPC core; check_ledger shows it never ran.
@@ -306,3 +319,26 @@ async def check_ledger(engine: AsyncEngine, calls: list[Call]) -> None:
         elif call.method == "Release" and call.outcome == "ok":
             expected[call.request_id] = ("ENDED", "RELEASED")
     assert {r: (row.state, row.end_reason) for r, row in found.items()} == expected
+
+
+async def test_no_call_is_taken_once_a_watcher_was_told_the_server_drains(
+    engine: AsyncEngine, database_url: str, settings: Settings
+) -> None:
+    """Whatever a drain begins with (on the memory hot path: handing the instances over), the
+    server refuses new calls before a health watcher hears NOT_SERVING."""
+    await add_instance(engine, "gpu-0", blocks=4 * 16)
+    await add_tenant(engine, "acme")
+    running = await server.start(settings, database_url)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+        await stub.Admit(admit_request("h0"))  # gpu-0 is served here (in memory: owned)
+        serving, draining = asyncio.Event(), asyncio.Event()
+        health_stub: Any = health_pb2_grpc.HealthStub(channel)
+        health_watch = health_stub.Watch(health_pb2.HealthCheckRequest())
+        health = asyncio.ensure_future(statuses(health_watch, serving, draining))
+        await asyncio.wait_for(serving.wait(), 30)
+        stopping = asyncio.ensure_future(running.stop(GRACE_SECONDS))
+        await asyncio.wait_for(health, GRACE_SECONDS)
+        health_watch.cancel()
+        assert await outcome_of(stub.Admit(admit_request("new"))) == "refused"
+        await stopping

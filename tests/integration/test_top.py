@@ -11,20 +11,19 @@ import re
 import signal
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import grpc
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from kvquota.v1 import admin_pb2, admin_pb2_grpc, resources_pb2
+from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc, resources_pb2
 from quota_service.api import server
 from quota_service.cli import main as cli_main
 from quota_service.cli.top import CLEAR
 from quota_service.config import Settings
-from quota_service.core.model import EndReason, TenantQuota
-from quota_service.store.ledger import Ledger
-from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
+from quota_service.core.model import TenantQuota
+from tests.integration.grpc_helpers import admit, until_queued
+from tests.integration.ledger_fixtures import add_instance, add_tenant, counters
 
 QUOTA = TenantQuota(
     max_blocks=40,
@@ -53,16 +52,16 @@ def table(lines: list[str], title: str) -> list[dict[str, str]]:
 
 @pytest.fixture
 async def address(engine: AsyncEngine, settings: Settings, database_url: str) -> AsyncIterator[str]:
-    """A server over a seeded ledger (see the module's docstring)."""
+    """A server seeded through its API (see the module's docstring)."""
     await add_instance(engine, blocks=16)
     await add_tenant(engine, "acme", QUOTA)
     await add_tenant(engine, "idle", QUOTA)
-    ledger = Ledger(engine, settings.admission_limits)
     running = await server.start(settings, database_url)
     address = f"127.0.0.1:{running.port}"
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             admin = admin_pb2_grpc.AdminServiceStub(channel)
+            gateway = admission_pb2_grpc.AdmissionServiceStub(channel)
             await admin.PinPrefix(
                 admin_pb2.PinPrefixRequest(
                     parent="tenants/acme",
@@ -72,14 +71,16 @@ async def address(engine: AsyncEngine, settings: Settings, database_url: str) ->
                 )
             )
             # Four full prompt blocks stay cached after the release.
-            tokens = tuple(range(64))
-            await ledger.admit(replace(request("warm", len(tokens), 1), prompt_token_ids=tokens))
-            await ledger.end("acme", "warm", EndReason.RELEASED, 1)
-            await ledger.admit(request("running", 4 * 16 - 1, 1))
-            waiting = await ledger.admit(
-                replace(request("waiting", 11 * 16 - 1, 1), wait_timeout_seconds=600)
+            warm = await gateway.Admit(admit("warm", 64, 1, prompt_token_ids=range(64)))
+            await gateway.Release(
+                admission_pb2.ReleaseRequest(name=warm.reservation.name, output_tokens=1)
             )
-            assert waiting[0].state.value == "QUEUED"
+            await gateway.Admit(admit("running", 4 * 16 - 1, 1))
+            # Queued while the tests look: it needs 11 blocks, and 10 are free or cached.
+            queued = admit("waiting", 11 * 16 - 1, 1)
+            queued.wait_timeout.FromSeconds(600)
+            waiting = gateway.Admit(queued)
+            await until_queued(gateway, "tenants/acme/reservations/waiting")
             await admin.CreateReclaimJob(
                 admin_pb2.CreateReclaimJobRequest(
                     instance="instances/gpu-0",
@@ -89,7 +90,8 @@ async def address(engine: AsyncEngine, settings: Settings, database_url: str) ->
                     request_id="plan-1",
                 )
             )
-        yield address
+            yield address
+            waiting.cancel()
     finally:
         await running.stop(0)
 
