@@ -136,7 +136,10 @@ async def test_two_replicas_share_one_queue_and_a_killed_one_loses_nothing(
     admitted exactly once."""
     await add_instance(engine, blocks=8)
     await add_tenant(engine, "acme")
-    started = [start_replica(database_url, reaper_interval_seconds="0.2") for _ in range(2)]
+    started = [
+        start_replica(database_url, reaper_interval_seconds="0.2", owner_lease_seconds="2")
+        for _ in range(2)
+    ]
     (victim, victim_address), (survivor, survivor_address) = started
     channels = [grpc.aio.insecure_channel(a) for a in (victim_address, survivor_address)]
     stubs = [admission_pb2_grpc.AdmissionServiceStub(c) for c in channels]
@@ -163,7 +166,16 @@ async def test_two_replicas_share_one_queue_and_a_killed_one_loses_nothing(
                 stub = stubs[1]  # its replica died: ask the other, same request id
         admitted.append(reply.reservation.request_id)
         await asyncio.sleep(0.05)  # the "generation"
-        await stubs[1].Release(admission_pb2.ReleaseRequest(name=reply.reservation.name))
+        release = admission_pb2.ReleaseRequest(name=reply.reservation.name)
+        while True:
+            try:
+                await stubs[1].Release(release)
+                break
+            except grpc.aio.AioRpcError as error:
+                # Served from memory, the killed replica's instance moves to the survivor once
+                # its lease lapses: UNAVAILABLE until then, retried as a client does.
+                assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+                await asyncio.sleep(0.2)
 
     try:
         waiting = [asyncio.ensure_future(one(i)) for i in range(12)]
