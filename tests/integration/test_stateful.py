@@ -143,4 +143,4 @@ def test_ledger_matches_the_reference_model(server_url: str, template_database: 
     )
 
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
