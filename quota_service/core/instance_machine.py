@@ -997,14 +997,21 @@ class InstanceMachine:
             return
         raise admission.not_live(record.snapshot())
 
-    def reap(self, now: float) -> int:
-        """End reservations whose lease ran out and queued ones whose wait budget did."""
+    def reap(self, now: float, limit: int | None = None) -> int:
+        """End (up to `limit`) reservations whose lease ran out and queued ones whose wait
+        budget did. On an instance with an engine, a lapsed lease is ended once the engine
+        aborted its request (enforcement/termination.py), not here."""
+        aborted_first = self.spec.engine is not None
         lapsed = [
             r
             for r in self.reservations.values()
-            if (r.state is ReservationState.ADMITTED and (r.lease_expires_at or now) <= now)
+            if (
+                r.state is ReservationState.ADMITTED
+                and not aborted_first
+                and (r.lease_expires_at or now) <= now
+            )
             or (r.state is ReservationState.QUEUED and (r.wait_deadline or now) <= now)
-        ]
+        ][:limit]
         for record in lapsed:
             reason = (
                 EndReason.LEASE_EXPIRED

@@ -518,21 +518,7 @@ class OwnedLedger(Ledger):
         for owner in self._owners.served():
 
             def reap(machine: InstanceMachine, now: float, budget: int = batch - ended) -> int:
-                aborted_first = machine.spec.engine is not None
-                lapsed = [
-                    r
-                    for r in machine.reservations.values()
-                    if _lapsed(r, now)
-                    and not (aborted_first and r.state is ReservationState.ADMITTED)
-                ][:budget]
-                for record in lapsed:
-                    reason = (
-                        EndReason.LEASE_EXPIRED
-                        if record.state is ReservationState.ADMITTED
-                        else EndReason.QUEUE_TIMEOUT
-                    )
-                    machine.end(*record.key, reason, now)
-                return len(lapsed)
+                return machine.reap(now, budget)
 
             if ended < batch:
                 ended += await self._owners.run(owner.instance, reap)
