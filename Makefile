@@ -76,9 +76,11 @@ $(LMCACHE_STAMP):
 	$(LMCACHE)/bin/python -m pip install --quiet lmcache==0.5.6
 	touch $(LMCACHE_STAMP)
 
+# --timeout: a test's own vLLM starts (and restarts) inside it; on a busy 2-core machine one start
+# alone has taken over two minutes.
 test-engines: $(STAMP) $(ENGINES_STAMP) $(LMCACHE_STAMP) ## Contract tests against real vLLM and LMCache on the CPU (builds .venv-engines and .venv-lmcache, ~7 GB)
 	KVQUOTA_ENGINES_PYTHON=$(ENGINES)/bin/python KVQUOTA_LMCACHE_PYTHON=$(LMCACHE)/bin/python \
-		$(call PYTEST,tests/engines)
+		$(call PYTEST,--timeout 900 tests/engines)
 
 # The gateways (Envoy with kvquota's external processor, the LiteLLM proxy with its plugin) run
 # from their own venv: litellm[proxy] pins much of what the dev venv holds. Newer [proxy] extras

@@ -32,6 +32,37 @@ NUM_GPU_BLOCKS = 64
 MAX_MODEL_LEN = BLOCK_SIZE * (NUM_GPU_BLOCKS - 1)  # vLLM keeps one block as its null block
 STARTUP_SECONDS = 300
 
+# Every engine-side process the tests start, so that none outlives the test that started it: a
+# test stopped by pytest-timeout never reaches its own `finally` (the signal unwinds the event
+# loop, not the test's coroutine), and a vLLM left running holds memory and ports that the next
+# test's vLLM then lacks.
+_started: list[subprocess.Popen[bytes]] = []
+
+
+def _started_process(process: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+    _started.append(process)
+    return process
+
+
+def _stop_started_since(count: int) -> None:
+    """Stop the processes started after the first `count` (their whole groups)."""
+    for process in _started[count:]:
+        if process.poll() is None:
+            stop_vllm(process, signal.SIGKILL)
+    del _started[count:]
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_outlives_its_test() -> Iterator[None]:
+    """Session fixtures start before this one does; what starts after it is the test's own."""
+    before = len(_started)
+    yield
+    _stop_started_since(before)
+
+
+def pytest_sessionfinish() -> None:
+    _stop_started_since(0)
+
 
 @dataclass(frozen=True)
 class Engine:
@@ -101,32 +132,34 @@ def start_vllm(
     # On the CPU it would override --kv-cache-memory-bytes (vllm/platforms/cpu.py).
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     log = log_path.open("a")
-    process = subprocess.Popen(
-        [
-            python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            *pool,
-            "--enforce-eager",
-            "--enable-prefix-caching",
-            # Completions then report the prefix hit (num_cached_tokens) in their usage.
-            "--enable-prompt-tokens-details",
-            # On the CPU this is the share of host memory vLLM may take.
-            "--gpu-memory-utilization",
-            "0.3",
-            *(() if with_tokenizer else ("--skip-tokenizer-init",)),
-            "--port",
-            str(http_port),
-            "--kv-events-config",
-            json.dumps(kv_events),
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        # Its own process group: vLLM's engine core is a child that holds the event sockets.
-        start_new_session=True,
+    process = _started_process(
+        subprocess.Popen(
+            [
+                python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model),
+                *pool,
+                "--enforce-eager",
+                "--enable-prefix-caching",
+                # Completions then report the prefix hit (num_cached_tokens) in their usage.
+                "--enable-prompt-tokens-details",
+                # On the CPU this is the share of host memory vLLM may take.
+                "--gpu-memory-utilization",
+                "0.3",
+                *(() if with_tokenizer else ("--skip-tokenizer-init",)),
+                "--port",
+                str(http_port),
+                "--kv-events-config",
+                json.dumps(kv_events),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # Its own process group: vLLM's engine core is a child that holds the event sockets.
+            start_new_session=True,
+        )
     )
     log.close()
     deadline = time.monotonic() + STARTUP_SECONDS
@@ -281,12 +314,14 @@ def _lmcache_env() -> dict[str, str]:
 
 def _start(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     with log_path.open("a") as log:
-        return subprocess.Popen(
-            command,
-            env=_lmcache_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        return _started_process(
+            subprocess.Popen(
+                command,
+                env=_lmcache_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         )
 
 
