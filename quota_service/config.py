@@ -90,10 +90,11 @@ class Settings:
     log_level: str = "INFO"
     # "json" (one object per line, with the request id) or "text".
     log_format: str = "json"
-    # Where reservations are decided: "ledger" (the per-block tables, every operation its own
-    # transaction) or "memory" (each instance's state machine in this replica, journaled in
-    # group commits). "memory" serves the admission path while the rest moves onto it.
-    hot_path: str = "ledger"
+    # Where reservations are decided: "memory" (each instance's state machine in its owner
+    # replica, journaled in group commits) or "ledger" (the per-block tables, every operation its
+    # own transaction; kept until those are removed). Each writes only its own record, so a
+    # database stays on one (migration 0023 says how to carry the ledger's over once).
+    hot_path: str = "memory"
     # Memory hot path: how long an instance's owner holds it without renewing (it renews every
     # third of that); another replica takes the instance over once the lease has lapsed.
     owner_lease_seconds: float = 5.0

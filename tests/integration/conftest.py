@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 
 import grpc
@@ -11,9 +10,10 @@ import pytest
 from kvquota.v1 import admin_pb2_grpc, admission_pb2_grpc
 from quota_service.api import server
 from quota_service.config import Settings
+from tests.conftest import IN_MEMORY
 
-# What the memory hot path (KVQUOTA_HOT_PATH=memory, `make test-memory`) does not serve yet, and
-# why: these tests are skipped in that run only. Each entry goes once its part moves over.
+# What the memory hot path (the default; `make test-ledger` runs the per-block ledger) does not
+# serve yet, and why: these tests are skipped on it. Each entry goes once its part moves over.
 NOT_YET_IN_MEMORY = {
     "test_one_replica_steps.py::test_a_lapsed_lease_is_reaped_by_the_replica_that_holds": (
         "the per-block ledger's shared steps (each owner reaps its own instances in memory)"
@@ -25,11 +25,10 @@ NOT_YET_IN_MEMORY = {
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    in_memory = os.environ.get("KVQUOTA_HOT_PATH") == "memory"
     for item in items:
         if "tests/integration" in str(item.path):
             item.add_marker(pytest.mark.integration)
-        if in_memory:
+        if IN_MEMORY:
             for prefix, why in NOT_YET_IN_MEMORY.items():
                 if item.nodeid.removeprefix("tests/integration/").startswith(prefix):
                     item.add_marker(pytest.mark.skip(reason=f"memory hot path: {why}"))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator
 from contextlib import suppress
 from dataclasses import replace
@@ -26,6 +25,7 @@ from quota_service.api import server
 from quota_service.cli import main as cli_main
 from quota_service.config import Settings
 from quota_service.store.invariants import CHECKED
+from tests.conftest import IN_MEMORY
 from tests.integration.grpc_helpers import admit, quota, refused
 
 if TYPE_CHECKING:  # the async stubs exist only in the type stubs
@@ -85,7 +85,6 @@ JOURNAL_PLANTS = {
         "WHERE batch = (SELECT max(batch) FROM pool_deltas)",
     ),
 }
-IN_MEMORY = os.environ.get("KVQUOTA_HOT_PATH") == "memory"
 PLANTS = {**COMMON_PLANTS, **(JOURNAL_PLANTS if IN_MEMORY else LEDGER_PLANTS)}
 # What the record shows of the invariants when the ledger wrote it: no owner's epoch.
 LEDGER_CHECKED = set(CHECKED) - {8}
