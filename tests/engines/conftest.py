@@ -32,10 +32,8 @@ NUM_GPU_BLOCKS = 64
 MAX_MODEL_LEN = BLOCK_SIZE * (NUM_GPU_BLOCKS - 1)  # vLLM keeps one block as its null block
 STARTUP_SECONDS = 300
 
-# Every engine-side process the tests start, so that none outlives the test that started it: a
-# test stopped by pytest-timeout never reaches its own `finally` (the signal unwinds the event
-# loop, not the test's coroutine), and a vLLM left running holds memory and ports that the next
-# test's vLLM then lacks.
+# Every engine-side process the tests start, stopped at the end of the session if still running
+# (a safety net: each is stopped by what started it).
 _started: list[subprocess.Popen[bytes]] = []
 
 
@@ -44,24 +42,23 @@ def _started_process(process: subprocess.Popen[bytes]) -> subprocess.Popen[bytes
     return process
 
 
-def _stop_started_since(count: int) -> None:
-    """Stop the processes started after the first `count` (their whole groups)."""
-    for process in _started[count:]:
+def pytest_sessionfinish() -> None:
+    for process in _started:
         if process.poll() is None:
             stop_vllm(process, signal.SIGKILL)
-    del _started[count:]
 
 
-@pytest.fixture(autouse=True)
-def _no_engine_outlives_its_test() -> Iterator[None]:
-    """Session fixtures start before this one does; what starts after it is the test's own."""
-    before = len(_started)
-    yield
-    _stop_started_since(before)
-
-
-def pytest_sessionfinish() -> None:
-    _stop_started_since(0)
+@pytest.fixture
+def own_engines() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Where a test puts the vLLM processes it starts itself: they are stopped when it ends,
+    even when pytest-timeout stopped it (its signal unwinds the event loop, so a `finally` in
+    the test's coroutine may never run, and a vLLM left running holds the memory and ports the
+    next test's vLLM needs)."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            stop_vllm(process, signal.SIGKILL)
 
 
 @dataclass(frozen=True)

@@ -270,9 +270,13 @@ async def proxied(lmcache: Lmcache) -> AsyncIterator[tuple[Lmcache, LmcacheProxy
 
 def start_server(database_url: str) -> subprocess.Popen[str]:
     """A `kvquota serve` process whose maintenance loop runs reclaim steps every 0.2 s (and
-    starts no job of its own)."""
+    starts no job of its own). On the per-block ledger, which these tests drive in process (each
+    hot path writes only its own record)."""
     process, _ = start_replica(
-        database_url, reaper_interval_seconds="0.2", reclaim_policy_max_tier="none"
+        database_url,
+        reaper_interval_seconds="0.2",
+        reclaim_policy_max_tier="none",
+        hot_path="ledger",
     )
     return process
 

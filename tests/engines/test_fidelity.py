@@ -6,6 +6,7 @@ figures to docs/benchmarks-fidelity.md (KVQUOTA_FIDELITY_REPORT)."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,16 @@ from tests.engines.test_follow_live import followed_engine
 
 @pytest.mark.timeout(1200)  # vLLM's start, then a round (or KVQUOTA_FIDELITY_SECONDS) of load
 async def test_the_ledger_books_what_vllm_holds(
-    engine_python: Path, tiny_model: Path, tmp_path: Path, engine: AsyncEngine, database_url: str
+    engine_python: Path,
+    tiny_model: Path,
+    tmp_path: Path,
+    engine: AsyncEngine,
+    database_url: str,
+    own_engines: list[subprocess.Popen[bytes]],
 ) -> None:
     seconds = float(os.environ.get("KVQUOTA_FIDELITY_SECONDS", "0"))  # 0: one round
     async with followed_engine(
-        engine_python, tiny_model, tmp_path / "vllm.log", engine, database_url
+        engine_python, tiny_model, tmp_path / "vllm.log", engine, database_url, own_engines
     ) as followed:
         live, ledger = followed.live, followed.ledger
         termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)

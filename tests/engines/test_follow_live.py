@@ -66,16 +66,21 @@ class Followed:
 
 @asynccontextmanager
 async def followed_engine(
-    engine_python: Path, tiny_model: Path, log: Path, engine: AsyncEngine, database_url: str
+    engine_python: Path,
+    tiny_model: Path,
+    log: Path,
+    engine: AsyncEngine,
+    database_url: str,
+    own_engines: list[subprocess.Popen[bytes]],
 ) -> AsyncIterator[Followed]:
     ports = free_ports()
     live = engine_at(tiny_model, ports, engine_python)
-    followed = Followed(
-        live,
-        Ledger(engine, Settings().admission_limits),
-        start_vllm(engine_python, tiny_model, ports, log),
-        lambda: start_vllm(engine_python, tiny_model, ports, log),
-    )
+
+    def start() -> subprocess.Popen[bytes]:
+        own_engines.append(start_vllm(engine_python, tiny_model, ports, log))
+        return own_engines[-1]
+
+    followed = Followed(live, Ledger(engine, Settings().admission_limits), start(), start)
     spec = catalog.instance_spec(
         "live",
         live.model,
@@ -117,10 +122,15 @@ async def engine_resyncs(engine: AsyncEngine) -> int:
 
 
 async def test_following_a_restarted_engine(
-    engine_python: Path, tiny_model: Path, tmp_path: Path, engine: AsyncEngine, database_url: str
+    engine_python: Path,
+    tiny_model: Path,
+    tmp_path: Path,
+    engine: AsyncEngine,
+    database_url: str,
+    own_engines: list[subprocess.Popen[bytes]],
 ) -> None:
     async with followed_engine(
-        engine_python, tiny_model, tmp_path / "vllm.log", engine, database_url
+        engine_python, tiny_model, tmp_path / "vllm.log", engine, database_url, own_engines
     ) as followed:
         ledger, live = followed.ledger, followed.live
         params = AdmitParams("acme", "held", "live", len(PROMPT), 4, 1, 0)
@@ -163,7 +173,12 @@ async def test_following_a_restarted_engine(
 
 
 async def test_the_ledgers_cache_is_the_engines(
-    engine_python: Path, tiny_model: Path, tmp_path: Path, engine: AsyncEngine, database_url: str
+    engine_python: Path,
+    tiny_model: Path,
+    tmp_path: Path,
+    engine: AsyncEngine,
+    database_url: str,
+    own_engines: list[subprocess.Popen[bytes]],
 ) -> None:
     """A scripted run that fills the pool and forces evictions: afterwards the ledger's cached
     blocks are exactly those the engine's events say it still caches (of the prompt blocks the
@@ -171,7 +186,7 @@ async def test_the_ledgers_cache_is_the_engines(
     engine_cache: set[int] = set()
     known: set[int] = set()
     async with followed_engine(
-        engine_python, tiny_model, tmp_path / "vllm.log", engine, database_url
+        engine_python, tiny_model, tmp_path / "vllm.log", engine, database_url, own_engines
     ) as followed:
         ledger, live = followed.ledger, followed.live
         watcher = Subscriber(live.events, live.replay)
