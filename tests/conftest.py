@@ -6,17 +6,16 @@ runs never collide."""
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import psycopg
 import pytest
-from sqlalchemy import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
 from quota_service.store import embedded, migrate
 from quota_service.store.database import connect
+from tests.databases import Databases
 
 LOCAL_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -35,15 +34,6 @@ def _reachable(url: str) -> bool:
         return False
 
 
-def _with_database(url: str, database: str) -> str:
-    return make_url(url).set(database=database).render_as_string(hide_password=False)
-
-
-def _admin(url: str, sql: str) -> None:
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(sql)
-
-
 @pytest.fixture(scope="session")
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     configured = os.environ.get("KVQUOTA_TEST_DATABASE_URL")
@@ -60,31 +50,25 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def template_database(server_url: str) -> Iterator[str]:
-    name = f"kvq_template_{uuid.uuid4().hex[:12]}"
-    _admin(server_url, f'CREATE DATABASE "{name}"')
-    migrate.upgrade(_with_database(server_url, name))
-    yield name
-    _admin(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def _fresh_database(server_url: str, template_database: str) -> Iterator[str]:
-    name = f"kvq_test_{uuid.uuid4().hex[:12]}"
-    _admin(server_url, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
-    yield _with_database(server_url, name)
-    _admin(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+def databases(server_url: str) -> Iterator[Databases]:
+    """Copies of a template database at the latest migration."""
+    made = Databases(server_url, migrate.upgrade)
+    yield made
+    made.close()
 
 
 @pytest.fixture
-def database_url(server_url: str, template_database: str) -> Iterator[str]:
-    yield from _fresh_database(server_url, template_database)
+def database_url(databases: Databases) -> Iterator[str]:
+    with databases.fresh() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
-def module_database_url(server_url: str, template_database: str) -> Iterator[str]:
+def module_database_url(databases: Databases) -> Iterator[str]:
     """One database for every test of a module, for tests that each need little of it and
     check what they do to it themselves (the fuzz test)."""
-    yield from _fresh_database(server_url, template_database)
+    with databases.fresh() as url:
+        yield url
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from quota_service.enforcement.termination import Termination
 from quota_service.owner.owned_offboarding import OwnedOffboarding
 from quota_service.owner.owned_pins import OwnedPins
 from quota_service.owner.owners import OwnedLedger, Owners
+from tests.databases import Databases
 from tests.examples import examples
 from tests.integration.test_stateful import LedgerMachine
 from tests.model.rules import INSTANCES, SlotRow, TenantRow
@@ -76,11 +77,8 @@ class ServedVersusModel(LedgerMachine):
         return slots, self.run(totals())
 
 
-def test_the_served_memory_path_matches_the_reference_model(
-    server_url: str, template_database: str
-) -> None:
-    ServedVersusModel.server_url = server_url
-    ServedVersusModel.template = template_database
+def test_the_served_memory_path_matches_the_reference_model(databases: Databases) -> None:
+    ServedVersusModel.databases = databases
     run_state_machine_as_test(
         ServedVersusModel,
         settings=settings(

@@ -6,15 +6,13 @@ in the database."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import psycopg
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
-from sqlalchemy import make_url, text
+from sqlalchemy import text
 
 from quota_service.config import Settings
 from quota_service.core.admission import AdmitRequest
@@ -26,6 +24,7 @@ from quota_service.store.database import connect
 from quota_service.store.invariants import check_record
 from quota_service.store.ledger import Ledger
 from quota_service.store.pins import Pins
+from tests.databases import Databases
 from tests.examples import examples
 from tests.integration.ledger_fixtures import add_instance, offboarding_service
 from tests.model.rules import (
@@ -41,17 +40,13 @@ from tests.model.rules import (
 
 
 class LedgerMachine(LedgerRules):
-    server_url: str
-    template: str
+    databases: Databases
 
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.database = f"kvq_stateful_{uuid.uuid4().hex[:10]}"
-        with psycopg.connect(self.server_url, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{self.database}" TEMPLATE "{self.template}"')
-        url = make_url(self.server_url).set(database=self.database)
-        self.engine = connect(url.render_as_string(hide_password=False), pool_size=2)
+        self.database = self.databases.take()
+        self.engine = connect(self.databases.url(self.database), pool_size=2)
         limits = Settings().admission_limits
         self.ledger = Ledger(self.engine, limits)
         self.pins = Pins(self.engine, limits)
@@ -63,8 +58,7 @@ class LedgerMachine(LedgerRules):
     def teardown(self) -> None:
         self.run(self.engine.dispose())
         self.loop.close()
-        with psycopg.connect(self.server_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
+        self.databases.drop(self.database)
 
     def build_fleet(self) -> tuple[dict[str, str], str]:
         catalog = Catalog(self.engine)
@@ -129,9 +123,8 @@ class LedgerMachine(LedgerRules):
         return [tuple(b) for b in blocks], [tuple(t) for t in tenants]
 
 
-def test_ledger_matches_the_reference_model(server_url: str, template_database: str) -> None:
-    LedgerMachine.server_url = server_url
-    LedgerMachine.template = template_database
+def test_ledger_matches_the_reference_model(databases: Databases) -> None:
+    LedgerMachine.databases = databases
     run_state_machine_as_test(
         LedgerMachine,
         settings=settings(
