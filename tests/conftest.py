@@ -6,7 +6,7 @@ runs never collide."""
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 
 import psycopg
 import pytest
@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from quota_service.config import Settings
 from quota_service.store import embedded, migrate
 from quota_service.store.database import connect
+from tests import processes
 from tests.databases import Databases
 
 LOCAL_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -24,6 +25,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The slow tests first: under pytest-xdist a worker that starts one last keeps the whole run
     # waiting for it. The sort is stable, so the rest keep their order.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Kills what the test started and left running (set up before, so torn down after, the
+    test's other fixtures); a test that passed fails for it."""
+    mark = processes.started()
+    yield
+    left = processes.kill_since(mark)
+    call = getattr(request.node, "rep_call", None)
+    if left and call is not None and call.passed:
+        pytest.fail(f"the test left these running (now killed): {left}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_outlives_the_session() -> Iterator[None]:
+    yield
+    left = processes.kill_since()
+    assert not left, f"still running at the end of the session (now killed): {left}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item,
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    # Each phase's report on the item, for the fixtures above to see how the test went.
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
 
 
 def _reachable(url: str) -> bool:
