@@ -1,9 +1,10 @@
 """Property-based stateful test of the instance journal against the reference model (the rules
 are tests/model/rules.py): each instance's machine is served by an owner that commits every
-step's changes to PostgreSQL. After every step, besides everything the machine test checks, a
-machine rebuilt from the record alone must equal the live one (invariant 8), tenants' fleet-wide
-totals in the record must equal their holdings in memory, and the record's derived views (each
-slot's references and state, each tenant's holdings) must equal the machines'."""
+step's changes to PostgreSQL. After every step, besides everything the machine test checks,
+tenants' fleet-wide totals in the record must equal their holdings in memory; after the steps
+tests/examples.py says, and after the last, a machine rebuilt from the record alone must equal the
+live one (invariant 8), and the record's derived views (each slot's references and state, each
+tenant's holdings) must equal the machines'."""
 
 from __future__ import annotations
 
@@ -45,10 +46,13 @@ class JournalVersusModel(MachinesVersusModel):
         return self.loop.run_until_complete(work)
 
     def teardown(self) -> None:
-        self.run(self.journal.close())
-        self.run(self.engine.dispose())
-        self.loop.close()
-        self.databases.drop(self.database)
+        try:
+            super().teardown()
+        finally:
+            self.run(self.journal.close())
+            self.run(self.engine.dispose())
+            self.loop.close()
+            self.databases.drop(self.database)
 
     def build_fleet(self) -> tuple[dict[str, str], str]:
         catalog = Catalog(self.engine)
@@ -82,10 +86,12 @@ class JournalVersusModel(MachinesVersusModel):
             rows = await conn.execute(text("SELECT tenant, cache_salt FROM tenants"))
             return {tenant: salt for tenant, salt in rows.all()}
 
-    def check_record(self, name: str, machine: InstanceMachine) -> None:
+    def check_record(self, name: str, machine: InstanceMachine, thorough: bool) -> None:
         owner = self.owners[name]
         self.run(owner.apply(lambda m, now: None))
         assert not machine.changes_pending()
+        if not thorough:
+            return
         recorded = self.run(self.journal.read(name))
         tenants = self.run(self.journal.tenants())
         settings = {one.tenant: one for one in tenants}
@@ -130,8 +136,8 @@ class JournalVersusModel(MachinesVersusModel):
         ]
         assert [tuple(row) for row in holdings] == in_memory
 
-    def observed(self) -> Any:
-        observed = super().observed()
+    def observed(self, thorough: bool) -> Any:
+        observed = super().observed(thorough)
 
         async def totals() -> Sequence[Any]:
             async with self.engine.connect() as conn:
