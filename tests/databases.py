@@ -1,8 +1,8 @@
 """The tests' databases on one PostgreSQL server: copies of the migrated template, made ahead and
-dropped in batches by background threads. CREATE DATABASE writes the whole copy to the WAL; DROP
+dropped behind by background threads. CREATE DATABASE writes the whole copy to the WAL; DROP
 DATABASE waits for a checkpoint, which flushes the whole server and, with every test (of every
 suite using the server) asking for its own, took seconds. A test takes a copy made while the one
-before it ran; the drops of a batch, sent at once, share a checkpoint."""
+before it ran, and its own is dropped while the next ones run."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from contextlib import contextmanager
 import psycopg
 from sqlalchemy import make_url
 
-# Databases dropped together; as many exist at once, besides those in use.
-DROP_BATCH = 16
+# Drops at once: they share checkpoints, but each holds a connection of the server's hundred,
+# which other workers and suites need too.
+DROPPING = 4
 
 
 class Databases:
@@ -24,9 +25,8 @@ class Databases:
         """A template database, made ready by `prepare` (given its URL)."""
         self.server_url = server_url
         self._copies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-copies")
-        self._drops = ThreadPoolExecutor(max_workers=DROP_BATCH, thread_name_prefix="test-drops")
+        self._drops = ThreadPoolExecutor(max_workers=DROPPING, thread_name_prefix="test-drops")
         self._spares: deque[Future[str]] = deque()
-        self._done: list[str] = []
         self._dropped: list[Future[None]] = []
         self.template = self.create(None)
         prepare(self.url(self.template))
@@ -53,17 +53,10 @@ class Databases:
         return self._spares.popleft().result()
 
     def drop(self, name: str) -> None:
-        """Drops the database with the next batch (close() drops the last one)."""
-        self._done.append(name)
-        if len(self._done) >= DROP_BATCH:
-            self._drop_batch()
-
-    def _drop_batch(self) -> None:
-        self._dropped += [
+        """Drops the database in the background (close() waits for it)."""
+        self._dropped.append(
             self._drops.submit(self._admin, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            for name in self._done
-        ]
-        self._done.clear()
+        )
 
     @contextmanager
     def fresh(self) -> Iterator[str]:
@@ -75,15 +68,14 @@ class Databases:
             self.drop(name)
 
     def close(self) -> None:
-        """Drops the rest, the spare copies and the template too, and waits for every drop;
-        raises the first that failed."""
+        """Drops the spare copies and the template too, and waits for every drop; raises the
+        first that failed."""
         try:
             while self._spares:
                 self.drop(self._spares.popleft().result())
         finally:
             self._copies.shutdown(wait=True)
         self.drop(self.template)
-        self._drop_batch()
         self._drops.shutdown(wait=True)
         for dropped in self._dropped:
             dropped.result()
