@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import threading
 import time
 from collections.abc import Iterator
-from wsgiref.simple_server import WSGIServer
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -328,9 +332,28 @@ def _reclaim_families(tallies: list[ReclaimTally]) -> Iterator[Metric]:
     yield from (steps, blocks, gpu_bytes)
 
 
+class _Unlogged(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged."""
+
+
+class _MetricsServer(ThreadingWSGIServer):
+    def __init__(self, host: str, port: int) -> None:
+        # An IPv6 host needs its own address family, as in prometheus_client's server.
+        family, *_, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        self.address_family = family
+        super().__init__((str(address[0]), port), _Unlogged)
+
+
 def serve_metrics(listen: str, registry: CollectorRegistry) -> WSGIServer:
     """Serve `registry` on /metrics at `listen` ("host:port"; port 0 picks one) in a thread."""
     host, port = listen.rsplit(":", 1)
-    server, _ = start_http_server(int(port), host, registry)
+    server = _MetricsServer(host, int(port))
+    server.set_app(make_wsgi_app(registry))
+    # prometheus_client's start_http_server but for the poll: shutdown() waits for the serving
+    # loop's next one, half a second there, which every stop of a server paid.
+    threading.Thread(target=server.serve_forever, args=(0.05,), name="metrics", daemon=True).start()
     log.info("serving Prometheus metrics on %s:%d", host, server.server_port)
     return server

@@ -6,17 +6,17 @@ runs never collide."""
 from __future__ import annotations
 
 import os
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 
 import psycopg
 import pytest
-from sqlalchemy import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
 from quota_service.store import embedded, migrate
 from quota_service.store.database import connect
+from tests import processes
+from tests.databases import Databases
 
 LOCAL_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 # The hot path the suite's servers use: memory, as served by default, or the per-block ledger
@@ -30,21 +30,41 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Kills what the test started and left running (set up before, so torn down after, the
+    test's other fixtures); a test that passed fails for it."""
+    mark = processes.started()
+    yield
+    left = processes.kill_since(mark)
+    call = getattr(request.node, "rep_call", None)
+    if left and call is not None and call.passed:
+        pytest.fail(f"the test left these running (now killed): {left}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_outlives_the_session() -> Iterator[None]:
+    yield
+    left = processes.kill_since()
+    assert not left, f"still running at the end of the session (now killed): {left}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item,
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    # Each phase's report on the item, for the fixtures above to see how the test went.
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
 def _reachable(url: str) -> bool:
     try:
         with psycopg.connect(url, connect_timeout=2):
             return True
     except psycopg.OperationalError:
         return False
-
-
-def _with_database(url: str, database: str) -> str:
-    return make_url(url).set(database=database).render_as_string(hide_password=False)
-
-
-def _admin(url: str, sql: str) -> None:
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(sql)
 
 
 @pytest.fixture(scope="session")
@@ -63,31 +83,25 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def template_database(server_url: str) -> Iterator[str]:
-    name = f"kvq_template_{uuid.uuid4().hex[:12]}"
-    _admin(server_url, f'CREATE DATABASE "{name}"')
-    migrate.upgrade(_with_database(server_url, name))
-    yield name
-    _admin(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def _fresh_database(server_url: str, template_database: str) -> Iterator[str]:
-    name = f"kvq_test_{uuid.uuid4().hex[:12]}"
-    _admin(server_url, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
-    yield _with_database(server_url, name)
-    _admin(server_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+def databases(server_url: str) -> Iterator[Databases]:
+    """Copies of a template database at the latest migration."""
+    made = Databases(server_url, migrate.upgrade)
+    yield made
+    made.close()
 
 
 @pytest.fixture
-def database_url(server_url: str, template_database: str) -> Iterator[str]:
-    yield from _fresh_database(server_url, template_database)
+def database_url(databases: Databases) -> Iterator[str]:
+    with databases.fresh() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
-def module_database_url(server_url: str, template_database: str) -> Iterator[str]:
+def module_database_url(databases: Databases) -> Iterator[str]:
     """One database for every test of a module, for tests that each need little of it and
     check what they do to it themselves (the fuzz test)."""
-    yield from _fresh_database(server_url, template_database)
+    with databases.fresh() as url:
+        yield url
 
 
 @pytest.fixture

@@ -13,11 +13,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +23,13 @@ from typing import Any
 
 import grpc
 import httpx
-import psycopg
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvquota.client import AsyncKvquotaClient, KvquotaClient
 from kvquota.v1 import admin_pb2
 from kvquota.v1 import resources_pb2 as pb
+from tests.databases import Databases
 from tests.engines.conftest import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -128,27 +126,23 @@ def engine(chat_model: Path, logs: Path) -> Iterator[Engine]:
 
 
 @pytest.fixture(scope="session")
-def kvquota_address(server_url: str, template_database: str, logs: Path) -> Iterator[str]:
+def kvquota_address(databases: Databases, logs: Path) -> Iterator[str]:
     """A kvquota server on its own database, with the engine's instance and the tenants."""
-    name = f"kvq_gateways_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
-    address = f"127.0.0.1:{free_port()}"
-    env = {
-        **os.environ,
-        "KVQUOTA_DATABASE_URL": re.sub(r"/[^/]*$", f"/{name}", server_url),
-        "KVQUOTA_GRPC_LISTEN": address,
-        "KVQUOTA_METRICS_LISTEN": "",
-        "KVQUOTA_AUTH_REQUIRED": "false",
-        "KVQUOTA_REAPER_INTERVAL_SECONDS": "0.2",
-    }
-    log = logs / "kvquota.log"
-    server = _spawn([sys.executable, "-m", "quota_service.cli", "serve"], log, env)
-    wait_until(lambda: grpc_serving(address), server, "kvquota", log)
-    yield address
-    stop_vllm(server)
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with databases.fresh() as database_url:
+        address = f"127.0.0.1:{free_port()}"
+        env = {
+            **os.environ,
+            "KVQUOTA_DATABASE_URL": database_url,
+            "KVQUOTA_GRPC_LISTEN": address,
+            "KVQUOTA_METRICS_LISTEN": "",
+            "KVQUOTA_AUTH_REQUIRED": "false",
+            "KVQUOTA_REAPER_INTERVAL_SECONDS": "0.2",
+        }
+        log = logs / "kvquota.log"
+        server = _spawn([sys.executable, "-m", "quota_service.cli", "serve"], log, env)
+        wait_until(lambda: grpc_serving(address), server, "kvquota", log)
+        yield address
+        stop_vllm(server)
 
 
 @pytest.fixture(scope="session")

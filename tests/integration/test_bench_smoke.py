@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,16 +23,19 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_quick_suite_measures_every_scenario(server_url: str, tmp_path: Path) -> None:
     docs = tmp_path / "benchmarks.md"
     env = {**os.environ, "KVQUOTA_DATABASE_URL": server_url}
-    done = subprocess.run(
+    suite = processes.popen(
         [sys.executable, "-m", "bench.suite", "--quick", "--json", "--docs", str(docs)],
         cwd=ROOT,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
+    try:
+        stdout, stderr = suite.communicate(timeout=280)
+    finally:
+        processes.stop(suite)  # and the servers it started, should it have left any
+    assert suite.returncode == 0, stderr[-3000:]
+    result = json.loads(stdout)
 
     # Every target got a figure, and the suite says whether it is met.
     assert {t["key"] for t in result["targets"]} >= {

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 
 import grpc
 from sqlalchemy import text
@@ -15,10 +14,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from kvquota.client import AsyncKvquotaClient, RetryPolicy
 from kvquota.v1 import admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
+from tests import processes
 from tests.integration.grpc_helpers import admit, until_queued
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant, counters
-from tests.integration.test_replicas import start_replica
+from tests.integration.test_replicas import serving_address, spawn_replica
 
 # On the memory hot path, how soon a stopped replica's instances may be served by another.
 OWNER_LEASE_SECONDS = "2"
@@ -27,23 +27,17 @@ OWNER_LEASE_SECONDS = "2"
 RETRY = RetryPolicy(max_attempts=10, deadline_seconds=30)
 
 
-def stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.terminate()
-    process.wait(timeout=30)
-    assert process.stdout is not None
-    process.stdout.close()
-
-
 async def test_admit_moves_to_another_replica_when_its_server_shuts_down(
     engine: AsyncEngine, database_url: str
 ) -> None:
     await add_instance(engine, blocks=64)
     await add_tenant(engine, "acme")
-    first, first_address = start_replica(
+    # Both start at once; each takes a second or more to import and serve.
+    first = spawn_replica(
         database_url, shutdown_grace_seconds="2", owner_lease_seconds=OWNER_LEASE_SECONDS
     )
-    second, second_address = start_replica(database_url, owner_lease_seconds=OWNER_LEASE_SECONDS)
+    second = spawn_replica(database_url, owner_lease_seconds=OWNER_LEASE_SECONDS)
+    first_address, second_address = serving_address(first), serving_address(second)
     try:
         async with (
             grpc.aio.insecure_channel(first_address) as to_first,
@@ -68,8 +62,8 @@ async def test_admit_moves_to_another_replica_when_its_server_shuts_down(
             )
             admitted = await asyncio.wait_for(waiting, 30)
     finally:
-        stop(first)
-        stop(second)
+        processes.stop(first)
+        processes.stop(second)
     assert admitted.reservation.state == pb.RESERVATION_STATE_ADMITTED
     assert admitted.reservation.reserved_blocks == 8
     await assert_invariants(engine)

@@ -12,6 +12,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvquota.v1 import admission_pb2, admission_pb2_grpc
+from tests import processes
 from tests.integration.grpc_helpers import admit
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant, counters
@@ -54,10 +55,8 @@ async def test_kill_9_mid_load_loses_nothing(engine: AsyncEngine, database_url: 
     async with grpc.aio.insecure_channel(address) as channel:
         clients = [asyncio.create_task(client(c, channel)) for c in range(16)]
         await asyncio.wait_for(under_way.wait(), 60)
-        assert victim.stdout is not None
         victim.send_signal(signal.SIGKILL)
-        victim.wait(timeout=10)
-        victim.stdout.close()
+        processes.stop(victim)
         await asyncio.gather(*clients)
 
     await assert_invariants(engine)
@@ -81,10 +80,7 @@ async def test_kill_9_mid_load_loses_nothing(engine: AsyncEngine, database_url: 
             )
             ends: dict[str, int] = {reason: count for reason, count in rows.all()}
     finally:
-        survivor.terminate()
-        survivor.wait(timeout=30)
-        assert survivor.stdout is not None
-        survivor.stdout.close()
+        processes.stop(survivor)
     assert set(ends) == {"RELEASED", "LEASE_EXPIRED"}, ends
     await assert_invariants(engine)
     books = await counters(engine)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from quota_service.cli import main as cli_main
+from tests import processes
 
 ADDRESS = re.compile(r"serving gRPC on (\S+)")
 METRICS = re.compile(r"serving metrics on (\S+)")
@@ -28,12 +29,11 @@ def test_serve_on_embedded_postgres(tmp_path: Path, capsys: pytest.CaptureFixtur
         "KVQUOTA_GRPC_LISTEN": "127.0.0.1:0",
         "KVQUOTA_METRICS_LISTEN": "127.0.0.1:0",
     }
-    process = subprocess.Popen(
+    process = processes.popen(
         [sys.executable, "-m", "quota_service.cli", "serve", "--migrate", "--demo"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        text=True,
     )
     assert process.stdout is not None
     try:

@@ -18,6 +18,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
+from tests import processes
 from tests.integration.test_replicas import start_replica
 
 CLIENTS_PER_TENANT = 12
@@ -35,10 +36,7 @@ async def test_weights_hold_when_holds_are_short(database_url: str) -> None:
         async with grpc.aio.insecure_channel(address) as channel:
             admitted = await flood([channel])
     finally:
-        process.terminate()
-        process.wait(timeout=30)
-        assert process.stdout is not None
-        process.stdout.close()
+        processes.stop(process)
     share = admitted["heavy"] / (admitted["heavy"] + admitted["light"])
     print(f"admissions {dict(admitted)}: the weight-3 tenant got {share:.1%}")
     assert sum(admitted.values()) >= 150, admitted

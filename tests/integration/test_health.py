@@ -4,8 +4,7 @@ NOT_SERVING again while the database refuses connections, and SERVING when it is
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -18,6 +17,7 @@ from sqlalchemy import make_url
 from quota_service.api import server
 from quota_service.config import Settings
 from quota_service.store import migrate
+from tests.databases import Databases
 from tests.integration.grpc_helpers import free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -25,15 +25,11 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.fixture
-async def empty_database(database_url: str) -> AsyncIterator[str]:
+def empty_database(databases: Databases) -> Iterator[str]:
     """A database with no migrations applied, on the test server; dropped afterwards."""
-    admin_url = make_url(database_url).set(database="postgres").render_as_string(False)
-    name = f"kvq_health_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield make_url(database_url).set(database=name).render_as_string(False)
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    name = databases.create(None)
+    yield databases.url(name)
+    databases.drop(name)
 
 
 async def status(address: str) -> Any:

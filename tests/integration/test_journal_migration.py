@@ -9,12 +9,10 @@ Admit must get what the per-block ledger would have given it."""
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-import psycopg
 import pytest
 from sqlalchemy import make_url, text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -35,6 +33,7 @@ from quota_service.store.journal import GENERATIONS_PER_EPOCH, NO_TOTALS, Journa
 from quota_service.store.ledger import Ledger, offload
 from quota_service.store.pins import Pins
 from quota_service.store.reconcile import Reconciler
+from tests.databases import Databases
 from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
 from tests.integration.test_pins_and_offboarding import BS, tokens
 from tests.unit.machine_fixtures import assert_same_machine, recount, slot_rows
@@ -75,21 +74,19 @@ async def ledger_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
 
 
 @pytest.fixture
-def copy_of(server_url: str) -> Iterator[Callable[[str], str]]:
+def copy_of(databases: Databases) -> Iterator[Callable[[str], str]]:
     """Copies of a database (nothing may be connected to it meanwhile), dropped afterwards."""
     copies: list[str] = []
 
     def copy(url: str) -> str:
-        name = f"kvq_copy_{uuid.uuid4().hex[:12]}"
-        with psycopg.connect(server_url, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{make_url(url).database}"')
-        copies.append(name)
-        return make_url(url).set(database=name).render_as_string(hide_password=False)
+        database = make_url(url).database
+        assert database is not None
+        copies.append(databases.create(database))
+        return databases.url(copies[-1])
 
     yield copy
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        for name in copies:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    for name in copies:
+        databases.drop(name)
 
 
 async def fill(engine: AsyncEngine) -> None:

@@ -6,7 +6,6 @@ past its lease."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
+from tests import processes
 from tests.conftest import IN_MEMORY
 from tests.integration.grpc_helpers import quota, rich_error
 from tests.integration.invariants import assert_invariants
@@ -56,7 +56,7 @@ class Replica:
 
 
 @pytest.fixture
-def processes(database_url: str) -> Iterator[list[tuple[subprocess.Popen[str], str]]]:
+def servers(database_url: str) -> Iterator[list[tuple[subprocess.Popen[str], str]]]:
     spawned = [
         spawn_replica(
             database_url,
@@ -68,18 +68,13 @@ def processes(database_url: str) -> Iterator[list[tuple[subprocess.Popen[str], s
     ]
     started = [(process, serving_address(process)) for process in spawned]
     yield started
-    for process, _ in started:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGCONT)
-            process.terminate()
-            process.wait(timeout=30)
-        assert process.stdout is not None
-        process.stdout.close()
+    for process in spawned:
+        processes.stop(process)
 
 
 @pytest.fixture
-async def fleet(processes: list[tuple[subprocess.Popen[str], str]]) -> AsyncIterator[list[Replica]]:
-    replicas = [Replica(p, a, grpc.aio.insecure_channel(a)) for p, a in processes]
+async def fleet(servers: list[tuple[subprocess.Popen[str], str]]) -> AsyncIterator[list[Replica]]:
+    replicas = [Replica(p, a, grpc.aio.insecure_channel(a)) for p, a in servers]
     yield replicas
     for replica in replicas:
         await replica.channel.close()

@@ -26,6 +26,7 @@ from quota_service.store.reclaim import (
     FEWER_CACHED_SINCE_PLAN,
     ReclaimJobs,
 )
+from tests import processes
 from tests.integration.grpc_helpers import admit
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
@@ -205,7 +206,7 @@ async def test_a_killed_executor_s_job_resumes_and_frees_each_block_once(
     await cached_pool(engine, settings, 12)
     jobs = ReclaimJobs(engine, free_batch_blocks=1)
     job = await jobs.create("kill-me", "gpu-0", ReclaimTarget(12, Tier.FREE), dry_run=False)
-    process = await asyncio.create_subprocess_exec(
+    process = await processes.exec_async(
         sys.executable, "-c", EXECUTOR, database_url, job.job_id, stdout=asyncio.subprocess.PIPE
     )
     assert process.stdout is not None

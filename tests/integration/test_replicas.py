@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvquota.v1 import admission_pb2, admission_pb2_grpc
 from quota_service.core.model import TenantQuota
+from tests import processes
 from tests.integration.grpc_helpers import rich_error
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant, counters
@@ -45,12 +46,11 @@ def spawn_replica(database_url: str, **settings: str) -> subprocess.Popen[str]:
         "KVQUOTA_AUTH_REQUIRED": "false",
         **{f"KVQUOTA_{k.upper()}": v for k, v in settings.items()},
     }
-    return subprocess.Popen(
+    return processes.popen(
         [sys.executable, "-m", "quota_service.cli", "serve"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        text=True,
     )
 
 
@@ -72,13 +72,11 @@ def start_replica(database_url: str, **settings: str) -> tuple[subprocess.Popen[
 
 @pytest.fixture
 def replicas(database_url: str) -> Iterator[list[str]]:
-    started = [start_replica(database_url) for _ in range(2)]
-    yield [address for _, address in started]
-    for process, _ in started:
-        process.terminate()
-        process.wait(timeout=30)
-        assert process.stdout is not None
-        process.stdout.close()
+    # Both start at once; each takes a second or more to import and serve.
+    spawned = [spawn_replica(database_url) for _ in range(2)]
+    yield [serving_address(process) for process in spawned]
+    for process in spawned:
+        processes.stop(process)
 
 
 async def test_two_replicas_never_over_commit(engine: AsyncEngine, replicas: list[str]) -> None:
@@ -136,11 +134,11 @@ async def test_two_replicas_share_one_queue_and_a_killed_one_loses_nothing(
     admitted exactly once."""
     await add_instance(engine, blocks=8)
     await add_tenant(engine, "acme")
-    started = [
-        start_replica(database_url, reaper_interval_seconds="0.2", owner_lease_seconds="2")
+    victim, survivor = (
+        spawn_replica(database_url, reaper_interval_seconds="0.2", owner_lease_seconds="2")
         for _ in range(2)
-    ]
-    (victim, victim_address), (survivor, survivor_address) = started
+    )
+    victim_address, survivor_address = serving_address(victim), serving_address(survivor)
     channels = [grpc.aio.insecure_channel(a) for a in (victim_address, survivor_address)]
     stubs = [admission_pb2_grpc.AdmissionServiceStub(c) for c in channels]
     admitted: list[str] = []
@@ -180,18 +178,13 @@ async def test_two_replicas_share_one_queue_and_a_killed_one_loses_nothing(
     try:
         waiting = [asyncio.ensure_future(one(i)) for i in range(12)]
         await asyncio.sleep(0.5)
-        assert victim.stdout is not None
         victim.send_signal(signal.SIGKILL)
-        victim.wait(timeout=10)
-        victim.stdout.close()
+        processes.stop(victim)
         await asyncio.wait_for(asyncio.gather(*waiting), 60)
     finally:
         for channel in channels:
             await channel.close()
-        survivor.terminate()
-        survivor.wait(timeout=30)
-        assert survivor.stdout is not None
-        survivor.stdout.close()
+        processes.stop(survivor)
     assert retried, "the killed replica had nobody waiting: the test proved nothing"
     assert sorted(admitted) == sorted(f"w{i}" for i in range(12))
     async with engine.connect() as conn:

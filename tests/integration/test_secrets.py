@@ -37,6 +37,7 @@ from quota_service import demo
 from quota_service.core import access
 from quota_service.engine.simulated import SimulatedHost
 from quota_service.store.access import create_bootstrap_key
+from tests import processes
 
 ADDRESS = re.compile(r"serving gRPC on (\S+)")
 METRICS = re.compile(r"serving metrics on (\S+)")
@@ -73,12 +74,11 @@ def serve_at_debug(database_url: str, stderr: IO[str]) -> subprocess.Popen[str]:
         "KVQUOTA_AUTH_CACHE_SECONDS": "0.05",
         "KVQUOTA_REAPER_INTERVAL_SECONDS": "0.2",
     }
-    return subprocess.Popen(
+    return processes.popen(
         [sys.executable, "-m", "quota_service.cli", "serve"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=stderr,
-        text=True,
     )
 
 

@@ -31,10 +31,11 @@ from kvquota.v1 import admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
 from quota_service.api import server
 from quota_service.config import Settings
+from tests import processes
 from tests.integration.grpc_helpers import STATUS_DETAILS_KEY, rich_error
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant
-from tests.integration.test_replicas import start_replica
+from tests.integration.test_replicas import serving_address, spawn_replica
 
 GRACE_SECONDS = 5.0
 # Interpreter and connection teardown after the grace: the "small margin".
@@ -139,15 +140,16 @@ async def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_within_
     await add_instance(engine, "gpu-1", blocks=4096)
     await add_tenant(engine, "acme")
     await add_tenant(engine, "busy")
-    process, address = start_replica(
+    process = spawn_replica(
         database_url,
         shutdown_grace_seconds=str(GRACE_SECONDS),
         auth_required="false",
         reaper_interval_seconds="0.2",
         owner_lease_seconds=OWNER_LEASE_SECONDS,
     )
-    # Another replica of the fleet, which keeps serving.
-    other, other_address = start_replica(database_url, owner_lease_seconds=OWNER_LEASE_SECONDS)
+    # Another replica of the fleet, which keeps serving; both start at once.
+    other = spawn_replica(database_url, owner_lease_seconds=OWNER_LEASE_SECONDS)
+    address, other_address = serving_address(process), serving_address(other)
     channel = grpc.aio.insecure_channel(address)
     # A gateway's client of it: on the memory hot path it retries INSTANCE_MOVING while the
     # instances this replica served move to the other one.
@@ -270,14 +272,9 @@ async def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_within_
     finally:
         await channel.close()
         await elsewhere.close()
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        other.terminate()
-        other.wait(timeout=30)
-        for started in (process, other):
-            assert started.stdout is not None
-            started.stdout.close()
+        process.kill()  # it exited by now, unless the test failed
+        processes.stop(process)
+        processes.stop(other)
 
     # The load: every call started once the drain was seen is refused. One sent as the signal
     # arrived may be refused, or cancelled by gRPC core; check_ledger shows it never ran.

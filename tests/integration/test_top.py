@@ -22,6 +22,7 @@ from quota_service.cli import main as cli_main
 from quota_service.cli.top import CLEAR
 from quota_service.config import Settings
 from quota_service.core.model import TenantQuota
+from tests import processes
 from tests.integration.grpc_helpers import admit, until_queued
 from tests.integration.ledger_fixtures import add_instance, add_tenant, counters
 
@@ -201,7 +202,7 @@ async def test_top_json_is_one_snapshot(
 
 
 async def test_top_redraws_until_ctrl_c(address: str) -> None:
-    process = await asyncio.create_subprocess_exec(
+    process = await processes.exec_async(
         sys.executable,
         *("-m", "quota_service.cli", "top", "--interval", "0.1", "--server", address),
         stdout=asyncio.subprocess.PIPE,

@@ -2,10 +2,12 @@
 keeps the ledger: admit / release / cancel / release-blocks / pin / unpin / offboard sequences
 over four tenants (two isolated, two sharing a namespace) and two small instances. A subclass says
 how each operation is carried out on its system under test and how that system's slots and
-tenants read; after every step they must equal the model's."""
+tenants read; after every step they must equal the model's. The system's own expensive checks
+run after the steps tests/examples.py says, and after the last one."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from hypothesis import strategies as st
@@ -21,6 +23,7 @@ from quota_service.config import Settings
 from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.model import AdmitParams, EndReason, TenantQuota, TenantState
+from tests.examples import thorough_after
 from tests.model.ledger_model import Model, Slot, Tenant
 
 BS = 16
@@ -51,6 +54,7 @@ class LedgerRules(RuleBasedStateMachine):
         self.model = Model(Settings().admission_limits, BS)
         self.requests = 0
         self.offboarded = False
+        self.steps = 0
 
     # The system under test.
 
@@ -80,9 +84,9 @@ class LedgerRules(RuleBasedStateMachine):
     def apply_offboard(self, tenant: str) -> None:
         raise NotImplementedError
 
-    def observed(self) -> tuple[list[SlotRow], list[TenantRow]]:
+    def observed(self, thorough: bool) -> tuple[list[SlotRow], list[TenantRow]]:
         """Every slot (by instance, then id) and every tenant (by name), and any other check
-        of the system's own (its invariants)."""
+        of the system's own (its invariants); the expensive ones only if `thorough`."""
         raise NotImplementedError
 
     # The rules.
@@ -201,9 +205,19 @@ class LedgerRules(RuleBasedStateMachine):
 
     @invariant()
     def matches_the_model(self) -> None:
+        self.steps += 1
+        self.compare(thorough_after(self.steps))
+
+    def teardown(self) -> None:
+        # The last state gets the expensive checks too, unless the run failed already (hypothesis
+        # tears down in a finally: the exception in flight is the one to report).
+        if sys.exc_info()[0] is None and not thorough_after(self.steps):
+            self.compare(thorough=True)
+
+    def compare(self, thorough: bool) -> None:
         if not self.model.slots:
             return
-        slots, tenants = self.observed()
+        slots, tenants = self.observed(thorough)
         expected_slots = [
             (name, i, s.state, s.ref_count, s.pin_count, s.generation, s.content_hash)
             for name in sorted(self.model.slots)

@@ -4,7 +4,8 @@ will do done here: the catalog's tenant settings pushed to every machine, a tena
 the other instances given for its fleet-wide quota, a repeated request id sent to the machine that
 holds it, and a pin id kept unique across instances. After every step every slot and tenant must
 match the model, each machine's counters must agree with a recount of its slots, tables and pins
-(invariants 1-4), and a machine recovered from each one's image must equal it (invariant 8)."""
+(invariants 1-4), and a machine recovered from each one's image must equal it (invariant 8;
+after the steps tests/examples.py says, and after the last)."""
 
 from __future__ import annotations
 
@@ -132,24 +133,26 @@ class MachinesVersusModel(LedgerRules):
         )
         self._publish(own)
 
-    def check_record(self, name: str, machine: InstanceMachine) -> None:
-        """What the journal would keep of the machine rebuilds it exactly, and the usage it
-        would meter adds up to what each tenant holds, by how many tenants share each block."""
+    def check_record(self, name: str, machine: InstanceMachine, thorough: bool) -> None:
+        """What the journal would keep of the machine rebuilds it exactly (if `thorough`), and
+        the usage it would meter adds up to what each tenant holds, by how many tenants share
+        each block."""
         changes = machine.drain_changes()
         record_slot_changes(self.recorded[name], changes.slots, changes.dropped_slots)
-        check_recovery(machine, self.recorded[name])
+        if thorough:
+            check_recovery(machine, self.recorded[name])
         metered = self.metered.setdefault(name, {})
         for tenant, usage in changes.usage.items():
             metered.setdefault(tenant, Counter()).update(usage.blocks)
         assert {t: +c for t, c in metered.items() if +c} == shares_held(machine)
 
-    def observed(self) -> tuple[list[SlotRow], list[TenantRow]]:
+    def observed(self, thorough: bool) -> tuple[list[SlotRow], list[TenantRow]]:
         slots: list[SlotRow] = []
         for name in sorted(self.machines):
             machine = self.machines[name]
             slots += [(name, *row) for row in slot_rows(machine)]
             recount(machine)
-            self.check_record(name, machine)
+            self.check_record(name, machine, thorough)
         tenants: list[TenantRow] = []
         for tenant in sorted(TENANTS):
             holdings = [m.tenants[tenant] for m in self.machines.values()]
