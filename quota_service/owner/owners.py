@@ -447,6 +447,19 @@ class OwnedLedger(Ledger):
         # Ended long ago (no machine keeps it): the record has it, if anything does.
         return await super().get(tenant, request_id)
 
+    async def follow(self, tenant: str, request_id: str) -> Reservation:
+        """From its owner here or, once its instance moved (handed over by this replica as it
+        stops, or taken by another), from the record, which holds all its new owner
+        acknowledged: a wait begun here is answered here, never restarted at the new owner
+        (where a forwarded wait could meet its own end as RESERVATION_ENDED, or a watch see
+        its current state twice)."""
+        try:
+            return await self.get(tenant, request_id)
+        except (ServedElsewhere, KvQuotaError) as error:
+            if not _moved(error):
+                raise
+        return await super().get(tenant, request_id)
+
     async def end(
         self,
         tenant: str,
@@ -473,7 +486,14 @@ class OwnedLedger(Ledger):
                 machine.end(tenant, request_id, reason, now)
             return _answer(machine, record), machine.queue_delay_at(record.params.priority)
 
-        return await self._on_reservation(tenant, request_id, stop)
+        try:
+            return await self._on_reservation(tenant, request_id, stop)
+        except (ServedElsewhere, KvQuotaError) as error:
+            if not _moved(error):
+                raise
+        # Its owner is elsewhere now, and ends the request at its wait deadline (or admits it
+        # first): it may still be queued.
+        return await super().get(tenant, request_id), self.min_retry_delay_seconds
 
     async def renew(self, tenant: str, request_id: str, ttl_seconds: float | None) -> Reservation:
         return await self._on_reservation(
@@ -545,6 +565,13 @@ class OwnedLedger(Ledger):
 
     async def dispatch_all(self) -> int:
         return sum([await self.dispatch(o.instance) for o in self._owners.served()])
+
+
+def _moved(error: Exception) -> bool:
+    """The instance is served by another replica now, or on its way to one."""
+    if isinstance(error, KvQuotaError):
+        return error.reason is Reason.INSTANCE_MOVING
+    return isinstance(error, ServedElsewhere)
 
 
 def _lapsed(record: ReservationRecord, now: float) -> bool:
