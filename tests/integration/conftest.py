@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 
 import grpc
@@ -12,27 +11,11 @@ from kvquota.v1 import admin_pb2_grpc, admission_pb2_grpc
 from quota_service.api import server
 from quota_service.config import Settings
 
-# What the memory hot path (KVQUOTA_HOT_PATH=memory, `make test-memory`) does not serve yet, and
-# why: these tests are skipped in that run only. Each entry goes once its part moves over.
-NOT_YET_IN_MEMORY = {
-    "test_one_replica_steps.py::test_a_lapsed_lease_is_reaped_by_the_replica_that_holds": (
-        "the per-block ledger's shared steps (each owner reaps its own instances in memory)"
-    ),
-    # Its queued Admits, woken while the draining replica's instances move, are answered
-    # INSTANCE_MOVING instead of waiting on at the new owner.
-    "test_shutdown.py::test_sigterm_drains": "a queued Admit is not kept waiting while it moves",
-}
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    in_memory = os.environ.get("KVQUOTA_HOT_PATH") == "memory"
     for item in items:
         if "tests/integration" in str(item.path):
             item.add_marker(pytest.mark.integration)
-        if in_memory:
-            for prefix, why in NOT_YET_IN_MEMORY.items():
-                if item.nodeid.removeprefix("tests/integration/").startswith(prefix):
-                    item.add_marker(pytest.mark.skip(reason=f"memory hot path: {why}"))
 
 
 @pytest.fixture
