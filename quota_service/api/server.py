@@ -321,7 +321,11 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     forwarding = None
     if hot_path.owners is not None:
         forwarding = ForwardingInterceptor(
-            hot_path.owners, peer_credentials(settings), MAX_MESSAGE_BYTES
+            hot_path.owners,
+            peer_credentials(settings),
+            MAX_MESSAGE_BYTES,
+            waiters,
+            ledger.min_retry_delay_seconds,
         )
     server = grpc.aio.server(
         interceptors=[

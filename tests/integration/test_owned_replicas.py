@@ -371,8 +371,17 @@ async def test_tenant_changes_and_offboarding_reach_every_owner(
         assert tuple(totals.one()) == (0, 0)
 
 
-async def test_a_forwarding_replica_killed_mid_call_loses_nothing(
-    engine: AsyncEngine, fleet: list[Replica]
+@pytest.mark.parametrize(
+    ("stopped_by", "answer"),
+    [
+        (signal.SIGKILL, None),  # the call breaks (UNAVAILABLE, no details)
+        # Stopping, it answers what it forwarded before its grace ends, as it does what waits
+        # on it.
+        (signal.SIGTERM, "SERVER_SHUTTING_DOWN"),
+    ],
+)
+async def test_a_forwarding_replica_stopped_mid_call_loses_nothing(
+    engine: AsyncEngine, fleet: list[Replica], stopped_by: signal.Signals, answer: str | None
 ) -> None:
     owner, forwarder, other = fleet
     await _register(owner, "gpu-a")
@@ -387,11 +396,14 @@ async def test_a_forwarding_replica_killed_mid_call_loses_nothing(
         await asyncio.sleep(0.1)
     else:
         raise AssertionError("the Admit never reached the owner's queue")
-    forwarder.process.send_signal(signal.SIGKILL)
-    forwarder.process.wait()
+    forwarder.process.send_signal(stopped_by)
     with pytest.raises(grpc.aio.AioRpcError) as lost:
         await waiting
     assert lost.value.code() is grpc.StatusCode.UNAVAILABLE
+    if answer is not None:
+        assert rich_error(lost.value).reason == answer
+    forwarder.process.wait(timeout=30)
+    assert (await _recorded_states(engine))["waiter"] == "QUEUED"
     await other.gateway.Release(admission_pb2.ReleaseRequest(name=holder.reservation.name))
     # The caller retries the same request through another replica: it kept its place in the
     # queue, and was admitted once the holder left.
