@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
-from tests.integration.grpc_helpers import quota, rich_error
+from tests.integration.grpc_helpers import STATUS_DETAILS_KEY, quota, rich_error
 from tests.integration.invariants import assert_invariants
 from tests.integration.test_fairness_short_holds import flood
 from tests.integration.test_replicas import serving_address, spawn_replica
@@ -238,7 +238,9 @@ async def test_weights_hold_when_clients_call_any_replica(fleet: list[Replica]) 
 
 
 async def _until_served(replica: Replica, tenant: str, prefix: str) -> float:
-    """Seconds until an Admit through `replica` is answered (each try a new request id)."""
+    """Seconds until an Admit through `replica` is answered by an owner (each try a new request
+    id): admitted, or refused because the instance is full (INSTANCE_OVERLOADED, as UNAVAILABLE
+    as no answer at all; on a fast machine the load fills it before the kill)."""
     started = time.monotonic()
     for attempt in range(200):
         try:
@@ -246,6 +248,9 @@ async def _until_served(replica: Replica, tenant: str, prefix: str) -> float:
             return time.monotonic() - started
         except grpc.aio.AioRpcError as error:
             assert error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            answered = STATUS_DETAILS_KEY in dict(error.trailing_metadata() or ())
+            if answered and rich_error(error).reason == "INSTANCE_OVERLOADED":
+                return time.monotonic() - started
             await asyncio.sleep(0.1)
     raise AssertionError("no replica took the instance over")
 
