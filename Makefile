@@ -38,7 +38,7 @@ test: $(STAMP) ## Unit and integration tests against a real PostgreSQL, in TEST_
 	$(call PYTEST,-n $(TEST_WORKERS) --maxschedchunk 1)
 
 # The integration tests again on the per-block ledger (KVQUOTA_HOT_PATH=ledger), until it is
-# removed; tests/integration/conftest.py lists what the memory hot path does not serve yet.
+# removed; a test of one hot path's own mechanism skips itself in the other's run.
 test-ledger: $(STAMP) ## Integration tests on the per-block ledger (KVQUOTA_HOT_PATH=ledger)
 	KVQUOTA_HOT_PATH=ledger $(call PYTEST,-n $(TEST_WORKERS) --maxschedchunk 1 tests/integration)
 

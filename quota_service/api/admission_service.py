@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -110,9 +111,13 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                 )
                 if reservation.state is ReservationState.ADMITTED:
                     return reservation  # admitted at the last moment
-                raise queueing.queue_timeout(
-                    reservation_name(tenant, request_id), budget_seconds, delay
-                )
+                if reservation.state is ReservationState.ENDED:
+                    raise queueing.queue_timeout(
+                        reservation_name(tenant, request_id), budget_seconds, delay
+                    )
+                # Still queued: its instance moved, and its new owner ends it at the same
+                # deadline (or admits it first); its verdict is what the caller gets.
+                remaining = math.inf
             if self._waiters.closed:
                 # This server is going away: the caller asks another one with the same request
                 # id, and the request keeps its place in the shared queue meanwhile.
@@ -120,7 +125,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                     reservation_name(tenant, request_id), self._ledger.min_retry_delay_seconds
                 )
             await self._waiters.next_change(key, remaining)
-            reservation = await self._ledger.get(tenant, request_id)
+            reservation = await self._ledger.follow(tenant, request_id)
         if reservation.state is ReservationState.ENDED:
             if reservation.end_reason is EndReason.QUEUE_TIMEOUT:
                 raise queueing.queue_timeout(
@@ -143,8 +148,10 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         tenant, request_id = reservation_key(request.name)
         key = f"{tenant}/{request_id}"
         last: tuple[object, ...] | None = None
+        # Served by the instance's owner (forwarded there if it is elsewhere); once the stream
+        # began, answered here to its end.
+        current = await self._ledger.get(tenant, request_id)
         while True:
-            current = await self._ledger.get(tenant, request_id)
             seen = (current.state, current.end_reason, current.queue_position)
             if seen != last:
                 yield convert.reservation(current)
@@ -156,7 +163,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                 return
             if self._waiters.closed:
                 raise queueing.shutting_down(request.name, self._ledger.min_retry_delay_seconds)
-            await self._waiters.next_change(key, float("inf"))
+            await self._waiters.next_change(key, math.inf)
+            current = await self._ledger.follow(tenant, request_id)
 
     async def RenewLease(
         self, request: pb.RenewLeaseRequest, context: Context

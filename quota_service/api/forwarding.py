@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import descriptor_pool, message_factory
@@ -28,6 +28,8 @@ from quota_service.api.error_status import (
     WrappingInterceptor,
     responses,
 )
+from quota_service.api.waiting import Waiters
+from quota_service.core import queueing
 from quota_service.core.errors import KvQuotaError, ServedElsewhere
 from quota_service.core.names import reservation_name
 from quota_service.core.reasons import Reason
@@ -35,10 +37,29 @@ from quota_service.owner.owners import Owners, forwarded_call
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 FORWARDED_BY_KEY = "kvquota-forwarded-by"
 _ADMISSION = admission_pb2.DESCRIPTOR.services_by_name["AdmissionService"].full_name
 ADMIT = f"/{_ADMISSION}/Admit"
 CANCEL = f"/{_ADMISSION}/Cancel"
+
+
+def _admitted_name(request: Any) -> str:
+    return reservation_name(request.tenant.removeprefix("tenants/"), request.request_id)
+
+
+def _named(request: Any) -> str:
+    return str(request.name)
+
+
+# The calls that may wait at the owner (a queued Admit, a resume waiting for GPU blocks, a
+# watch), and the reservation each is about.
+WAITS: dict[str, Callable[[Any], str]] = {
+    ADMIT: _admitted_name,
+    f"/{_ADMISSION}/ResumeReservation": _named,
+    f"/{_ADMISSION}/WatchReservation": _named,
+}
 # What a caller is told to wait when the replica serving its instance does not answer: about the
 # time another one takes to notice its lease lapsed and take the instance over.
 RETRY_AFTER_LOST_OWNER_SECONDS = 1.0
@@ -75,10 +96,17 @@ def _transport_failure(failed: grpc.aio.AioRpcError) -> bool:
 
 class ForwardingInterceptor(WrappingInterceptor):
     def __init__(
-        self, owners: Owners, credentials: grpc.ChannelCredentials | None, max_message_bytes: int
+        self,
+        owners: Owners,
+        credentials: grpc.ChannelCredentials | None,
+        max_message_bytes: int,
+        waiters: Waiters,
+        retry_delay_seconds: float,
     ) -> None:
         self._owners = owners
         self._credentials = credentials
+        self._waiters = waiters
+        self._retry_delay_seconds = retry_delay_seconds
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -113,11 +141,37 @@ class ForwardingInterceptor(WrappingInterceptor):
             retry_delay_seconds=RETRY_AFTER_LOST_OWNER_SECONDS,
         )
 
+    async def _before_handback(
+        self, answer: Awaitable[T], method: str, request: Any, cut: Callable[[], object]
+    ) -> T:
+        """The owner's answer; but a wait (WAITS) still running when this server hands its
+        waiting callers back, shortly before its shutdown grace ends, is answered as one
+        waiting here is, SERVER_SHUTTING_DOWN, rather than cut off by the grace. The call to
+        the owner is cut: the owner keeps a forwarded request's place, which a retry finds."""
+        name_of = WAITS.get(method)
+        if name_of is None:
+            return await answer
+        answering = asyncio.ensure_future(answer)
+        closing = asyncio.ensure_future(self._waiters.until_closed())
+        try:
+            await asyncio.wait([answering, closing], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            handed_back = not answering.done()
+            if handed_back:
+                cut()
+                answering.cancel()
+                # Whatever the cut call ends with is no one's to read.
+                answering.add_done_callback(lambda done: done.cancelled() or done.exception())
+        if handed_back:
+            raise queueing.shutting_down(name_of(request), self._retry_delay_seconds)
+        return answering.result()
+
     def _cancel_admit(self, address: str, request: Any, metadata: list[Any]) -> None:
         """The caller of a forwarded Admit went away. The owner keeps a forwarded Admit's place
         in its queue when the call is cut (the forwarding replica may have died, and the caller
         retry elsewhere), so it is told to cancel the request, as it would for its own caller."""
-        name = reservation_name(request.tenant.removeprefix("tenants/"), request.request_id)
+        name = _admitted_name(request)
         cancel: grpc.aio.UnaryUnaryMultiCallable[Any, Any] = self._channel(address).unary_unary(
             CANCEL, request_serializer=_serialize, response_deserializer=None
         )
@@ -149,12 +203,15 @@ class ForwardingInterceptor(WrappingInterceptor):
                     method, request_serializer=_serialize, response_deserializer=read
                 )
                 passed_on = _passed_on(metadata, self._owners.name)
+                sent = call(request, metadata=passed_on, timeout=context.time_remaining())
                 try:
-                    answer: Response = await call(
-                        request, metadata=passed_on, timeout=context.time_remaining()
+                    answer: Response = await self._before_handback(
+                        sent, method, request, sent.cancel
                     )
                 except asyncio.CancelledError:
-                    if method == ADMIT:
+                    # Not when the server cut the call at the end of its shutdown grace: the
+                    # caller retries elsewhere (as for a caller waiting here).
+                    if method == ADMIT and not self._waiters.closed:
                         self._cancel_admit(elsewhere.address, request, passed_on)
                     raise
                 except grpc.aio.AioRpcError as failed:
@@ -194,8 +251,15 @@ class ForwardingInterceptor(WrappingInterceptor):
                 metadata=_passed_on(metadata, self._owners.name),
                 timeout=context.time_remaining(),
             )
+            items = aiter(stream)
             try:
-                async for item in stream:
+                while True:
+                    try:
+                        item = await self._before_handback(
+                            anext(items), method, request, stream.cancel
+                        )
+                    except StopAsyncIteration:
+                        break
                     yield item
             except grpc.aio.AioRpcError as failed:
                 if _transport_failure(failed):

@@ -196,7 +196,10 @@ class HotPath:
         return OwnedOffboarding(engine, self.ledger, self.pins, termination, self.owners)
 
 
-def _hot_path(settings: Settings, engine: AsyncEngine, waiters: Waiters) -> HotPath:
+def make_hot_path(
+    settings: Settings, engine: AsyncEngine, waiters: Waiters, name: str | None = None
+) -> HotPath:
+    """What decides for this replica, named `name` among replicas (default: host and pid)."""
     limits = settings.admission_limits
     if settings.hot_path == "ledger":
         ledger = Ledger(engine, limits, settings.queue_policy)
@@ -205,7 +208,7 @@ def _hot_path(settings: Settings, engine: AsyncEngine, waiters: Waiters) -> HotP
         engine,
         limits,
         settings.queue_policy,
-        f"{socket.gethostname()}:{os.getpid()}",
+        name or f"{socket.gethostname()}:{os.getpid()}",
         on_changed=lambda key: waiters.on_notification("changed", key),
         lease_seconds=settings.owner_lease_seconds,
     )
@@ -302,7 +305,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     observed = ServiceMetrics()
     observed.registry.register(PoolMetrics(engine))
     waiters = Waiters(settings.queue_poll_seconds)
-    hot_path = _hot_path(settings, engine, waiters)
+    hot_path = make_hot_path(settings, engine, waiters)
     ledger, catalog, pins = hot_path.ledger, hot_path.catalog, hot_path.pins
     dispatcher = Dispatcher(ledger)
     listener = Listener(database_url)
@@ -318,7 +321,11 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     forwarding = None
     if hot_path.owners is not None:
         forwarding = ForwardingInterceptor(
-            hot_path.owners, peer_credentials(settings), MAX_MESSAGE_BYTES
+            hot_path.owners,
+            peer_credentials(settings),
+            MAX_MESSAGE_BYTES,
+            waiters,
+            ledger.min_retry_delay_seconds,
         )
     server = grpc.aio.server(
         interceptors=[

@@ -16,19 +16,23 @@ class Waiters:
     def __init__(self, poll_seconds: float) -> None:
         self._poll_seconds = poll_seconds
         self._events: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
-        self._closed = False
+        self._closed = asyncio.Event()
 
     @property
     def closed(self) -> bool:
         """The server is shutting down: waiters answer their callers after one last read."""
-        return self._closed
+        return self._closed.is_set()
 
     def close(self) -> None:
         """Wake every waiter now; from now on next_change returns at once."""
-        self._closed = True
+        self._closed.set()
         for events in self._events.values():
             for event in events:
                 event.set()
+
+    async def until_closed(self) -> None:
+        """Return once close() was called (for callers waiting on another replica's answer)."""
+        await self._closed.wait()
 
     def on_notification(self, kind: str, subject: str) -> None:
         if kind == "changed":
@@ -39,7 +43,7 @@ class Waiters:
         """Return after `key` ("tenant/request_id") changed, or after at most
         min(at_most_seconds, poll_seconds), or at once once closed: the caller re-reads
         either way."""
-        if self._closed:
+        if self.closed:
             return
         event = asyncio.Event()
         self._events[key].add(event)

@@ -70,6 +70,8 @@ T = TypeVar("T")
 forwarded_call: ContextVar[bool] = ContextVar("forwarded_call", default=False)
 # What a forwarded call that finds its instance moving again is told to wait, at most.
 MAX_MOVING_RETRY_SECONDS = 1.0
+# How often a replica shutting down looks for the new owner of an instance it handed over.
+HOLDER_POLL_SECONDS = 0.05
 
 
 class Owners:
@@ -105,6 +107,7 @@ class Owners:
         self.reused: set[tuple[str, str]] = set()
         self._tenants_stale = False
         self._refreshing: asyncio.Task[None] | None = None
+        self._claiming: set[asyncio.Task[None]] = set()
         # Shutting down (hand_over): no instance is claimed any more.
         self._closing = False
 
@@ -175,12 +178,19 @@ class Owners:
             raise ServedElsewhere(instance, held.address)
 
     async def _raise_holder(self, instance: str) -> NoReturn:
-        """A replica shutting down claims nothing: the instance's new owner, if it has one yet,
-        serves the call, or the caller is told to retry shortly."""
-        holder = await self.journal.holder(instance)
-        if holder is not None and holder.owner != self._name:
-            self._held[instance] = (holder, time.monotonic() + holder.seconds_left)
-            self._raise_if_held(instance)
+        """A replica shutting down claims nothing: the instance's new owner serves the call
+        (a call taken before the drain is served, not refused, while its instance moves).
+        Another replica claims it as soon as it hears it was handed over, or at its next lease
+        round; if none has by then, the caller is told to retry shortly."""
+        until = time.monotonic() + (self._lease_seconds or 0.0) / 3
+        while True:
+            holder = await self.journal.holder(instance)
+            if holder is not None and holder.owner != self._name:
+                self._held[instance] = (holder, time.monotonic() + holder.seconds_left)
+                self._raise_if_held(instance)
+            if time.monotonic() >= until:
+                break
+            await asyncio.sleep(HOLDER_POLL_SECONDS)
         raise KvQuotaError(
             Reason.INSTANCE_MOVING,
             f"instances/{instance} is moving between replicas; retry shortly",
@@ -285,12 +295,29 @@ class Owners:
 
     def on_notification(self, kind: str, subject: str) -> None:
         """A tenant changed through another replica: learn it (one refresh at a time, and one
-        more if others changed meanwhile)."""
+        more if others changed meanwhile). An instance another replica handed over as it
+        stops: claim it now."""
+        if kind == "handed":
+            claiming = asyncio.create_task(self._claim_handed(subject))
+            self._claiming.add(claiming)
+            claiming.add_done_callback(self._claiming.discard)
+            return
         if kind != "tenants":
             return
         self._tenants_stale = True
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.create_task(self._refresh_while_stale())
+
+    async def _claim_handed(self, instance: str) -> None:
+        """Every replica that hears of it tries; one claims it, the others learn who did."""
+        if self._closing:
+            return
+        try:
+            await self.owner(instance)
+        except (InstanceHeld, ServedElsewhere):
+            pass
+        except Exception:
+            log.warning("instances/%s: claiming it failed", instance, exc_info=True)
 
     async def _refresh_while_stale(self) -> None:
         while self._tenants_stale:
@@ -447,6 +474,19 @@ class OwnedLedger(Ledger):
         # Ended long ago (no machine keeps it): the record has it, if anything does.
         return await super().get(tenant, request_id)
 
+    async def follow(self, tenant: str, request_id: str) -> Reservation:
+        """From its owner here or, once its instance moved (handed over by this replica as it
+        stops, or taken by another), from the record, which holds all its new owner
+        acknowledged: a wait begun here is answered here, never restarted at the new owner
+        (where a forwarded wait could meet its own end as RESERVATION_ENDED, or a watch see
+        its current state twice)."""
+        try:
+            return await self.get(tenant, request_id)
+        except (ServedElsewhere, KvQuotaError) as error:
+            if not _moved(error):
+                raise
+        return await super().get(tenant, request_id)
+
     async def end(
         self,
         tenant: str,
@@ -473,7 +513,14 @@ class OwnedLedger(Ledger):
                 machine.end(tenant, request_id, reason, now)
             return _answer(machine, record), machine.queue_delay_at(record.params.priority)
 
-        return await self._on_reservation(tenant, request_id, stop)
+        try:
+            return await self._on_reservation(tenant, request_id, stop)
+        except (ServedElsewhere, KvQuotaError) as error:
+            if not _moved(error):
+                raise
+        # Its owner is elsewhere now, and ends the request at its wait deadline (or admits it
+        # first): it may still be queued.
+        return await super().get(tenant, request_id), self.min_retry_delay_seconds
 
     async def renew(self, tenant: str, request_id: str, ttl_seconds: float | None) -> Reservation:
         return await self._on_reservation(
@@ -545,6 +592,13 @@ class OwnedLedger(Ledger):
 
     async def dispatch_all(self) -> int:
         return sum([await self.dispatch(o.instance) for o in self._owners.served()])
+
+
+def _moved(error: Exception) -> bool:
+    """The instance is served by another replica now, or on its way to one."""
+    if isinstance(error, KvQuotaError):
+        return error.reason is Reason.INSTANCE_MOVING
+    return isinstance(error, ServedElsewhere)
 
 
 def _lapsed(record: ReservationRecord, now: float) -> bool:

@@ -515,10 +515,15 @@ _RENEW = text(
     "RETURNING o.instance"
 )
 # A replica that stops gives its instances up at once rather than when its leases run out.
+# Each instance given up is announced ("handed:"), so that another replica claims it at once
+# rather than at its next lease round (owners.py).
 _RELEASE = text(
-    "UPDATE instance_owners o SET lease_expires_at = now() "
-    "FROM unnest(CAST(:instances AS text[]), CAST(:epochs AS bigint[])) AS k(instance, epoch) "
-    "WHERE o.instance = k.instance AND o.epoch = k.epoch AND o.owner = :owner"
+    "WITH released AS ("
+    " UPDATE instance_owners o SET lease_expires_at = now() "
+    " FROM unnest(CAST(:instances AS text[]), CAST(:epochs AS bigint[])) AS k(instance, epoch) "
+    " WHERE o.instance = k.instance AND o.epoch = k.epoch AND o.owner = :owner"
+    " RETURNING o.instance) "
+    "SELECT pg_notify('kvquota_events', 'handed:' || instance) FROM released"
 )
 # Instances to take over without waiting for a call: those whose owner's lease lapsed (it died
 # or stopped, leaving live reservations, a queue), and those never owned whose engine publishes
@@ -762,7 +767,8 @@ class Journal:
             return {row[0] for row in await conn.execute(_RENEW, params)}
 
     async def release(self, owner: str, epochs: Mapping[str, int]) -> None:
-        """End this replica's leases on these instances now: another replica may claim them."""
+        """End this replica's leases on these instances now, and tell the other replicas: one
+        of them may claim each."""
         params = {"owner": owner, "instances": list(epochs), "epochs": list(epochs.values())}
         async with self._engine.begin() as conn:
             await conn.execute(_RELEASE, params)

@@ -941,7 +941,8 @@ class Ledger:
     ) -> tuple[Reservation, float]:
         """Take a request out of the queue if it is still there (its caller's budget ran out, or
         the caller went away); returns the reservation as it is then, which may have been
-        admitted meanwhile, and a retry delay for the caller from the queue it left."""
+        admitted meanwhile, and a retry delay for the caller from the queue it left. (An owner
+        elsewhere may leave it queued: see OwnedLedger.)"""
 
         async def work(conn: AsyncConnection) -> tuple[Reservation, float]:
             locked = await self._lock(conn, tenant, request_id)
@@ -973,6 +974,11 @@ class Ledger:
     async def get(self, tenant: str, request_id: str) -> Reservation:
         async with self._engine.connect() as conn:
             return await self._get(conn, tenant, request_id)
+
+    async def follow(self, tenant: str, request_id: str) -> Reservation:
+        """`get`, for a caller whose wait on the reservation began on this server: answered
+        here even if its instance has moved to another replica since (see OwnedLedger)."""
+        return await self.get(tenant, request_id)
 
     async def _get(self, conn: AsyncConnection, tenant: str, request_id: str) -> Reservation:
         keys = {"tenant": tenant, "request_id": request_id}

@@ -1,8 +1,8 @@
 """`kvquota check` over a real record, whichever hot path wrote it (the run's: the per-block
-tables, or the journal in `make test-memory`): it passes after traffic through the API (a
-queue, shared prefixes, a pin, ended and shrunk reservations), and finds a violation planted
-by direct SQL for each invariant it checks, naming that invariant alone. With --server, each
-owner's memory is compared with the record, and a difference planted in memory is found."""
+tables in `make test-ledger`, or the journal in `make test`): it passes after traffic through
+the API (a queue, shared prefixes, a pin, ended and shrunk reservations), and finds a violation
+planted by direct SQL for each invariant it checks, naming that invariant alone. With --server,
+each owner's memory is compared with the record, and a difference planted in memory is found."""
 
 from __future__ import annotations
 

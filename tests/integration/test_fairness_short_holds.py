@@ -43,7 +43,9 @@ async def test_weights_hold_when_holds_are_short(database_url: str) -> None:
     assert 0.675 <= share <= 0.825, admitted
 
 
-async def flood(channels: list[grpc.aio.Channel]) -> Counter[str]:
+async def flood(
+    channels: list[grpc.aio.Channel], clients_per_tenant: int = CLIENTS_PER_TENANT
+) -> Counter[str]:
     """Admissions of each tenant that waited in the queue; each call goes to one of `channels`
     at random (replicas of one fleet)."""
     admin = admin_pb2_grpc.AdminServiceStub(channels[0])
@@ -69,10 +71,11 @@ async def flood(channels: list[grpc.aio.Channel]) -> Counter[str]:
         )
     admitted: Counter[str] = Counter()
     ids = itertools.count()
-    deadline = asyncio.get_running_loop().time() + SECONDS
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SECONDS
 
     async def client(tenant: str) -> None:
-        while asyncio.get_running_loop().time() < deadline:
+        while loop.time() < deadline:
             request = admission_pb2.AdmitRequest(
                 tenant=f"tenants/{tenant}",
                 request_id=f"r{next(ids)}",
@@ -82,14 +85,16 @@ async def flood(channels: list[grpc.aio.Channel]) -> Counter[str]:
                 wait_timeout=Duration(seconds=30),
             )
             answer = await pick(gateways).Admit(request)
-            # Counted once every tenant is backlogged: those that waited in the queue (the
-            # first ones, admitted while the instance filled, are first come, first served).
-            if answer.reservation.HasField("queue_time"):
+            # Counted while every tenant is backlogged: those that waited in the queue (the
+            # first ones, admitted while the instance filled, are first come, first served),
+            # before the flood ends (then clients stop coming back, and the queue drains: the
+            # last waiting requests of both tenants are admitted whatever their weights).
+            if answer.reservation.HasField("queue_time") and loop.time() < deadline:
                 admitted[tenant] += 1
             await asyncio.sleep(HOLD_SECONDS)
             release = admission_pb2.ReleaseRequest(name=answer.reservation.name)
             await pick(gateways).Release(release)
 
-    tenants = ["light", "heavy"] * CLIENTS_PER_TENANT
+    tenants = ["light", "heavy"] * clients_per_tenant
     await asyncio.gather(*(client(tenant) for tenant in tenants))
     return admitted

@@ -10,6 +10,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service.api.server import HotPath, make_hot_path
+from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
 from quota_service.core.model import EndReason, ReservationState
 from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
@@ -19,37 +21,39 @@ from quota_service.jobs.maintenance import Maintenance
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.jobs.reclaim_policy import ReclaimPolicy
 from quota_service.metrics import LedgerMetrics
-from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
-from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
 from quota_service.store.ownership import exclusive
-from quota_service.store.pins import Pins
-from quota_service.store.reclaim import ReclaimJobs
-from quota_service.store.reconcile import Reconciler
 from quota_service.store.usage import UsageRollup
+from tests.conftest import IN_MEMORY
 from tests.integration.invariants import assert_invariants
-from tests.integration.ledger_fixtures import add_instance, add_tenant, offboarding_service, request
+from tests.integration.ledger_fixtures import add_instance, add_tenant, request
+
+INSTANCES = ("gpu-0", "gpu-1")
 
 
-def maintenance(engine: AsyncEngine, database_url: str, settings: Settings) -> Maintenance:
-    """A replica's maintenance loop, built as the server builds it."""
-    ledger = Ledger(engine, settings.admission_limits)
+def maintenance(
+    engine: AsyncEngine, database_url: str, settings: Settings, path: HotPath | None = None
+) -> Maintenance:
+    """A replica's maintenance loop, built as the server builds it (for settings.hot_path)."""
+    if path is None:
+        path = make_hot_path(settings, engine, Waiters(settings.queue_poll_seconds))
+    ledger = path.ledger
     termination = Termination(ledger, 1.0, 5.0)
-    reclaim = ReclaimJobs(engine, settings.cpu_watermarks)
+    reclaim = path.reclaim(engine, settings.cpu_watermarks)
     cpu_tier = CpuTierMirror(CpuTierBooks(engine))
-    inspection = Inspection(engine)
+    inspection = path.inspection(engine)
 
     async def on_ledger(up: bool) -> None:
         pass
 
     return Maintenance(
         ledger,
-        offboarding_service(engine, ledger, Pins(engine, settings.admission_limits)),
+        path.offboarding(engine, termination),
         inspection,
         termination,
-        Followers(database_url, Reconciler(engine, ledger)),
-        LedgerMetrics(Catalog(engine), inspection, reclaim, 60.0),
+        Followers(database_url, path.reconciler(engine)),
+        LedgerMetrics(path.catalog, inspection, reclaim, 60.0),
         ReclaimExecutor(reclaim, termination, cpu_tier),
         ReclaimPolicy(reclaim, None, 0.9, 30.0),
         cpu_tier,
@@ -115,6 +119,7 @@ async def test_a_key_is_released_whatever_ends_the_work(engine: AsyncEngine) -> 
     assert await advisory_locks(engine) == 0
 
 
+@pytest.mark.skipif(IN_MEMORY, reason="the per-block ledger's shared step: see the next test")
 async def test_a_lapsed_lease_is_reaped_by_the_replica_that_holds_the_step(
     engine: AsyncEngine, database_url: str, settings: Settings
 ) -> None:
@@ -135,4 +140,47 @@ async def test_a_lapsed_lease_is_reaped_by_the_replica_that_holds_the_step(
     reaped = await ledger.get("acme", "short")
     assert (reaped.state, reaped.end_reason) == (ReservationState.ENDED, EndReason.LEASE_EXPIRED)
     await replica.followers.stop()
+    await assert_invariants(engine)
+
+
+@pytest.mark.skipif(not IN_MEMORY, reason="the memory hot path's: runs in make test")
+async def test_each_owner_reaps_the_lapsed_leases_of_its_own_instances(
+    engine: AsyncEngine, database_url: str, settings: Settings
+) -> None:
+    """Served from memory, reaping is no shared step: each replica reaps the instances it owns,
+    whichever replica holds the ledger's step lock, and no other."""
+    for instance in INSTANCES:
+        await add_instance(engine, instance)
+    await add_tenant(engine, "acme")
+    waiters = Waiters(settings.queue_poll_seconds)
+    paths = {
+        i: make_hot_path(settings, engine, waiters, f"replica-{i}") for i in ("gpu-0", "gpu-1")
+    }
+    replicas = {i: maintenance(engine, database_url, settings, path) for i, path in paths.items()}
+    steps = replicas["gpu-0"].steps()
+    assert not any(s.one_replica for s in steps if s.name in {"lease reaper", "engine aborts"})
+    for instance, replica in replicas.items():
+        # The first call for an instance makes its replica the owner.
+        await replica.ledger.admit(request(instance, 100, 100, instance=instance, lease_ttl=1.0))
+    await asyncio.sleep(1.2)
+    record = Ledger(engine, settings.admission_limits)
+
+    async def states() -> dict[str, tuple[ReservationState, EndReason | None]]:
+        found = [await record.get("acme", instance) for instance in replicas]
+        return {r.request_id: (r.state, r.end_reason) for r in found}
+
+    reaped = (ReservationState.ENDED, EndReason.LEASE_EXPIRED)
+    try:
+        async with exclusive(engine, "kvquota-sweep:lease reaper") as other_replica:
+            assert other_replica
+            await replicas["gpu-0"].sweep()
+            assert await states() == {"gpu-0": reaped, "gpu-1": (ReservationState.ADMITTED, None)}
+        await replicas["gpu-1"].sweep()
+        assert await states() == {"gpu-0": reaped, "gpu-1": reaped}
+    finally:
+        for instance, replica in replicas.items():
+            await replica.followers.stop()
+            owners = paths[instance].owners
+            assert owners is not None
+            await owners.close()
     await assert_invariants(engine)

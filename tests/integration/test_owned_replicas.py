@@ -23,7 +23,7 @@ from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_g
 from kvquota.v1 import resources_pb2 as pb
 from tests import processes
 from tests.conftest import IN_MEMORY
-from tests.integration.grpc_helpers import quota, rich_error
+from tests.integration.grpc_helpers import STATUS_DETAILS_KEY, quota, rich_error
 from tests.integration.invariants import assert_invariants
 from tests.integration.test_fairness_short_holds import flood
 from tests.integration.test_replicas import serving_address, spawn_replica
@@ -38,6 +38,13 @@ pytestmark = [
 
 LEASE_SECONDS = 2.0
 BLOCK = 16
+# Clients of each tenant in the fairness flood. Two thirds of the calls take two hops, and on a
+# loaded machine a client's way back into the queue (its Release answered, its next Admit
+# forwarded) is as long as a slot's hold: the weight-3 tenant's twelve clients of the
+# single-replica test were then all on their way at a third of the admissions, it was not
+# backlogged, and fair queueing gives an idle tenant no credit (62-70% instead of 75%). Twice
+# as many keep both tenants waiting all the time.
+CLIENTS_ACROSS_REPLICAS = 24
 
 
 @dataclass
@@ -217,19 +224,17 @@ async def test_a_tenant_s_quota_stays_exact_across_instances_owned_by_different_
     await assert_invariants(engine)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open: weights across replicas gave 62% to the weight-3 tenant in CI, not 75% +-10",
-)
 async def test_weights_hold_when_clients_call_any_replica(fleet: list[Replica]) -> None:
-    admitted = await flood([replica.channel for replica in fleet])
+    admitted = await flood([replica.channel for replica in fleet], CLIENTS_ACROSS_REPLICAS)
     share = admitted["heavy"] / (admitted["heavy"] + admitted["light"])
     print(f"admissions {dict(admitted)}: the weight-3 tenant got {share:.1%}")
     assert 0.65 <= share <= 0.85, admitted
 
 
 async def _until_served(replica: Replica, tenant: str, prefix: str) -> float:
-    """Seconds until an Admit through `replica` is answered (each try a new request id)."""
+    """Seconds until an Admit through `replica` is answered by an owner (each try a new request
+    id): admitted, or refused because the instance is full (INSTANCE_OVERLOADED, as UNAVAILABLE
+    as no answer at all; on a fast machine the load fills it before the kill)."""
     started = time.monotonic()
     for attempt in range(200):
         try:
@@ -237,6 +242,9 @@ async def _until_served(replica: Replica, tenant: str, prefix: str) -> float:
             return time.monotonic() - started
         except grpc.aio.AioRpcError as error:
             assert error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            answered = STATUS_DETAILS_KEY in dict(error.trailing_metadata() or ())
+            if answered and rich_error(error).reason == "INSTANCE_OVERLOADED":
+                return time.monotonic() - started
             await asyncio.sleep(0.1)
     raise AssertionError("no replica took the instance over")
 
@@ -362,8 +370,17 @@ async def test_tenant_changes_and_offboarding_reach_every_owner(
         assert tuple(totals.one()) == (0, 0)
 
 
-async def test_a_forwarding_replica_killed_mid_call_loses_nothing(
-    engine: AsyncEngine, fleet: list[Replica]
+@pytest.mark.parametrize(
+    ("stopped_by", "answer"),
+    [
+        (signal.SIGKILL, None),  # the call breaks (UNAVAILABLE, no details)
+        # Stopping, it answers what it forwarded before its grace ends, as it does what waits
+        # on it.
+        (signal.SIGTERM, "SERVER_SHUTTING_DOWN"),
+    ],
+)
+async def test_a_forwarding_replica_stopped_mid_call_loses_nothing(
+    engine: AsyncEngine, fleet: list[Replica], stopped_by: signal.Signals, answer: str | None
 ) -> None:
     owner, forwarder, other = fleet
     await _register(owner, "gpu-a")
@@ -378,11 +395,14 @@ async def test_a_forwarding_replica_killed_mid_call_loses_nothing(
         await asyncio.sleep(0.1)
     else:
         raise AssertionError("the Admit never reached the owner's queue")
-    forwarder.process.send_signal(signal.SIGKILL)
-    forwarder.process.wait()
+    forwarder.process.send_signal(stopped_by)
     with pytest.raises(grpc.aio.AioRpcError) as lost:
         await waiting
     assert lost.value.code() is grpc.StatusCode.UNAVAILABLE
+    if answer is not None:
+        assert rich_error(lost.value).reason == answer
+    forwarder.process.wait(timeout=30)
+    assert (await _recorded_states(engine))["waiter"] == "QUEUED"
     await other.gateway.Release(admission_pb2.ReleaseRequest(name=holder.reservation.name))
     # The caller retries the same request through another replica: it kept its place in the
     # queue, and was admitted once the holder left.
