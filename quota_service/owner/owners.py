@@ -259,7 +259,12 @@ class Owners:
         await self.journal.release(self._name, {o.instance: o.epoch for o in served})
 
     async def close(self) -> None:
-        """Close the owners' journal connections."""
+        """Close the owners' journal connections, once no claim is under way (one finishing
+        later would open a connection nothing closes)."""
+        self._closing = True
+        for claiming in list(self._claiming):
+            claiming.cancel()
+        await asyncio.gather(*self._claiming, return_exceptions=True)
         await self.journal.close()
 
     async def run(

@@ -631,6 +631,7 @@ class Journal:
         self._engine = engine
         self._url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
         self._writers: dict[str, _Writer] = {}
+        self._closed = False
 
     async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
         """Commit one batch. Raises Deposed when a newer owner exists."""
@@ -664,8 +665,12 @@ class Journal:
         owner took the instance) fails the rest, and the transaction is rolled back."""
         writer = self._writers.get(instance)
         if writer is None or writer.connection.closed:
+            self._raise_if_closed()
             # Autocommit: the driver adds no BEGIN of its own (a round trip).
             connection = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
+            if self._closed:  # closed while this one connected: nothing else would close it
+                await connection.close()
+                self._raise_if_closed()
             writer = self._writers[instance] = _Writer(connection)
         cursor = psycopg.AsyncClientCursor(writer.connection)
         query = ";".join(
@@ -692,8 +697,13 @@ class Journal:
                 raise QuotaRaced(exc.diag.message_primary or "") from exc
             raise
 
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise psycopg.OperationalError("the journal is closed: this replica is stopping")
+
     async def close(self) -> None:
-        """Close the owners' write connections."""
+        """Close the owners' write connections; no batch is written after."""
+        self._closed = True
         writers, self._writers = self._writers, {}
         for writer in writers.values():
             await writer.connection.close()

@@ -83,8 +83,12 @@ async def test_events_confirm_evict_count_drift_and_are_recorded(
     assert all(pool.engine_copies(b) == 0 for b in range(pool.capacity))
     assert await instance_row(engine) == (2, 5, 0)
 
-    rebuilt = await Owners(engine, LIMITS, QueuePolicy(), "replica-b").owner("gpu-0")
-    assert_same_machine(machine, rebuilt.machine)
+    other = Owners(engine, LIMITS, QueuePolicy(), "replica-b")
+    try:
+        rebuilt = await other.owner("gpu-0")
+        assert_same_machine(machine, rebuilt.machine)
+    finally:
+        await other.close()  # its write connection, else closed only by the collector
 
 
 async def test_an_engine_restart_ends_what_ran_on_it(engine: AsyncEngine, owners: Owners) -> None:
