@@ -539,6 +539,20 @@ class InstanceMachine:
             raise not_found(Reason.RESERVATION_NOT_FOUND, reservation_name(tenant, request_id))
         return record
 
+    def remember_ended(self, record: ReservationRecord) -> None:
+        """Retain a reservation the record says ended on this instance that the machine does not
+        know (it ended before the machine was rebuilt, which loads only live ones, or was
+        forgotten since): operations on it then answer as for one that ended here, and ending
+        it again (a Release whose answer was lost) returns it unchanged, not unknown."""
+        if (
+            record.state is not ReservationState.ENDED
+            or record.params.instance != self.spec.instance
+            or record.key in self.reservations
+            or record.key in self.ended
+        ):
+            return
+        self._retain_ended(record)
+
     def queue_position(self, record: ReservationRecord) -> int | None:
         """How many queued requests are ahead of it (0: the next to be considered); None unless
         it is queued."""

@@ -439,7 +439,23 @@ class OwnedLedger(Ledger):
         instance = await self._owners.instance_of(tenant, request_id)
         if instance is None:
             raise_not_found(tenant, request_id)
-        return await self._owners.run(instance, operation)
+        try:
+            return await self._owners.run(instance, operation)
+        except KvQuotaError as missing:
+            if missing.reason is not Reason.RESERVATION_NOT_FOUND:
+                raise
+        # The record has it, but this machine does not: it ended before the machine was rebuilt
+        # (a takeover loads the live ones only), or long ago. A Release committed by an owner
+        # that died before answering is retried here: it must find it ended, not unknown.
+        recorded = await self._owners.journal.ended_reservation(instance, tenant, request_id)
+        if recorded is None:
+            raise_not_found(tenant, request_id)
+
+        def on_recorded(machine: InstanceMachine, now: float) -> T:
+            machine.remember_ended(recorded)
+            return operation(machine, now)
+
+        return await self._owners.run(instance, on_recorded)
 
     async def admit(self, request: AdmitRequest) -> tuple[Reservation, str]:
         p = request.params
@@ -469,15 +485,9 @@ class OwnedLedger(Ledger):
         return reservation, here.salt
 
     async def get(self, tenant: str, request_id: str) -> Reservation:
-        try:
-            return await self._on_reservation(
-                tenant, request_id, lambda m, now: _answer(m, m.get(tenant, request_id))
-            )
-        except KvQuotaError as missing:
-            if missing.reason is not Reason.RESERVATION_NOT_FOUND:
-                raise
-        # Ended long ago (no machine keeps it): the record has it, if anything does.
-        return await super().get(tenant, request_id)
+        return await self._on_reservation(
+            tenant, request_id, lambda m, now: _answer(m, m.get(tenant, request_id))
+        )
 
     async def follow(self, tenant: str, request_id: str) -> Reservation:
         """From its owner here or, once its instance moved (handed over by this replica as it

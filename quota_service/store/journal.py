@@ -556,6 +556,10 @@ _DELTAS = text(
 _LIVE_RESERVATIONS = text(
     "SELECT * FROM reservations WHERE instance = :instance AND state IN ('QUEUED', 'ADMITTED')"
 )
+_ENDED_RESERVATION = text(
+    "SELECT * FROM reservations WHERE tenant = :tenant AND request_id = :request_id "
+    "AND instance = :instance AND state = 'ENDED'"
+)
 _ACTIVE_PINS = text("SELECT * FROM pins WHERE instance = :instance AND state = 'ACTIVE'")
 _TENANT_SETTINGS = text(
     "SELECT t.tenant, t.state, t.weight, t.shadow_mode, t.max_blocks, t.max_tokens_in_flight, "
@@ -716,6 +720,16 @@ class Journal:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
             rows = await conn.execute(_INSTANCES_OF, params)
             return {(tenant, request_id): instance for tenant, request_id, instance in rows}
+
+    async def ended_reservation(
+        self, instance: str, tenant: str, request_id: str
+    ) -> ReservationRecord | None:
+        """A reservation that ended on the instance, as the record has it (a rebuilt machine
+        knows only the live ones)."""
+        params = {"instance": instance, "tenant": tenant, "request_id": request_id}
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(_ENDED_RESERVATION, params)).mappings().first()
+        return None if row is None else _record_from_row(row)
 
     async def recorded_pin(self, owner: str, pin_id: str) -> Pin | None:
         """A pin as the record has it (its blocks are its owner's to tell)."""

@@ -13,6 +13,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
+from quota_service.core import instance_machine
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.hashing import block_hashes, event_hash
 from quota_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -140,3 +141,52 @@ async def test_an_old_request_id_is_answered_from_the_record_never_admitted_anew
             await conn.execute(text("SELECT * FROM reservations WHERE request_id = 'old'"))
         ).all()
     assert rows == [row for row in before if row.request_id == "old"]
+
+
+async def test_a_reservation_ended_before_a_takeover_is_answered_ended_not_unknown(
+    engine: AsyncEngine, owners: Owners
+) -> None:
+    """An owner commits a Release and dies before answering it; the caller retries on the
+    replica that took the instance over, whose machine was rebuilt from the live reservations
+    only. The reservation is acknowledged, so it is never unknown: ending it again returns it
+    ended, as on the owner that ended it, and the other calls answer as for an ended one."""
+    ledger = OwnedLedger(engine, owners, LIMITS)
+    await ledger.admit(request("gone", 100, 10))
+    await ledger.end("acme", "gone", EndReason.RELEASED, 3)
+    async with engine.connect() as conn:
+        before = (await conn.execute(text("SELECT * FROM reservations"))).all()
+    later = Owners(engine, LIMITS, QueuePolicy(), "replica-b")
+    try:
+        again = OwnedLedger(engine, later, LIMITS)
+        released = await again.end("acme", "gone", EndReason.RELEASED, 3)
+        assert (released.state, released.end_reason, released.output_tokens) == (
+            ReservationState.ENDED,
+            EndReason.RELEASED,
+            3,
+        )
+        cancelled, _ = await again.stop_waiting("acme", "gone", EndReason.CANCELLED)
+        assert cancelled.end_reason is EndReason.RELEASED
+        with pytest.raises(KvQuotaError) as renewing:
+            await again.renew("acme", "gone", None)
+        assert renewing.value.reason is Reason.RESERVATION_ENDED
+        with pytest.raises(KvQuotaError) as unknown:
+            await again.end("acme", "never", EndReason.RELEASED)
+        assert unknown.value.reason is Reason.RESERVATION_NOT_FOUND
+    finally:
+        await later.close()
+    async with engine.connect() as conn:
+        assert (await conn.execute(text("SELECT * FROM reservations"))).all() == before
+
+
+async def test_a_reservation_the_machine_forgot_is_answered_ended(
+    engine: AsyncEngine, owners: Owners, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A machine keeps a bounded number of ended reservations: one it forgot is ended still."""
+    monkeypatch.setattr(instance_machine, "ENDED_RETAINED", 1)
+    ledger = OwnedLedger(engine, owners, LIMITS)
+    for request_id in ("first", "second"):
+        await ledger.admit(request(request_id, 100, 10))
+        await ledger.end("acme", request_id, EndReason.RELEASED, 1)
+    assert ("acme", "first") not in (await owners.owner("gpu-0")).machine.ended
+    released = await ledger.end("acme", "first", EndReason.RELEASED, 1)
+    assert (released.state, released.end_reason) == (ReservationState.ENDED, EndReason.RELEASED)
