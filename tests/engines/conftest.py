@@ -5,6 +5,7 @@ and MP server. Their Pythons are the ones `make test-engines` builds (.venv-engi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -13,14 +14,23 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service import cli
+from quota_service.config import Settings
+from quota_service.core import catalog
+from quota_service.core.model import EngineEndpoints, TenantQuota
+from quota_service.jobs.follower import Followers
+from quota_service.store.catalog import Catalog
+from quota_service.store.ledger import Ledger
+from quota_service.store.reconcile import Reconciler
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES_PYTHON = Path(
@@ -44,19 +54,6 @@ def _started_process(process: subprocess.Popen[bytes]) -> subprocess.Popen[bytes
 
 def pytest_sessionfinish() -> None:
     for process in _started:
-        if process.poll() is None:
-            stop_vllm(process, signal.SIGKILL)
-
-
-@pytest.fixture
-def own_engines() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Where a test puts the vLLM processes it starts itself: they are stopped when it ends,
-    even when pytest-timeout stopped it (its signal unwinds the event loop, so a `finally` in
-    the test's coroutine may never run, and a vLLM left running holds the memory and ports the
-    next test's vLLM needs)."""
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for process in started:
         if process.poll() is None:
             stop_vllm(process, signal.SIGKILL)
 
@@ -484,3 +481,74 @@ def chunk_writer(lmcache: Lmcache) -> Iterator[ChunkWriter]:
     writer = ChunkWriter(lmcache)
     yield writer
     writer.close()
+
+
+# A real vLLM followed by the ledger through its KV events (test_follow_live, test_fidelity).
+
+
+async def until(condition: object, seconds: float = 30.0) -> None:
+    for _ in range(int(seconds * 10)):
+        if await condition():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the condition never held")
+
+
+@dataclass
+class Followed:
+    """A real vLLM, registered as instance "live" for tenant acme, and the ledger following it."""
+
+    live: Engine
+    ledger: Ledger
+    process: subprocess.Popen[bytes]
+    restart: Callable[[], subprocess.Popen[bytes]]
+
+
+@pytest.fixture
+async def followed(
+    engine_python: Path, tiny_model: Path, tmp_path: Path, engine: AsyncEngine, database_url: str
+) -> AsyncIterator[Followed]:
+    """A fixture, not a context manager inside the test: its teardown stops vLLM even when
+    pytest-timeout stopped the test (the signal unwinds the event loop, and a `finally` in the
+    test's coroutine may never run; a vLLM left running holds the memory and ports the next
+    test's vLLM needs)."""
+    ports = free_ports()
+    live = engine_at(tiny_model, ports, engine_python)
+
+    def start() -> subprocess.Popen[bytes]:
+        return start_vllm(engine_python, tiny_model, ports, tmp_path / "vllm.log")
+
+    followed = Followed(live, Ledger(engine, Settings().admission_limits), start(), start)
+    spec = catalog.instance_spec(
+        "live",
+        live.model,
+        None,
+        BLOCK_SIZE,
+        MAX_MODEL_LEN,
+        None,
+        NUM_GPU_BLOCKS - 1,
+        engine=EngineEndpoints(live.base_url, live.events, live.replay),
+    )
+    await Catalog(engine).register_instance(spec)
+    await Catalog(engine).create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
+    followers = Followers(database_url, Reconciler(engine, followed.ledger), load_check_seconds=0.5)
+    try:
+        assert await followers.scan() == 1
+
+        async def following() -> bool:
+            async with engine.connect() as conn:
+                seq = await conn.execute(text("SELECT last_event_seq FROM instances"))
+                return seq.scalar_one() is not None
+
+        await until(following)  # it started from empty (last_event_seq -1)
+
+        async def load_read() -> bool:
+            async with engine.connect() as conn:
+                running = await conn.execute(text("SELECT engine_requests_running FROM instances"))
+                return bool(running.scalar_one() == 0)  # idle, per vllm:num_requests_running
+
+        await until(load_read)
+        yield followed
+    finally:
+        await followers.stop()
+        stop_vllm(followed.process)

@@ -6,7 +6,6 @@ figures to docs/benchmarks-fidelity.md (KVQUOTA_FIDELITY_REPORT)."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,39 +19,31 @@ from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.reclaim import ReclaimJobs
 from quota_service.store.reconcile import Reconciler
-from tests.engines.test_follow_live import followed_engine
+from tests.engines.conftest import Followed
 
 
 @pytest.mark.timeout(1200)  # vLLM's start, then a round (or KVQUOTA_FIDELITY_SECONDS) of load
 async def test_the_ledger_books_what_vllm_holds(
-    engine_python: Path,
-    tiny_model: Path,
-    tmp_path: Path,
-    engine: AsyncEngine,
-    database_url: str,
-    own_engines: list[subprocess.Popen[bytes]],
+    followed: Followed, engine: AsyncEngine, database_url: str
 ) -> None:
     seconds = float(os.environ.get("KVQUOTA_FIDELITY_SECONDS", "0"))  # 0: one round
-    async with followed_engine(
-        engine_python, tiny_model, tmp_path / "vllm.log", engine, database_url, own_engines
-    ) as followed:
-        live, ledger = followed.live, followed.ledger
-        termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
-        jobs = ReclaimJobs(engine)
-        where = Endpoints("live", "acme", live.model, live.base_url, live.events, live.replay)
-        run = FidelityRun(
-            where,
-            engine,
-            ledger,
-            Reconciler(engine, ledger),
-            termination,
-            ReclaimExecutor(jobs, termination, CpuTierMirror(CpuTierBooks(engine))),
-            jobs,
-        )
-        try:
-            report = await run.run(seconds)
-        finally:
-            await termination.close()
+    live, ledger = followed.live, followed.ledger
+    termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
+    jobs = ReclaimJobs(engine)
+    where = Endpoints("live", "acme", live.model, live.base_url, live.events, live.replay)
+    run = FidelityRun(
+        where,
+        engine,
+        ledger,
+        Reconciler(engine, ledger),
+        termination,
+        ReclaimExecutor(jobs, termination, CpuTierMirror(CpuTierBooks(engine))),
+        jobs,
+    )
+    try:
+        report = await run.run(seconds)
+    finally:
+        await termination.close()
     if out := os.environ.get("KVQUOTA_FIDELITY_REPORT"):
         described = machine(database_url)
         write(report, f"{described['cpu']}, {described['cores']} cores", Path(out))

@@ -6,7 +6,9 @@ test_reconcile.py), and request ids the record holds from before a machine knew 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -36,6 +38,21 @@ async def owners(engine: AsyncEngine) -> AsyncIterator[Owners]:
     owners = Owners(engine, LIMITS, QueuePolicy(), "replica-a")
     yield owners
     await owners.close()
+
+
+@asynccontextmanager
+async def another_replica(engine: AsyncEngine) -> AsyncIterator[Owners]:
+    """A second replica's owners, closed afterwards (they hold write connections)."""
+    other = Owners(engine, LIMITS, QueuePolicy(), "replica-b")
+    try:
+        yield other
+    finally:
+        await other.close()
+
+
+async def reservation_rows(engine: AsyncEngine) -> list[Any]:
+    async with engine.connect() as conn:
+        return list((await conn.execute(text("SELECT * FROM reservations"))).all())
 
 
 async def instance_row(engine: AsyncEngine) -> tuple[int, int, int]:
@@ -84,12 +101,9 @@ async def test_events_confirm_evict_count_drift_and_are_recorded(
     assert all(pool.engine_copies(b) == 0 for b in range(pool.capacity))
     assert await instance_row(engine) == (2, 5, 0)
 
-    other = Owners(engine, LIMITS, QueuePolicy(), "replica-b")
-    try:
+    async with another_replica(engine) as other:
         rebuilt = await other.owner("gpu-0")
         assert_same_machine(machine, rebuilt.machine)
-    finally:
-        await other.close()  # its write connection, else closed only by the collector
 
 
 async def test_an_engine_restart_ends_what_ran_on_it(engine: AsyncEngine, owners: Owners) -> None:
@@ -115,10 +129,8 @@ async def test_an_old_request_id_is_answered_from_the_record_never_admitted_anew
     ledger = OwnedLedger(engine, owners, LIMITS)
     await ledger.admit(request("old", 100, 10))
     await ledger.end("acme", "old", EndReason.RELEASED, 1)
-    async with engine.connect() as conn:
-        before = (await conn.execute(text("SELECT * FROM reservations"))).all()
-    later = Owners(engine, LIMITS, QueuePolicy(), "replica-b")
-    try:
+    before = await reservation_rows(engine)
+    async with another_replica(engine) as later:
         again = OwnedLedger(engine, later, LIMITS)
         # The batch that would have admitted it again finds its id recorded and commits
         # nothing; the caller is told to retry, and the retry is answered from the record.
@@ -134,13 +146,8 @@ async def test_an_old_request_id_is_answered_from_the_record_never_admitted_anew
         # The instance serves on: a new id is admitted.
         fresh, _ = await again.admit(request("new", 100, 10))
         assert fresh.state is ReservationState.ADMITTED
-    finally:
-        await later.close()
-    async with engine.connect() as conn:
-        rows = (
-            await conn.execute(text("SELECT * FROM reservations WHERE request_id = 'old'"))
-        ).all()
-    assert rows == [row for row in before if row.request_id == "old"]
+    old = [row for row in await reservation_rows(engine) if row.request_id == "old"]
+    assert old == [row for row in before if row.request_id == "old"]
 
 
 async def test_a_reservation_ended_before_a_takeover_is_answered_ended_not_unknown(
@@ -153,10 +160,8 @@ async def test_a_reservation_ended_before_a_takeover_is_answered_ended_not_unkno
     ledger = OwnedLedger(engine, owners, LIMITS)
     await ledger.admit(request("gone", 100, 10))
     await ledger.end("acme", "gone", EndReason.RELEASED, 3)
-    async with engine.connect() as conn:
-        before = (await conn.execute(text("SELECT * FROM reservations"))).all()
-    later = Owners(engine, LIMITS, QueuePolicy(), "replica-b")
-    try:
+    before = await reservation_rows(engine)
+    async with another_replica(engine) as later:
         again = OwnedLedger(engine, later, LIMITS)
         released = await again.end("acme", "gone", EndReason.RELEASED, 3)
         assert (released.state, released.end_reason, released.output_tokens) == (
@@ -172,10 +177,7 @@ async def test_a_reservation_ended_before_a_takeover_is_answered_ended_not_unkno
         with pytest.raises(KvQuotaError) as unknown:
             await again.end("acme", "never", EndReason.RELEASED)
         assert unknown.value.reason is Reason.RESERVATION_NOT_FOUND
-    finally:
-        await later.close()
-    async with engine.connect() as conn:
-        assert (await conn.execute(text("SELECT * FROM reservations"))).all() == before
+    assert await reservation_rows(engine) == before
 
 
 async def test_a_reservation_the_machine_forgot_is_answered_ended(
