@@ -5,6 +5,7 @@ steps need nothing of the machine but what ending a reservation does (store/recl
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 from sqlalchemy.engine import RowMapping
@@ -19,6 +20,7 @@ from quota_service.core.reclaim import (
     Demotion,
     LiveReservation,
     Preemption,
+    ReclaimJob,
     SharedEntry,
     TenantExcess,
     Tier,
@@ -26,10 +28,12 @@ from quota_service.core.reclaim import (
 from quota_service.owner.owners import Owners
 from quota_service.store.journal import Statement
 from quota_service.store.reclaim import (
+    CANCEL,
     CHANGED_SINCE_PLAN,
     COMPRESSED_SINCE_PLAN,
     COMPRESSION_RATIO,
     FEWER_CACHED_SINCE_PLAN,
+    FREE_BATCH_BLOCKS,
     NOT_OFFLOADED_ANY_MORE,
     NOT_SUSPENDED_ANY_MORE,
     NOTHING_TO_DEMOTE,
@@ -48,9 +52,14 @@ class OwnedReclaimJobs(ReclaimJobs):
         engine: AsyncEngine,
         owners: Owners,
         watermarks: CpuWatermarks = DEFAULT_WATERMARKS,
+        free_batch_blocks: int = FREE_BATCH_BLOCKS,
     ) -> None:
-        super().__init__(engine, watermarks)
+        super().__init__(engine, watermarks, free_batch_blocks)
         self._owners = owners
+        # A FREE or OFFLOAD step is read from the record before its batch is applied in
+        # memory: two executors of a job (or a cancel) between the two would apply it twice
+        # (or after the cancel returned). In the instance's owner, a job runs a step at a time.
+        self._job_locks: dict[str, asyncio.Lock] = {}
 
     async def _pool_blocks(self, instance: str) -> PoolBlocks:
         return await self._owners.run(instance, lambda m, now: pool_blocks(m))
@@ -75,6 +84,23 @@ class OwnedReclaimJobs(ReclaimJobs):
         return excesses
 
     async def run_step(self, job_id: str) -> bool | Preemption | Demotion:
+        async with self._job_locks.setdefault(job_id, asyncio.Lock()):
+            ran = await self._run_step(job_id)
+        if ran is False:
+            self._job_locks.pop(job_id, None)
+        return ran
+
+    async def cancel(self, job_id: str) -> ReclaimJob:
+        """Cancelled in the batches of the job's instance, after the step under way: from
+        when this returns, no step of the job is applied (its owner's next read finds it
+        cancelled, and a stale owner's batch fails its epoch check)."""
+        instance = (await self.get(job_id)).instance
+        async with self._job_locks.setdefault(job_id, asyncio.Lock()):
+            cancel = (CANCEL, {"job_id": job_id})
+            await self._owners.run(instance, lambda machine, now: None, lambda _: [cancel])
+        return await self.get(job_id)
+
+    async def _run_step(self, job_id: str) -> bool | Preemption | Demotion:
         step = await self.next_step(job_id)
         if step is None:
             await self.finish_if_done(job_id)

@@ -331,10 +331,11 @@ _FINISH = text(
     """
 )
 
-_CANCEL = text(
+CANCEL = (
     "UPDATE reclaim_jobs SET state = 'CANCELLED', finished_at = now() "
-    "WHERE job_id = :job_id AND state IN ('PLANNED', 'RUNNING')"
+    "WHERE job_id = %(job_id)s AND state IN ('PLANNED', 'RUNNING')"
 )
+_CANCEL = driver_statement(CANCEL)
 
 _LIST_JOBS = text(
     "SELECT * FROM reclaim_jobs WHERE job_id > :after "

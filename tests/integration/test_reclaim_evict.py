@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service.api.server import HotPath
 from quota_service.config import Settings
 from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
@@ -21,8 +22,7 @@ from quota_service.enforcement.termination import Termination
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
-from quota_service.store.ledger import Ledger
-from quota_service.store.reclaim import ReclaimJobs, ended_before_preemption
+from quota_service.store.reclaim import ended_before_preemption
 from tests.integration.engine_stubs import closed_port
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
@@ -40,12 +40,12 @@ def running(
 
 
 async def test_evict_preempts_lowest_priority_newest_first_and_reports_what_it_freed(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, settings: Settings, owned: HotPath
 ) -> None:
     await add_instance(engine, blocks=64)
     await add_tenant(engine, "acme")
     await add_tenant(engine, "bolt")
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     # acme's "old" and "new" share a 2-block prefix: preempting "new" frees only its own blocks.
     shared = tuple(range(2 * BS))
     await ledger.admit(running("old", prompt=shared + tuple(range(500, 500 + 2 * BS - 1))))
@@ -53,7 +53,7 @@ async def test_evict_preempts_lowest_priority_newest_first_and_reports_what_it_f
     await ledger.admit(running("vip", priority=5))
     await ledger.admit(running("b1", tenant="bolt"))
 
-    jobs = ReclaimJobs(engine)
+    jobs = owned.reclaim(engine, settings.cpu_watermarks)
     target = ReclaimTarget(4, Tier.EVICT, "acme")
     job = await jobs.create("evict-acme", "gpu-0", target, dry_run=False)
     # Nothing is cached, so straight to EVICT: "new" (priority 0, admitted last) gives back
@@ -82,7 +82,7 @@ async def test_evict_preempts_lowest_priority_newest_first_and_reports_what_it_f
 
 
 async def test_an_evict_step_waits_for_the_engine_and_says_why_it_got_less(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, settings: Settings, owned: HotPath
 ) -> None:
     """The engine does not answer: the preempted reservation keeps its blocks (the engine may
     still be generating) and the step waits; ended otherwise meanwhile, the step is skipped
@@ -91,10 +91,10 @@ async def test_an_evict_step_waits_for_the_engine_and_says_why_it_got_less(
     spec = catalog.instance_spec("gpu-0", "m", None, BS, 8192, None, 64, engine=unreachable)
     await Catalog(engine).register_instance(spec)
     await add_tenant(engine, "acme")
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     await ledger.admit(running("first", prompt=tuple(range(4 * BS - 1))))
     await ledger.admit(running("second"))
-    jobs = ReclaimJobs(engine)
+    jobs = owned.reclaim(engine, settings.cpu_watermarks)
     job = await jobs.create("evict", "gpu-0", ReclaimTarget(8, Tier.EVICT), dry_run=False)
     assert [s.planned.reservation for s in job.steps] == [("acme", "second"), ("acme", "first")]
     termination = Termination(ledger, abort_timeout_seconds=0.2, hard_timeout_seconds=60.0)

@@ -1,6 +1,7 @@
-"""Reclaim jobs in the ledger: a dry run and an execution agree except where the pool changed
-(listed), a FREE step takes the least damaging cached blocks a batch at a time, a killed
-executor's job resumes without applying a step twice, refusals change nothing."""
+"""Reclaim jobs run by the instance's owner: a dry run and an execution agree except where the
+pool changed (listed), a FREE step takes the least damaging cached blocks a batch at a time, a
+killed owner's job resumes in the next owner without applying a step twice, refusals change
+nothing."""
 
 from __future__ import annotations
 
@@ -15,16 +16,19 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
+from quota_service.api.server import HotPath, make_hot_path
+from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
-from quota_service.core.errors import Code, KvQuotaError
+from quota_service.core.errors import Code, KvQuotaError, ServedElsewhere
 from quota_service.core.model import EndReason
 from quota_service.core.pagination import Page
 from quota_service.core.reclaim import JobState, ReclaimTarget, StepState, Tier
-from quota_service.store.ledger import Ledger
+from quota_service.owner.owned_reclaim import OwnedReclaimJobs
+from quota_service.owner.owners import OwnedLedger
 from quota_service.store.reclaim import (
     CHANGED_SINCE_PLAN,
     FEWER_CACHED_SINCE_PLAN,
-    ReclaimJobs,
+    FREE_BATCH_BLOCKS,
 )
 from tests import processes
 from tests.integration.grpc_helpers import admit
@@ -40,17 +44,24 @@ def prompt(i: int) -> tuple[int, ...]:
 
 
 async def cached_pool(
-    engine: AsyncEngine, settings: Settings, blocks: int, tenant: str = "acme"
-) -> Ledger:
+    engine: AsyncEngine, owned: HotPath, blocks: int, tenant: str = "acme"
+) -> OwnedLedger:
     """An instance whose tenant left `blocks` cached prompt blocks behind (4 a prompt)."""
     await add_instance(engine, blocks=blocks + 64)
     await add_tenant(engine, tenant)
-    ledger = Ledger(engine, settings.admission_limits)
-    await leave_cached(ledger, tenant, range(blocks // 4))
-    return ledger
+    assert isinstance(owned.ledger, OwnedLedger)
+    await leave_cached(owned.ledger, tenant, range(blocks // 4))
+    return owned.ledger
 
 
-async def leave_cached(ledger: Ledger, tenant: str, prompts: range) -> None:
+def jobs_of(
+    engine: AsyncEngine, owned: HotPath, free_batch_blocks: int = FREE_BATCH_BLOCKS
+) -> OwnedReclaimJobs:
+    assert owned.owners is not None
+    return OwnedReclaimJobs(engine, owned.owners, free_batch_blocks=free_batch_blocks)
+
+
+async def leave_cached(ledger: OwnedLedger, tenant: str, prompts: range) -> None:
     for i in prompts:
         tokens = prompt(i)
         base = request(f"r{i}", len(tokens), 1, tenant=tenant)
@@ -58,7 +69,7 @@ async def leave_cached(ledger: Ledger, tenant: str, prompts: range) -> None:
         await ledger.end(tenant, f"r{i}", EndReason.RELEASED, 1)
 
 
-async def prefix_hits(ledger: Ledger, tenant: str, request_id: str, i: int) -> int:
+async def prefix_hits(ledger: OwnedLedger, tenant: str, request_id: str, i: int) -> int:
     """How many of the i-th prompt's blocks are still cached (a request reusing them, one token
     longer: a hit never covers a prompt's last token, as in vLLM)."""
     tokens = (*prompt(i), 1)
@@ -68,10 +79,10 @@ async def prefix_hits(ledger: Ledger, tenant: str, request_id: str, i: int) -> i
 
 
 async def test_a_dry_run_and_its_execution_agree_but_for_what_changed(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
-    ledger = await cached_pool(engine, settings, 8)
-    jobs = ReclaimJobs(engine)
+    ledger = await cached_pool(engine, owned, 8)
+    jobs = jobs_of(engine, owned)
     target = ReclaimTarget(6, Tier.FREE)
     dry = await jobs.create("dry", "gpu-0", target, dry_run=True)
     assert (dry.state, dry.expected_blocks, len(dry.steps)) == (JobState.SUCCEEDED, 6, 1)
@@ -101,16 +112,16 @@ async def test_a_dry_run_and_its_execution_agree_but_for_what_changed(
 
 
 async def test_free_takes_cold_scopes_first_then_the_least_recently_used(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
     """Cached blocks of tenants with no live work go first; within each, least recently used
     first, a table's tail before its head (as vLLM evicts); a tenant's job takes only its own."""
-    ledger = await cached_pool(engine, settings, 8)  # acme: prompts 0 and 1
+    ledger = await cached_pool(engine, owned, 8)  # acme: prompts 0 and 1
     await add_tenant(engine, "globex")
     await leave_cached(ledger, "globex", range(2, 4))  # released after acme's: hotter
     busy = tuple(range(50_000, 50_000 + BS))
     await ledger.admit(replace(request("busy", len(busy), 1), prompt_token_ids=busy))
-    jobs = ReclaimJobs(engine)
+    jobs = jobs_of(engine, owned)
     job = await jobs.create("mixed", "gpu-0", ReclaimTarget(10, Tier.FREE), dry_run=False)
     assert [(s.planned.tier, s.planned.gpu_blocks) for s in job.steps] == [(Tier.FREE, 10)]
     assert await jobs.run_step(job.job_id) and not await jobs.run_step(job.job_id)
@@ -133,10 +144,10 @@ async def test_free_takes_cold_scopes_first_then_the_least_recently_used(
 
 
 async def test_a_free_step_frees_a_batch_per_transaction_and_shows_its_progress(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
-    await cached_pool(engine, settings, 12)
-    jobs = ReclaimJobs(engine, free_batch_blocks=5)
+    await cached_pool(engine, owned, 12)
+    jobs = jobs_of(engine, owned, 5)
     job = await jobs.create("batched", "gpu-0", ReclaimTarget(12, Tier.FREE), dry_run=False)
     progress = []
     while await jobs.run_step(job.job_id):
@@ -153,12 +164,13 @@ async def test_a_free_step_frees_a_batch_per_transaction_and_shows_its_progress(
 
 
 async def test_a_free_step_planned_block_by_block_still_runs(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
-    """Jobs planned before FREE steps were counted name one cached block a step; one still open
-    at an upgrade runs on."""
-    ledger = await cached_pool(engine, settings, 8)
-    jobs = ReclaimJobs(engine)
+    """Jobs planned before FREE steps were counted name one block of the per-block tables a
+    step; one still open at an upgrade runs on, each step skipped (the pool's slots are not
+    those blocks), and nothing in the pool is taken for it."""
+    await cached_pool(engine, owned, 8)
+    jobs = jobs_of(engine, owned)
     job = await jobs.create("old", "gpu-0", ReclaimTarget(2, Tier.FREE), dry_run=False)
     async with engine.begin() as conn:
         await conn.execute(text("DELETE FROM reclaim_steps"))
@@ -166,13 +178,11 @@ async def test_a_free_step_planned_block_by_block_still_runs(
             text(
                 "INSERT INTO reclaim_steps (job_id, seq, tier, block_id, generation, "
                 "expected_blocks, cpu_bytes, lossy) "
-                "SELECT :job_id, row_number() OVER (ORDER BY lru_seq) - 1, 'FREE', block_id, "
-                "generation, 1, 0, false FROM blocks WHERE state = 'CACHED' "
-                "ORDER BY lru_seq LIMIT 2"
+                "VALUES (:job_id, 0, 'FREE', 0, 1, 1, 0, false), "
+                "(:job_id, 1, 'FREE', 1, 1, 1, 0, false)"
             ),
             {"job_id": job.job_id},
         )
-    assert await prefix_hits(ledger, "acme", "again", 0) == 4  # the first block is in use now
     while await jobs.run_step(job.job_id):
         pass
     done = await jobs.get(job.job_id)
@@ -181,17 +191,23 @@ async def test_a_free_step_planned_block_by_block_still_runs(
         (True, StepState.SKIPPED, 0),
     ]
     assert all(s.note == CHANGED_SINCE_PLAN for s in done.differences)
+    assert (await counters(engine))["instance:gpu-0"]["cached_blocks"] == 8
     await assert_invariants(engine)
 
 
 EXECUTOR = """
 import asyncio, sys
+from quota_service.api.server import make_hot_path
+from quota_service.api.waiting import Waiters
+from quota_service.config import Settings
+from quota_service.owner.owned_reclaim import OwnedReclaimJobs
 from quota_service.store.database import connect
-from quota_service.store.reclaim import ReclaimJobs
 
 async def main(url, job_id):
-    engine = connect(url, pool_size=1)
-    jobs = ReclaimJobs(engine, free_batch_blocks=1)
+    engine = connect(url, pool_size=2)
+    settings = Settings(hot_path="memory", owner_lease_seconds=1.0)
+    owned = make_hot_path(settings, engine, Waiters(0.05), "executor")
+    jobs = OwnedReclaimJobs(engine, owned.owners, free_batch_blocks=1)
     while await jobs.run_step(job_id):
         print("step", flush=True)
         await asyncio.sleep(0.2)
@@ -200,12 +216,17 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 
-async def test_a_killed_executor_s_job_resumes_and_frees_each_block_once(
-    engine: AsyncEngine, settings: Settings, database_url: str
+async def test_a_killed_owner_s_job_resumes_in_the_next_and_frees_each_block_once(
+    engine: AsyncEngine, settings: Settings, owned: HotPath, database_url: str
 ) -> None:
-    await cached_pool(engine, settings, 12)
-    jobs = ReclaimJobs(engine, free_batch_blocks=1)
+    """The owner that runs a job's steps is killed between them: each batch it acknowledged
+    was recorded with the step's progress, so the next owner, recovered from the record, goes
+    on from there and frees no block twice."""
+    await cached_pool(engine, owned, 12)
+    jobs = jobs_of(engine, owned, 1)
     job = await jobs.create("kill-me", "gpu-0", ReclaimTarget(12, Tier.FREE), dry_run=False)
+    assert owned.owners is not None
+    await owned.owners.hand_over()  # the executor's replica takes gpu-0 over
     process = await processes.exec_async(
         sys.executable, "-c", EXECUTOR, database_url, job.job_id, stdout=asyncio.subprocess.PIPE
     )
@@ -217,28 +238,34 @@ async def test_a_killed_executor_s_job_resumes_and_frees_each_block_once(
     interrupted = await jobs.get(job.job_id)
     assert interrupted.state is JobState.RUNNING and 3 <= interrupted.actual_blocks < 12
     assert interrupted.steps[0].state is StepState.PLANNED
-    while await jobs.run_step(job.job_id):  # another replica picks it up
-        pass
-    done = await jobs.get(job.job_id)
-    assert (done.state, done.actual_blocks) == (JobState.SUCCEEDED, 12)
-    assert [(s.state, s.actual_blocks) for s in done.steps] == [(StepState.APPLIED, 12)]
-    async with engine.connect() as conn:
-        per_block = await conn.execute(
-            text(
-                "SELECT block_id, count(*) FROM tombstones WHERE reason = 'RECLAIMED' "
-                "GROUP BY block_id"
-            )
-        )
-        counts = [n for _, n in per_block]
-    assert len(counts) == 12 and set(counts) == {1}  # each block freed exactly once
+
+    short = replace(settings, hot_path="memory", owner_lease_seconds=1.0)
+    successor = make_hot_path(short, engine, Waiters(0.05), "successor")
+    assert successor.owners is not None
+    resumed = jobs_of(engine, successor, 1)
+    try:
+        while True:  # the killed owner's lease runs out first
+            try:
+                if not await resumed.run_step(job.job_id):
+                    break
+            except ServedElsewhere:
+                await asyncio.sleep(0.2)
+        done = await resumed.get(job.job_id)
+        assert (done.state, done.actual_blocks) == (JobState.SUCCEEDED, 12)
+        assert [(s.state, s.actual_blocks, s.note) for s in done.steps] == [
+            (StepState.APPLIED, 12, None)
+        ]
+        assert (await counters(engine))["instance:gpu-0"]["cached_blocks"] == 0
+    finally:
+        await successor.owners.close()
     await assert_invariants(engine)
 
 
 async def test_concurrent_executors_share_a_job_without_applying_a_step_twice(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
-    await cached_pool(engine, settings, 16)
-    jobs = ReclaimJobs(engine, free_batch_blocks=1)
+    await cached_pool(engine, owned, 16)
+    jobs = jobs_of(engine, owned, 1)
     job = await jobs.create("shared", "gpu-0", ReclaimTarget(16, Tier.FREE), dry_run=False)
 
     async def executor() -> int:
@@ -281,10 +308,10 @@ async def test_every_replica_s_maintenance_loop_executes_open_jobs(
 
 
 async def test_a_cancelled_job_keeps_what_it_applied_and_runs_nothing_more(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
-    await cached_pool(engine, settings, 8)
-    jobs = ReclaimJobs(engine, free_batch_blocks=1)
+    await cached_pool(engine, owned, 8)
+    jobs = jobs_of(engine, owned, 1)
     job = await jobs.create("stop", "gpu-0", ReclaimTarget(8, Tier.FREE), dry_run=False)
     assert await jobs.run_step(job.job_id) and await jobs.run_step(job.job_id)
     cancelled = await jobs.cancel(job.job_id)
@@ -302,11 +329,11 @@ async def test_a_cancelled_job_keeps_what_it_applied_and_runs_nothing_more(
 
 
 async def test_nothing_is_applied_after_a_cancel_returns(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
     """Executors racing a cancel: the job the cancel returns is the job's final state."""
-    await cached_pool(engine, settings, 32)
-    jobs = ReclaimJobs(engine, free_batch_blocks=1)
+    await cached_pool(engine, owned, 32)
+    jobs = jobs_of(engine, owned, 1)
     job = await jobs.create("race", "gpu-0", ReclaimTarget(32, Tier.FREE), dry_run=False)
 
     async def executor() -> None:
@@ -324,11 +351,9 @@ async def test_nothing_is_applied_after_a_cancel_returns(
     await assert_invariants(engine)
 
 
-async def test_bad_jobs_are_refused_and_change_nothing(
-    engine: AsyncEngine, settings: Settings
-) -> None:
-    await cached_pool(engine, settings, 4)
-    jobs = ReclaimJobs(engine)
+async def test_bad_jobs_are_refused_and_change_nothing(engine: AsyncEngine, owned: HotPath) -> None:
+    await cached_pool(engine, owned, 4)
+    jobs = jobs_of(engine, owned)
     with pytest.raises(KvQuotaError) as empty:
         await jobs.create("zero", "gpu-0", ReclaimTarget(0, Tier.FREE), dry_run=True)
     assert empty.value.code is Code.INVALID_ARGUMENT

@@ -7,22 +7,30 @@ from dataclasses import replace
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service.api.server import HotPath
 from quota_service.config import Settings
 from quota_service.core.model import EndReason
 from quota_service.core.reclaim import (
     CachedScope,
+    PoolSnapshot,
     ReclaimTarget,
     SharedEntry,
     Tier,
     Unreclaimable,
     plan,
 )
-from quota_service.store.ledger import Ledger
-from quota_service.store.pins import Pins
+from quota_service.owner.owned_reclaim import pool_blocks
 from quota_service.store.reclaim import load_snapshot
 from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
 
 BS = 16
+
+
+async def snapshot(engine: AsyncEngine, owned: HotPath) -> PoolSnapshot:
+    """gpu-0's pool as its owner plans a reclaim on it: slots from memory, the rest read."""
+    assert owned.owners is not None
+    blocks = await owned.owners.run("gpu-0", lambda machine, now: pool_blocks(machine))
+    return await load_snapshot(engine, "gpu-0", blocks=blocks)
 
 
 def prompt(first: int, blocks: int, extra: int = 0) -> tuple[int, ...]:
@@ -30,21 +38,19 @@ def prompt(first: int, blocks: int, extra: int = 0) -> tuple[int, ...]:
 
 
 async def test_the_snapshot_is_the_pool_and_the_plan_counts_only_what_comes_back(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, settings: Settings, owned: HotPath
 ) -> None:
     await add_instance(engine, blocks=64)
     for tenant in ("acme", "globex", "initech"):
         await add_tenant(engine, tenant)
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
 
     async def admit(tenant: str, rid: str, tokens: tuple[int, ...]) -> None:
         # Two output tokens: the first gets a slot (vLLM never computes the last one's KV).
         base = request(rid, len(tokens), 2, tenant=tenant)
         await ledger.admit(replace(base, prompt_token_ids=tokens))
 
-    await Pins(engine, settings.admission_limits).pin(
-        "tenants/acme", "system", "gpu-0", prompt(1000, 2)
-    )
+    await owned.pins.pin("tenants/acme", "system", "gpu-0", prompt(1000, 2))
     await admit("acme", "pinned-prefix", prompt(1000, 3))  # 2 pinned blocks, 1 own + output
     await admit("acme", "c", prompt(1, 3, extra=5))  # c and d share 3 prompt blocks
     await admit("acme", "d", prompt(1, 3, extra=5))
@@ -52,7 +58,7 @@ async def test_the_snapshot_is_the_pool_and_the_plan_counts_only_what_comes_back
     await ledger.end("globex", "done", EndReason.RELEASED, 1)  # globex: cold, 2 cached blocks
     await admit("initech", "i", prompt(700, 1))
 
-    pool = await load_snapshot(engine, "gpu-0")
+    pool = await snapshot(engine, owned)
     books = (await counters(engine))["instance:gpu-0"]
     assert pool.cached == (CachedScope("tenants/globex", 2),)
     assert sum(c.blocks for c in pool.cached) == books["cached_blocks"]
@@ -87,7 +93,7 @@ async def test_the_snapshot_is_the_pool_and_the_plan_counts_only_what_comes_back
     # After acme's pin would be the only holder: pinned-only blocks are reported, not taken.
     for rid in ("pinned-prefix", "c", "d"):
         await ledger.end("acme", rid, EndReason.RELEASED, 1)
-    after = await load_snapshot(engine, "gpu-0")
+    after = await snapshot(engine, owned)
     assert after.pinned_only == (("tenants/acme", 2),)
     freed = plan(after, ReclaimTarget(100, Tier.FREE, tenant="acme"))
     assert (freed.excluded[-1].reason, freed.excluded[-1].blocks) == (Unreclaimable.PINNED, 2)
