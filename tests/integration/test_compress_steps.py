@@ -1,20 +1,15 @@
 """COMPRESS steps in the ledger, without an engine: planned per offloaded session where the
 instance's CPU tier has a measured ratio, applied once with what was measured whichever
 executor gets there, skipped when the session left the CPU tier meanwhile; a resumed session
-leaves the compressed tier and its usage. On both hot paths: the per-block ledger, and the
-instances' owners in memory."""
+leaves the compressed tier and its usage."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from quota_service.config import Settings
+from quota_service.api.server import HotPath
 from quota_service.core.model import ReservationState
-from quota_service.core.queueing import QueuePolicy
 from quota_service.core.reclaim import (
     DEFAULT_WATERMARKS,
     CompressMeasurement,
@@ -26,54 +21,31 @@ from quota_service.core.reclaim import (
     Unreclaimable,
 )
 from quota_service.owner.owned_reclaim import OwnedReclaimJobs
-from quota_service.owner.owners import OwnedLedger, Owners
+from quota_service.owner.owners import OwnedLedger
 from quota_service.store.cpu_tier import CpuTierBooks
-from quota_service.store.ledger import Ledger
-from quota_service.store.reclaim import NOT_OFFLOADED_ANY_MORE, ReclaimJobs
+from quota_service.store.reclaim import NOT_OFFLOADED_ANY_MORE
 from tests.integration.test_suspend_offload import BLOCK_BYTES, BS, session, with_cpu_tier
 
 FULL = CpuWatermarks(offload=0.5, compress=0.6)  # 900 of 1000 bytes used is above both
 COMPRESS_ONLY = ReclaimTarget(1, Tier.COMPRESS, None, Tier.COMPRESS)
 
 
-class HotPath:
-    """The ledger and the reclaim jobs of one hot path."""
-
-    def __init__(self, engine: AsyncEngine, settings: Settings, memory: bool) -> None:
-        self._engine = engine
-        self.owners = (
-            Owners(engine, settings.admission_limits, QueuePolicy(), "test") if memory else None
-        )
-        self.ledger: Ledger = (
-            OwnedLedger(engine, self.owners, settings.admission_limits)
-            if self.owners is not None
-            else Ledger(engine, settings.admission_limits)
-        )
-
-    def jobs(self, watermarks: CpuWatermarks = DEFAULT_WATERMARKS) -> ReclaimJobs:
-        if self.owners is None:
-            return ReclaimJobs(self._engine, watermarks)
-        return OwnedReclaimJobs(self._engine, self.owners, watermarks)
+def jobs_of(
+    engine: AsyncEngine, owned: HotPath, watermarks: CpuWatermarks = DEFAULT_WATERMARKS
+) -> OwnedReclaimJobs:
+    assert owned.owners is not None
+    return OwnedReclaimJobs(engine, owned.owners, watermarks)
 
 
-@pytest.fixture(params=["ledger", "memory"])
-async def path(
-    request: pytest.FixtureRequest, engine: AsyncEngine, settings: Settings
-) -> AsyncIterator[HotPath]:
-    hot = HotPath(engine, settings, request.param == "memory")
-    yield hot
-    if hot.owners is not None:
-        await hot.owners.close()
-
-
-async def offloaded(engine: AsyncEngine, path: HotPath, *request_ids: str) -> Ledger:
+async def offloaded(engine: AsyncEngine, owned: HotPath, *request_ids: str) -> OwnedLedger:
     """Sessions of 4 blocks on gpu-0, suspended with their tokens and offloaded."""
     await with_cpu_tier(engine, blocks=16, cpu_used=0, cpu_capacity=1 << 20)
-    ledger = path.ledger
+    ledger = owned.ledger
+    assert isinstance(ledger, OwnedLedger)
     for i, request_id in enumerate(request_ids):
         await ledger.admit(session(request_id, 1000 * i))
         await ledger.suspend("acme", request_id, tuple(range(1000 * i, 1000 * i + 4 * BS)))
-    jobs = path.jobs()
+    jobs = jobs_of(engine, owned)
     job = await jobs.create("offload", "gpu-0", ReclaimTarget(16, Tier.OFFLOAD), dry_run=False)
     while await jobs.run_step(job.job_id):
         pass
@@ -91,10 +63,10 @@ async def events(engine: AsyncEngine) -> list[tuple[int, int]]:
 
 
 async def test_no_plan_compresses_until_a_ratio_was_measured(
-    engine: AsyncEngine, path: HotPath
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
-    await offloaded(engine, path, "chat")
-    jobs = path.jobs(FULL)
+    await offloaded(engine, owned, "chat")
+    jobs = jobs_of(engine, owned, FULL)
     preview = await jobs.preview("gpu-0", COMPRESS_ONLY)
     assert (preview.steps, [e.reason for e in preview.excluded]) == (
         (),
@@ -108,11 +80,11 @@ async def test_no_plan_compresses_until_a_ratio_was_measured(
 
 
 async def test_a_step_is_applied_once_with_the_first_measurement(
-    engine: AsyncEngine, path: HotPath
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
-    ledger = await offloaded(engine, path, "chat")
+    ledger = await offloaded(engine, owned, "chat")
     await CpuTierBooks(engine).record_compression_ratio("gpu-0", 0.5)
-    jobs = path.jobs(FULL)
+    jobs = jobs_of(engine, owned, FULL)
     job = await jobs.create("compress", "gpu-0", COMPRESS_ONLY, dry_run=False)
     demotion = await jobs.run_step(job.job_id)
     assert demotion == Demotion(0, "acme", "chat", None)
@@ -146,11 +118,11 @@ async def test_a_step_is_applied_once_with_the_first_measurement(
 
 
 async def test_a_session_that_left_the_cpu_tier_is_skipped(
-    engine: AsyncEngine, path: HotPath
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
-    ledger = await offloaded(engine, path, "chat")
+    ledger = await offloaded(engine, owned, "chat")
     await CpuTierBooks(engine).record_compression_ratio("gpu-0", 0.5)
-    jobs = path.jobs(FULL)
+    jobs = jobs_of(engine, owned, FULL)
     job = await jobs.create("compress", "gpu-0", COMPRESS_ONLY, dry_run=False)
     await jobs.record_measurement(job.job_id, 0, CompressMeasurement(4096, 2048, 0))
     await ledger.resume("acme", "chat", 0.0)  # between the CPU tier's demotion and the ledger
