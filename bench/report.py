@@ -39,6 +39,13 @@ LABELS: dict[str, tuple[str, str, int]] = {
     "server_cpu_ms_per_pair_prefix": ("server CPU per pair (best, prefix)", "ms", 2),
     "postgres_cpu_ms_per_pair_prefix": ("PostgreSQL CPU per pair (best, prefix)", "ms", 2),
     "driver_cpu_ms_per_pair_prefix": ("load generator CPU per pair (prefix)", "ms", 2),
+    "operations_per_commit_no_prefix": ("operations per commit, most clients, no prefix", "", 1),
+    "operations_per_commit_prefix": ("operations per commit, most clients, prefix", "", 1),
+    "forwarded_pairs_per_second": ("forwarded: most clients calling a non-owner", "pairs/s", 1),
+    "forwarded_admit_p50_ms": ("  Admit p50", "ms", 2),
+    "forwarded_admit_p99_ms": ("  Admit p99", "ms", 2),
+    "forwarding_cpu_ms_per_pair": ("  the forwarding replica's CPU per pair", "ms", 2),
+    "forwarded_owner_cpu_ms_per_pair": ("  the owner's CPU per pair", "ms", 2),
     "fleet_pairs_per_second": ("fleet: most clients over 8 instances, 16 tenants", "pairs/s", 1),
     "fleet_ratio": ("  ÷ pgbench -N tps", "", 3),
     "fleet_admit_p50_ms": ("  Admit p50", "ms", 2),
@@ -311,6 +318,7 @@ def markdown(document: dict[str, Any], analysis: str) -> str:
                 "server CPU ms/pair",
                 "PostgreSQL CPU ms/pair",
                 "generator CPU ms/pair",
+                "operations per commit",
             ],
             [
                 [
@@ -325,6 +333,7 @@ def markdown(document: dict[str, Any], analysis: str) -> str:
                     _number(p["server_cpu_ms_per_pair"]),
                     _number(p["postgres_cpu_ms_per_pair"]),
                     _number(p["driver_cpu_ms_per_pair"]),
+                    _number(p.get("operations_per_commit", math.nan), 1),
                 ]
                 for n, r in enumerate(document["runs"])
                 for p in r["points"]

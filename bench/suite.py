@@ -222,6 +222,8 @@ class Point:
     driver_cpu_ms_per_pair: float
     # The servers' PostgreSQL connections: how many were in each state, on average.
     connections: dict[str, float] = field(default_factory=dict)
+    # Admits and Releases per write transaction PostgreSQL gave an id to (group commit).
+    operations_per_commit: float = math.nan
 
     @classmethod
     def of(
@@ -232,8 +234,10 @@ class Point:
         server_seconds: float,
         postgres_seconds: float,
         connections: dict[str, float],
+        write_transactions: int = 0,
     ) -> Point:
-        """A closed loop's result, with the CPU seconds its servers and PostgreSQL spent."""
+        """A closed loop's result, with the CPU seconds its servers and PostgreSQL spent and
+        the write transactions PostgreSQL committed meanwhile."""
         pairs = max(result.pairs, 1)
         # CPU is counted over the warm-up too (a little more than the counted pairs did).
         spanned = (result.seconds + 0.5) / result.seconds if result.seconds else 1.0
@@ -249,6 +253,7 @@ class Point:
             postgres_seconds * 1000 / pairs / spanned,
             result.driver_cpu_seconds * 1000 / pairs / spanned,
             connections,
+            2 * pairs * spanned / write_transactions if write_transactions else math.nan,
         )
 
 
@@ -320,6 +325,15 @@ class CpuMeter:
         return servers - before[0], postgres
 
 
+def transaction_ids(database_url: str) -> int:
+    """The next transaction id the cluster will hand out: how many write transactions began
+    between two reads (read-only ones get none). The statistics views lag by up to a second."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 class Connections:
     """Samples what the servers' PostgreSQL connections are doing (pg_stat_activity), every
     50 ms: on CPU, waiting for a lock, for WAL, or for the server's next statement."""
@@ -384,6 +398,7 @@ class Suite:
         self.floor: PerBlockFloor  # made by setup, once the database is
         self.grpc_floor: harness.Server | None = None  # started by measure
         self.scratch = tempfile.mkdtemp(prefix="kvq-bench-")
+        self.server_env: dict[str, str] = {}  # how main starts the servers
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -464,9 +479,13 @@ class Suite:
             f[f"server_cpu_ms_per_pair_{kind}"] = best.server_cpu_ms_per_pair
             f[f"postgres_cpu_ms_per_pair_{kind}"] = best.postgres_cpu_ms_per_pair
             f[f"driver_cpu_ms_per_pair_{kind}"] = best.driver_cpu_ms_per_pair
+            most = [p for p in run.points if p.prefix_tokens == prefix][-1]
+            f[f"operations_per_commit_{kind}"] = most.operations_per_commit
 
         watch.phase = f"run{number}-fleet"
         await self.fleet(gateway, meter, run, number)
+        watch.phase = f"run{number}-forwarded"
+        await self.forwarded(database_url, meter, run, number)
 
         for prefix, kind in ((0, "no_prefix"), (PREFIX_TOKENS, "prefix")):
             watch.phase = f"run{number}-half-{kind}"
@@ -548,6 +567,7 @@ class Suite:
         kind = f"{prefix}-token prefix" if prefix else "no prefix"
         say(f"closed loop: {concurrency} clients, {kind}, {self.args.seconds:g} s")
         before = meter.snapshot()
+        first_id = transaction_ids(meter.url)
         stop = asyncio.Event()
         sampling = asyncio.create_task(Connections(meter.url).sample(stop))
         result = await load.closed_loop(
@@ -562,9 +582,10 @@ class Suite:
         stop.set()
         connections = await sampling
         servers, postgres = meter.since(before)
+        written = transaction_ids(meter.url) - first_id
         if result.first_refusal:
             say(f"  refused {sum(result.refused.values())}: {result.first_refusal}")
-        return Point.of(prefix, concurrency, result, servers, postgres, connections)
+        return Point.of(prefix, concurrency, result, servers, postgres, connections, written)
 
     async def fleet(self, gateway: Gateway, meter: CpuMeter, run: Run, number: int) -> None:
         """The most clients of the sweep, no prefix, spread over FLEET instances and 16
@@ -593,6 +614,36 @@ class Suite:
         f["fleet_server_cpu_ms_per_pair"] = servers * 1000 / pairs
         f["fleet_postgres_cpu_ms_per_pair"] = postgres * 1000 / pairs
         f["fleet_of_one_instance"] = result.pairs_per_second / f["pairs_per_second_no_prefix"]
+
+    async def forwarded(self, database_url: str, meter: CpuMeter, run: Run, number: int) -> None:
+        """The most clients of the sweep, no prefix, all calling another replica, which does
+        not own the instance and forwards each call once to the replica that does: what a
+        forwarded call costs, beside the same load called straight at the owner."""
+        clients = max(self.args.concurrency)
+        say(f"forwarded: {clients} clients calling a replica that forwards to the owner")
+        with harness.server(database_url, self.server_env) as forwarder:
+            async with Gateway([forwarder.address], self.token) as via:
+                before, forwarding = meter.snapshot(), harness.cpu_seconds(forwarder.pid)
+                result = await load.closed_loop(
+                    via,
+                    "tput",
+                    TENANTS,
+                    Shape(),
+                    clients,
+                    self.args.seconds,
+                    label=f"forwarded-r{number}",
+                )
+                forwarding = harness.cpu_seconds(forwarder.pid) - forwarding
+                owning, postgres = meter.since(before)
+        _refusals(run, "forwarded", result)
+        point = Point.of(0, clients, result, owning, postgres, {})
+        f = run.figures
+        f["forwarded_pairs_per_second"] = point.pairs_per_second
+        f["forwarded_admit_p50_ms"] = point.admit_p50_ms
+        f["forwarded_admit_p99_ms"] = point.admit_p99_ms
+        f["forwarded_owner_cpu_ms_per_pair"] = point.server_cpu_ms_per_pair
+        spent = Point.of(0, clients, result, forwarding, 0.0, {})
+        f["forwarding_cpu_ms_per_pair"] = spent.server_cpu_ms_per_pair
 
     async def queue_mix(self, gateway: Gateway, run: Run, number: int) -> None:
         """48 clients of four tenants (weights 1, 1, 2, 4) on an instance that holds 10 requests;
@@ -957,6 +1008,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "KVQUOTA_AUTH_REQUIRED": "false" if args.auth == "off" else "true",
         "KVQUOTA_HOT_PATH": args.hot_path,
     }
+    suite.server_env = env
     with harness.throwaway_database(root) as database_url:
         if args.auth != "off":
             _, suite.token = asyncio.run(create_bootstrap_key(database_url, "bench"))
