@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Generator, Iterator
+from dataclasses import replace
 
 import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service.api import server
+from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
 from quota_service.store import embedded, migrate
 from quota_service.store.database import connect
@@ -122,3 +125,13 @@ def settings() -> Settings:
         auth_required=False,
         hot_path="memory" if IN_MEMORY else "ledger",
     )
+
+
+@pytest.fixture
+async def owned(engine: AsyncEngine, settings: Settings) -> AsyncIterator[server.HotPath]:
+    """The memory hot path in this process, as a server builds it: instances are claimed by
+    one replica ("test") on first use, and its leases are given up at the end."""
+    hot = server.make_hot_path(replace(settings, hot_path="memory"), engine, Waiters(0.05), "test")
+    assert hot.owners is not None
+    yield hot
+    await hot.owners.close()

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import grpc
 import pytest
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvquota.v1 import admin_pb2_grpc, admission_pb2_grpc
 from quota_service.api import server
-from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
 
 
@@ -37,13 +34,3 @@ def admin(channel: grpc.aio.Channel) -> admin_pb2_grpc.AdminServiceAsyncStub:
 @pytest.fixture
 def gateway(channel: grpc.aio.Channel) -> admission_pb2_grpc.AdmissionServiceAsyncStub:
     return admission_pb2_grpc.AdmissionServiceStub(channel)
-
-
-@pytest.fixture
-async def owned(engine: AsyncEngine, settings: Settings) -> AsyncIterator[server.HotPath]:
-    """The memory hot path in this process, as a server builds it: instances are claimed by
-    one replica ("test") on first use, and its leases are given up at the end."""
-    hot = server.make_hot_path(replace(settings, hot_path="memory"), engine, Waiters(0.05), "test")
-    assert hot.owners is not None
-    yield hot
-    await hot.owners.close()
