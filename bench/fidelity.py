@@ -138,6 +138,7 @@ class FidelityRun:
         db: AsyncEngine,
         ledger: Ledger,
         reconciler: Reconciler,
+        inspection: Inspection,
         termination: Termination,
         executor: ReclaimExecutor,
         jobs: ReclaimJobs,
@@ -147,6 +148,7 @@ class FidelityRun:
         self._db = db
         self._ledger = ledger
         self._reconciler = reconciler
+        self._inspection = inspection
         self._termination = termination
         self._executor = executor
         self._jobs = jobs
@@ -410,7 +412,7 @@ class FidelityRun:
         return False
 
     async def _ledger_cached(self) -> set[int]:
-        blocks = await Inspection(self._db).list_blocks(
+        blocks = await self._inspection.list_blocks(
             self._where.instance, None, BlockState.CACHED, Page(1 << 20, None)
         )
         return {event_hash(b.content_hash) for b in blocks if b.content_hash is not None}

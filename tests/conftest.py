@@ -5,6 +5,8 @@ runs never collide."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import replace
@@ -130,8 +132,21 @@ def settings() -> Settings:
 @pytest.fixture
 async def owned(engine: AsyncEngine, settings: Settings) -> AsyncIterator[server.HotPath]:
     """The memory hot path in this process, as a server builds it: instances are claimed by
-    one replica ("test") on first use, and its leases are given up at the end."""
-    hot = server.make_hot_path(replace(settings, hot_path="memory"), engine, Waiters(0.05), "test")
-    assert hot.owners is not None
+    one replica ("test") on first use, its leases renewed as a server renews them (a third of
+    a lease apart), and closed at the end."""
+    memory = replace(settings, hot_path="memory")
+    hot = server.make_hot_path(memory, engine, Waiters(0.05), "test")
+    owners = hot.owners
+    assert owners is not None
+
+    async def keep_leases() -> None:
+        while True:
+            await asyncio.sleep(memory.owner_lease_seconds / 3)
+            await owners.keep_leases()
+
+    renewing = asyncio.create_task(keep_leases())
     yield hot
-    await hot.owners.close()
+    renewing.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await renewing
+    await owners.close()

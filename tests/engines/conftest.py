@@ -24,13 +24,11 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service import cli
-from quota_service.config import Settings
+from quota_service.api.server import HotPath
 from quota_service.core import catalog
 from quota_service.core.model import EngineEndpoints, TenantQuota
 from quota_service.jobs.follower import Followers
-from quota_service.store.catalog import Catalog
-from quota_service.store.ledger import Ledger
-from quota_service.store.reconcile import Reconciler
+from quota_service.owner.owners import OwnedLedger
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES_PYTHON = Path(
@@ -496,17 +494,22 @@ async def until(condition: object, seconds: float = 30.0) -> None:
 
 @dataclass
 class Followed:
-    """A real vLLM, registered as instance "live" for tenant acme, and the ledger following it."""
+    """A real vLLM, registered as instance "live" for tenant acme, and its owner following it."""
 
     live: Engine
-    ledger: Ledger
+    ledger: OwnedLedger
     process: subprocess.Popen[bytes]
     restart: Callable[[], subprocess.Popen[bytes]]
 
 
 @pytest.fixture
 async def followed(
-    engine_python: Path, tiny_model: Path, tmp_path: Path, engine: AsyncEngine, database_url: str
+    engine_python: Path,
+    tiny_model: Path,
+    tmp_path: Path,
+    engine: AsyncEngine,
+    database_url: str,
+    owned: HotPath,
 ) -> AsyncIterator[Followed]:
     """A fixture, not a context manager inside the test: its teardown stops vLLM even when
     pytest-timeout stopped the test (the signal unwinds the event loop, and a `finally` in the
@@ -518,7 +521,8 @@ async def followed(
     def start() -> subprocess.Popen[bytes]:
         return start_vllm(engine_python, tiny_model, ports, tmp_path / "vllm.log")
 
-    followed = Followed(live, Ledger(engine, Settings().admission_limits), start(), start)
+    assert isinstance(owned.ledger, OwnedLedger) and owned.owners is not None
+    followed = Followed(live, owned.ledger, start(), start)
     spec = catalog.instance_spec(
         "live",
         live.model,
@@ -529,9 +533,10 @@ async def followed(
         NUM_GPU_BLOCKS - 1,
         engine=EngineEndpoints(live.base_url, live.events, live.replay),
     )
-    await Catalog(engine).register_instance(spec)
-    await Catalog(engine).create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
-    followers = Followers(database_url, Reconciler(engine, followed.ledger), load_check_seconds=0.5)
+    await owned.catalog.register_instance(spec)
+    await owned.catalog.create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
+    await owned.owners.owner("live")  # the owner follows the engines of what it serves
+    followers = Followers(database_url, owned.reconciler(engine), load_check_seconds=0.5)
     try:
         assert await followers.scan() == 1
 

@@ -22,19 +22,26 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.api import convert
+from quota_service.api.server import HotPath, make_hot_path
+from quota_service.api.waiting import Waiters
 from quota_service.cli import top
 from quota_service.config import Settings
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.model import AdmitParams, ReservationState
-from quota_service.core.reclaim import CpuWatermarks, JobState, ReclaimTarget, StepState, Tier
+from quota_service.core.reclaim import (
+    DEFAULT_WATERMARKS,
+    CpuWatermarks,
+    JobState,
+    ReclaimTarget,
+    StepState,
+    Tier,
+)
 from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
 from quota_service.enforcement.termination import Termination
 from quota_service.engine.lmcache import DeleteResult, LmcacheCoordinator
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
-from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger
-from quota_service.store.pins import Pins
 from quota_service.store.reclaim import NOT_OFFLOADED_ANY_MORE, ReclaimJobs
 from quota_service.store.usage import UsageBook, UsageRollup
 from tests.engines.conftest import ChunkWriter, Lmcache, lmcache_at
@@ -97,7 +104,7 @@ def next_turn(session: list[int]) -> list[int]:
 
 async def offloaded_session(
     engine: AsyncEngine,
-    settings: Settings,
+    owned: HotPath,
     lmcache: Lmcache,
     writer: ChunkWriter,
     tenant: str,
@@ -107,14 +114,13 @@ async def offloaded_session(
     """The tenant's session of `tokens` (its first `pinned_prefix` tokens pinned), stored in
     LMCache (L1, and fp8 in L2), admitted, suspended and offloaded by a reclaim job; the
     mirror has mirrored the pin and measured the instance's ratio."""
-    await register(engine, lmcache, (tenant, GIB))
+    await register(owned, lmcache, (tenant, GIB))
     if pinned_prefix:
-        pins = Pins(engine, settings.admission_limits)
-        await pins.pin(f"tenants/{tenant}", "system", "gpu-0", tokens[:pinned_prefix])
+        await owned.pins.pin(f"tenants/{tenant}", "system", "gpu-0", tokens[:pinned_prefix])
     salt = await salt_of(engine, tenant)
     chunks = writer.store(salt, tokens)
     await until([FULL | COMPRESSED] * chunks, lambda: sizes(lmcache, salt, tokens))
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     prompt = tuple(tokens[:-1])
     await ledger.admit(
         AdmitRequest(AdmitParams(tenant, "chat", "gpu-0", len(prompt), 1, 1, 0), prompt, 0.0, None)
@@ -122,7 +128,7 @@ async def offloaded_session(
     await ledger.suspend(tenant, "chat", tokens)
     tier = CpuTierMirror(CpuTierBooks(engine))
     await tier.mirror()
-    jobs = ReclaimJobs(engine)
+    jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
     target = ReclaimTarget(len(tokens) // 16, Tier.OFFLOAD, tenant)
     job = await jobs.create(f"offload-{tenant}", "gpu-0", target, dry_run=False)
     while await jobs.run_step(job.job_id):
@@ -132,8 +138,8 @@ async def offloaded_session(
     return ledger, tier
 
 
-async def compress_job(engine: AsyncEngine, tenant: str) -> tuple[ReclaimJobs, str]:
-    jobs = ReclaimJobs(engine, TINY)
+async def compress_job(engine: AsyncEngine, owned: HotPath, tenant: str) -> tuple[ReclaimJobs, str]:
+    jobs = owned.reclaim(engine, TINY)
     target = ReclaimTarget(1, Tier.COMPRESS, tenant, COMPRESS_ONLY)
     job = await jobs.create(f"compress-{tenant}", "gpu-0", target, dry_run=False)
     assert [(s.planned.tier, s.planned.reservation, s.planned.lossy) for s in job.steps] == [
@@ -152,21 +158,19 @@ async def compressed_events(engine: AsyncEngine, tenant: str) -> list[tuple[int,
 
 
 async def test_a_session_is_offloaded_compressed_and_resumed(
-    fp8_lmcache: Lmcache, fp8_writer: ChunkWriter, engine: AsyncEngine, settings: Settings
+    fp8_lmcache: Lmcache, fp8_writer: ChunkWriter, engine: AsyncEngine, owned: HotPath
 ) -> None:
     tokens = list(range(20_000, 20_000 + 2 * CHUNK))
-    ledger, tier = await offloaded_session(
-        engine, settings, fp8_lmcache, fp8_writer, "talker", tokens
-    )
+    ledger, tier = await offloaded_session(engine, owned, fp8_lmcache, fp8_writer, "talker", tokens)
     salt = await salt_of(engine, "talker")
     termination = Termination(ledger, abort_timeout_seconds=1, hard_timeout_seconds=5)
     try:
-        instance = await Catalog(engine).get_instance("gpu-0")
+        instance = await owned.catalog.get_instance("gpu-0")
         assert instance.cpu_compression_ratio == 0.5  # measured on the session's chunks
         l1_before = instance.cpu_used_bytes
         assert l1_before is not None and l1_before >= 2 * L1_CHUNK_BYTES
 
-        jobs, job_id = await compress_job(engine, "talker")
+        jobs, job_id = await compress_job(engine, owned, "talker")
         assert await ReclaimExecutor(jobs, termination, tier).run(job_id, 10) == 1
         done = await jobs.get(job_id)
         assert (done.state, done.steps[0].state) == (JobState.SUCCEEDED, StepState.APPLIED)
@@ -180,9 +184,9 @@ async def test_a_session_is_offloaded_compressed_and_resumed(
 
         # Top shows the tenant's CPU-tier bytes halved, and the instance's L1 emptier.
         await tier.mirror()
-        instance = await Catalog(engine).get_instance("gpu-0")
+        instance = await owned.catalog.get_instance("gpu-0")
         assert instance.cpu_used_bytes == l1_before - 2 * L1_CHUNK_BYTES
-        row = top.tenant_row(convert.tenant(await Catalog(engine).get_tenant("talker")))
+        row = top.tenant_row(convert.tenant(await owned.catalog.get_tenant("talker")))
         assert (row["cpu tier"], row["compressed"]) == ("0B", "256KiB")
         assert top.instance_row(convert.instance(instance))["compress"] == "0.50x"
 
@@ -220,19 +224,19 @@ async def test_a_session_is_offloaded_compressed_and_resumed(
 
 
 async def test_pinned_chunks_are_never_compressed(
-    fp8_lmcache: Lmcache, fp8_writer: ChunkWriter, engine: AsyncEngine, settings: Settings
+    fp8_lmcache: Lmcache, fp8_writer: ChunkWriter, engine: AsyncEngine, owned: HotPath
 ) -> None:
     """A session of three chunks whose first is its tenant's pinned system prompt: only the
     other two are demoted, and the booking keeps the pinned third uncompressed."""
     tokens = list(range(40_000, 40_000 + 3 * CHUNK))
     ledger, tier = await offloaded_session(
-        engine, settings, fp8_lmcache, fp8_writer, "pinner", tokens, pinned_prefix=CHUNK
+        engine, owned, fp8_lmcache, fp8_writer, "pinner", tokens, pinned_prefix=CHUNK
     )
     salt = await salt_of(engine, "pinner")
     termination = Termination(ledger, abort_timeout_seconds=1, hard_timeout_seconds=5)
     try:
         assert await pinned_chunks(fp8_lmcache, salt) == 1  # mirrored into LMCache
-        jobs, job_id = await compress_job(engine, "pinner")
+        jobs, job_id = await compress_job(engine, owned, "pinner")
         assert await ReclaimExecutor(jobs, termination, tier).run(job_id, 10) == 1
         await until(
             [FULL | COMPRESSED, COMPRESSED, COMPRESSED], lambda: sizes(fp8_lmcache, salt, tokens)
@@ -270,13 +274,12 @@ async def proxied(lmcache: Lmcache) -> AsyncIterator[tuple[Lmcache, LmcacheProxy
 
 def start_server(database_url: str) -> subprocess.Popen[str]:
     """A `kvquota serve` process whose maintenance loop runs reclaim steps every 0.2 s (and
-    starts no job of its own). On the per-block ledger, which these tests drive in process (each
-    hot path writes only its own record)."""
+    starts no job of its own), on short owner leases: a killed one's instances move soon."""
     process, _ = start_replica(
         database_url,
         reaper_interval_seconds="0.2",
         reclaim_policy_max_tier="none",
-        hot_path="ledger",
+        owner_lease_seconds="2",
     )
     return process
 
@@ -293,6 +296,7 @@ async def test_a_compress_step_survives_a_kill_of_the_server_running_it(
     fp8_writer: ChunkWriter,
     engine: AsyncEngine,
     settings: Settings,
+    owned: HotPath,
     database_url: str,
 ) -> None:
     """A kvquota server's reclaim executor is killed (SIGKILL) right after LMCache demoted the
@@ -300,14 +304,14 @@ async def test_a_compress_step_survives_a_kill_of_the_server_running_it(
     ledger's tiers and bytes agree with what LMCache holds."""
     tokens = list(range(60_000, 60_000 + 2 * CHUNK))
     async with proxied(fp8_lmcache) as (lmcache, proxy):
-        ledger, tier = await offloaded_session(
-            engine, settings, lmcache, fp8_writer, "crasher", tokens
-        )
+        _, tier = await offloaded_session(engine, owned, lmcache, fp8_writer, "crasher", tokens)
         await tier.close()
         salt = await salt_of(engine, "crasher")
-        l1_before = (await Catalog(engine).get_instance("gpu-0")).cpu_used_bytes
+        l1_before = (await owned.catalog.get_instance("gpu-0")).cpu_used_bytes
         assert l1_before is not None
-        jobs, job_id = await compress_job(engine, "crasher")
+        jobs, job_id = await compress_job(engine, owned, "crasher")
+        assert owned.owners is not None
+        await owned.owners.hand_over()  # the servers below serve gpu-0 from now on
         proxy.hold.armed = True
         first = await asyncio.to_thread(start_server, database_url)
         try:
@@ -322,7 +326,7 @@ async def test_a_compress_step_survives_a_kill_of_the_server_running_it(
         await until([COMPRESSED] * 2, lambda: sizes(fp8_lmcache, salt, tokens))
         step = (await jobs.get(job_id)).steps[0]
         assert step.state is StepState.PLANNED
-        assert (await ledger.get("crasher", "chat")).compressed_bytes is None
+        assert (await session_bytes(engine, "crasher"))[1] is None
         assert await compressed_events(engine, "crasher") == []
 
         # The restarted server finds nothing left in L1 to demote and books what was
@@ -339,12 +343,32 @@ async def test_a_compress_step_survives_a_kill_of_the_server_running_it(
     done = await jobs.get(job_id)
     assert [(s.state, s.note) for s in done.steps] == [(StepState.APPLIED, None)]
     offloaded = 32 * BLOCK_BYTES
-    session = await ledger.get("crasher", "chat")
-    assert (session.offloaded_bytes, session.compressed_bytes) == (0, offloaded // 2)
+    assert await session_bytes(engine, "crasher") == (0, offloaded // 2)
     assert await compressed_events(engine, "crasher") == [(-offloaded, offloaded // 2)]
-    tenant = await Catalog(engine).get_tenant("crasher")
-    assert (tenant.cpu_tier_bytes, tenant.compressed_bytes) == (0, offloaded // 2)
+    # The last server handed gpu-0 over as it stopped: a new owner, recovered from the record.
+    memory = replace(settings, hot_path="memory")
+    successor = make_hot_path(memory, engine, Waiters(0.05), "successor")
+    assert successor.owners is not None
+    try:
+        session = await successor.ledger.get("crasher", "chat")
+        assert (session.offloaded_bytes, session.compressed_bytes) == (0, offloaded // 2)
+        tenant = await successor.catalog.get_tenant("crasher")
+        assert (tenant.cpu_tier_bytes, tenant.compressed_bytes) == (0, offloaded // 2)
+    finally:
+        await successor.owners.close()
     await assert_invariants(engine)
+
+
+async def session_bytes(engine: AsyncEngine, tenant: str) -> tuple[int | None, int | None]:
+    """The session's offloaded and compressed bytes as its reservation's row records them
+    (read without an owner: the servers serve the instance)."""
+    query = text(
+        "SELECT offloaded_bytes, compressed_bytes FROM reservations "
+        "WHERE tenant = :tenant AND request_id = 'chat'"
+    )
+    async with engine.connect() as conn:
+        row = (await conn.execute(query, {"tenant": tenant})).one()
+    return row[0], row[1]
 
 
 async def job_state(jobs: ReclaimJobs, job_id: str) -> JobState:
@@ -352,7 +376,10 @@ async def job_state(jobs: ReclaimJobs, job_id: str) -> JobState:
 
 
 async def cpu_used_bytes(engine: AsyncEngine) -> int | None:
-    return (await Catalog(engine).get_instance("gpu-0")).cpu_used_bytes
+    query = text("SELECT cpu_used_bytes FROM instances WHERE instance = 'gpu-0'")
+    async with engine.connect() as conn:
+        used = (await conn.execute(query)).scalar_one()
+    return None if used is None else int(used)
 
 
 class PausedAfterDemotion(CpuTierMirror):
@@ -372,7 +399,7 @@ class PausedAfterDemotion(CpuTierMirror):
 
 
 async def test_a_session_resumed_between_its_demotion_and_its_booking_stays_uncompressed(
-    fp8_lmcache: Lmcache, fp8_writer: ChunkWriter, engine: AsyncEngine, settings: Settings
+    fp8_lmcache: Lmcache, fp8_writer: ChunkWriter, engine: AsyncEngine, owned: HotPath
 ) -> None:
     """LMCache demoted the session; before the step is booked, the session resumes (its
     chunks prefetched back into L1, decompressed, as ResumeReservation does). The step is then
@@ -380,13 +407,13 @@ async def test_a_session_resumed_between_its_demotion_and_its_booking_stays_unco
     LMCache holds it in L1 again for its next turn."""
     tokens = list(range(80_000, 80_000 + 2 * CHUNK))
     ledger, tier = await offloaded_session(
-        engine, settings, fp8_lmcache, fp8_writer, "resumer", tokens
+        engine, owned, fp8_lmcache, fp8_writer, "resumer", tokens
     )
     salt = await salt_of(engine, "resumer")
     termination = Termination(ledger, abort_timeout_seconds=1, hard_timeout_seconds=5)
     paused = PausedAfterDemotion(CpuTierBooks(engine))
     try:
-        jobs, job_id = await compress_job(engine, "resumer")
+        jobs, job_id = await compress_job(engine, owned, "resumer")
         run = asyncio.create_task(ReclaimExecutor(jobs, termination, paused).run(job_id, 10))
         await asyncio.wait_for(paused.demoted.wait(), 30)
         await until([COMPRESSED] * 2, lambda: sizes(fp8_lmcache, salt, tokens))

@@ -13,29 +13,30 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bench.fidelity import Endpoints, FidelityRun, write
 from bench.harness import machine
+from quota_service.api.server import HotPath
+from quota_service.core.reclaim import DEFAULT_WATERMARKS
 from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
 from quota_service.enforcement.termination import Termination
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.store.cpu_tier import CpuTierBooks
-from quota_service.store.reclaim import ReclaimJobs
-from quota_service.store.reconcile import Reconciler
 from tests.engines.conftest import Followed
 
 
 @pytest.mark.timeout(1200)  # vLLM's start, then a round (or KVQUOTA_FIDELITY_SECONDS) of load
 async def test_the_ledger_books_what_vllm_holds(
-    followed: Followed, engine: AsyncEngine, database_url: str
+    followed: Followed, engine: AsyncEngine, database_url: str, owned: HotPath
 ) -> None:
     seconds = float(os.environ.get("KVQUOTA_FIDELITY_SECONDS", "0"))  # 0: one round
     live, ledger = followed.live, followed.ledger
     termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
-    jobs = ReclaimJobs(engine)
+    jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
     where = Endpoints("live", "acme", live.model, live.base_url, live.events, live.replay)
     run = FidelityRun(
         where,
         engine,
         ledger,
-        Reconciler(engine, ledger),
+        owned.reconciler(engine),
+        owned.inspection(engine),
         termination,
         ReclaimExecutor(jobs, termination, CpuTierMirror(CpuTierBooks(engine))),
         jobs,

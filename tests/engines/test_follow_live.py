@@ -1,4 +1,5 @@
-"""The ledger following a real vLLM through its KV events: confirmations, and a restart."""
+"""The instance's owner following a real vLLM through its KV events: confirmations, and a
+restart. What it applied is read back from the record (the journal's views)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from quota_service.core.model import (
     ReservationState,
 )
 from quota_service.engine.vllm.subscriber import Received, Subscriber
-from quota_service.store.reconcile import signed
 from tests.engines.conftest import (
     BLOCK_SIZE,
     Followed,
@@ -30,6 +30,15 @@ from tests.integration.invariants import assert_invariants
 PROMPT = list(range(1, 2 * BLOCK_SIZE + 5))  # two full blocks, a partial third
 
 
+async def cached_event_hashes(engine: AsyncEngine) -> set[int]:
+    """The event hashes of the slots the record says are cached on instance "live"."""
+    query = text(
+        "SELECT content_hash FROM journal_slots WHERE instance = 'live' AND state = 'CACHED'"
+    )
+    async with engine.connect() as conn:
+        return {event_hash(bytes(digest)) for (digest,) in await conn.execute(query)}
+
+
 async def engine_resyncs(engine: AsyncEngine) -> int:
     async with engine.connect() as conn:
         return int((await conn.execute(text("SELECT engine_resyncs FROM instances"))).scalar_one())
@@ -40,14 +49,14 @@ async def test_following_a_restarted_engine(followed: Followed, engine: AsyncEng
     params = AdmitParams("acme", "held", "live", len(PROMPT), 4, 1, 0)
     held, salt = await ledger.admit(AdmitRequest(params, tuple(PROMPT), 0.0, 600.0))
     await complete(live, PROMPT, max_tokens=4, request_id="held", cache_salt=salt)
-    ours = [signed(event_hash(h)) for h in block_hashes(PROMPT, BLOCK_SIZE, salt)]
+    ours = block_hashes(PROMPT, BLOCK_SIZE, salt)
 
     async def confirmed() -> bool:
         async with engine.connect() as conn:
             rows = await conn.execute(
                 text(
-                    "SELECT count(*) FROM blocks "
-                    "WHERE engine_confirmed_at IS NOT NULL AND event_hash = ANY(:h)"
+                    "SELECT count(*) FROM journal_slots "
+                    "WHERE instance = 'live' AND engine_copies > 0 AND content_hash = ANY(:h)"
                 ),
                 {"h": ours},
             )
@@ -70,7 +79,10 @@ async def test_following_a_restarted_engine(followed: Followed, engine: AsyncEng
     assert held.state is ReservationState.ADMITTED
     assert after.end_reason is EndReason.ENGINE_RESTARTED
     async with engine.connect() as conn:
-        query = text("SELECT cached_blocks, blocks_in_use, engine_resyncs FROM instances")
+        query = text(
+            "SELECT c.cached_blocks, c.blocks_in_use, i.engine_resyncs "
+            "FROM journal_pool_counts c JOIN instances i USING (instance)"
+        )
         row = (await conn.execute(query)).one()
     assert (row.cached_blocks, row.blocks_in_use) == (0, 0) and row.engine_resyncs >= 2
     await assert_invariants(engine)
@@ -109,10 +121,7 @@ async def test_the_ledgers_cache_is_the_engines(followed: Followed, engine: Asyn
         assert len(known) == 72 and len(engine_cache & known) < 72  # the engine did evict
 
         async def caught_up() -> bool:
-            async with engine.connect() as conn:
-                query = text("SELECT event_hash FROM blocks WHERE state = 'CACHED'")
-                ledger_cache = {h & (2**64 - 1) for (h,) in await conn.execute(query)}
-            return ledger_cache == engine_cache & known
+            return await cached_event_hashes(engine) == engine_cache & known
 
         await until(caught_up, 10)
         await assert_invariants(engine)

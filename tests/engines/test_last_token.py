@@ -13,39 +13,37 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from sqlalchemy.ext.asyncio import AsyncEngine
 
-from quota_service.config import Settings
+from quota_service.api.server import HotPath
 from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.hashing import block_hashes, event_hash
 from quota_service.core.model import AdmitParams, EndReason, EngineEndpoints, TenantQuota
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.engine.vllm.subscriber import Subscriber
-from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
 from tests.engines.conftest import ROOT, Engine, PlannedEngine
 from tests.engines.test_vllm_contract import collect, complete, stored_hashes
 
 
 async def register(
-    engine: AsyncEngine,
+    owned: HotPath,
     model: str,
     block_size: int,
     max_model_len: int,
     blocks: int,
     endpoints: EngineEndpoints | None,
 ) -> Ledger:
-    """Instance "rule" and a tenant acme; the ledger."""
+    """Instance "rule" and a tenant acme; the ledger (its owner)."""
     spec = catalog.instance_spec(
         "rule", model, None, block_size, max_model_len, None, blocks, engine=endpoints
     )
-    await Catalog(engine).register_instance(spec)
-    await Catalog(engine).create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
-    return Ledger(engine, Settings().admission_limits)
+    await owned.catalog.register_instance(spec)
+    await owned.catalog.create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
+    return owned.ledger
 
 
-async def follow_in_ledger(vllm: Engine, engine: AsyncEngine) -> tuple[Ledger, int]:
+async def follow_in_ledger(vllm: Engine, owned: HotPath) -> tuple[Ledger, int]:
     """Register the engine as instance "rule" from what it reports; returns the ledger and the
     engine's block size."""
     http = VllmHttp(vllm.base_url)
@@ -56,7 +54,7 @@ async def follow_in_ledger(vllm: Engine, engine: AsyncEngine) -> tuple[Ledger, i
     block_size = described.metrics.block_size
     endpoints = EngineEndpoints(vllm.base_url, vllm.events, vllm.replay)
     ledger = await register(
-        engine,
+        owned,
         described.model,
         block_size,
         described.max_model_len,
@@ -97,12 +95,12 @@ async def book(ledger: Ledger, request_id: str, prompt: list[int]) -> tuple[int,
 
 
 async def test_block_size_16_is_booked_as_vllms_kv_cache_manager_runs_it(
-    engine_python: Path, engine: AsyncEngine
+    engine_python: Path, owned: HotPath
 ) -> None:
     """1,024 tokens cached in 16-token blocks, then asked again in full, one token longer and
     one shorter: the ledger's hits and blocks are those of vLLM's own KVCacheManager. The exact
     repeat hits 63 blocks (not 64) and holds 64 (the last one new)."""
-    ledger = await register(engine, "tiny", 16, 4096, 4095, None)
+    ledger = await register(owned, "tiny", 16, 4096, 4095, None)
     cached = tokens(1025, 11)
     asks = [cached[:1024], cached, cached[:1023]]
     await book(ledger, "cached", cached[:1024])
@@ -123,11 +121,11 @@ async def test_block_size_16_is_booked_as_vllms_kv_cache_manager_runs_it(
 
 
 async def test_an_exact_repeat_of_1024_tokens_is_booked_as_vllm_runs_it(
-    vllm: Engine, engine: AsyncEngine
+    vllm: Engine, owned: HotPath
 ) -> None:
     """32 blocks of 32, all cached: 31 hits, and one new block for the last, which vLLM fills
     and stores again; with one output token (never computed) that is all the engine holds."""
-    ledger, block_size = await follow_in_ledger(vllm, engine)
+    ledger, block_size = await follow_in_ledger(vllm, owned)
     assert block_size == 32
     prompt = tokens(1024, 11)
     await run(vllm, ledger, "first", prompt)
@@ -147,13 +145,13 @@ async def test_an_exact_repeat_of_1024_tokens_is_booked_as_vllm_runs_it(
 
 @pytest.mark.parametrize("which", ["planned_vllm", "vllm"])
 async def test_hits_are_vllms_around_a_cached_block_boundary(
-    which: str, request: pytest.FixtureRequest, engine: AsyncEngine
+    which: str, request: pytest.FixtureRequest, owned: HotPath
 ) -> None:
     """A cached prompt of 4 whole blocks, asked again in full, one token longer and one token
     shorter: the ledger's hits are vLLM's num_cached_tokens in blocks each time (3, 4, 3)."""
     served = request.getfixturevalue(which)
     vllm = served.engine if isinstance(served, PlannedEngine) else served
-    ledger, block_size = await follow_in_ledger(vllm, engine)
+    ledger, block_size = await follow_in_ledger(vllm, owned)
     cached_prompt = tokens(4 * block_size + 1, 101)
     await run(vllm, ledger, "cache", cached_prompt[:-1])
     seen = []

@@ -10,7 +10,7 @@ import httpx
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from quota_service.config import Settings
+from quota_service.api.server import HotPath
 from quota_service.core import catalog, geometry
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.model import (
@@ -21,18 +21,13 @@ from quota_service.core.model import (
     ReservationState,
     TenantQuota,
 )
-from quota_service.core.reclaim import JobState, ReclaimTarget, Tier
+from quota_service.core.reclaim import DEFAULT_WATERMARKS, JobState, ReclaimTarget, Tier
 from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
 from quota_service.enforcement.termination import Termination
 from quota_service.engine.lmcache import LmcacheCoordinator
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
-from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
-from quota_service.store.ledger import Ledger
-from quota_service.store.pins import Pins
-from quota_service.store.reclaim import ReclaimJobs
 from tests.engines.conftest import LMCACHE_L1_BYTES, ChunkWriter, Lmcache
-from tests.integration.ledger_fixtures import offboarding_service
 
 BS = 16
 CHUNK = 256
@@ -45,16 +40,16 @@ def endpoint(lmcache: Lmcache) -> LmcacheEndpoint:
     return LmcacheEndpoint(lmcache.coordinator_url, lmcache.instance_id, lmcache.model_name)
 
 
-async def register(engine: AsyncEngine, lmcache: Lmcache, *tenants: tuple[str, int]) -> None:
+async def register(owned: HotPath, lmcache: Lmcache, *tenants: tuple[str, int]) -> None:
     """Instance gpu-0 (16 KiB blocks, 256 of them) with its CPU tier on the real coordinator,
     and tenants with CPU-tier quotas in bytes."""
     endpoints = EngineEndpoints("http://127.0.0.1:1", lmcache=endpoint(lmcache))
     kv = geometry.KvGeometry(2, 2, 64, geometry.KvDtype.FP16)
     spec = catalog.instance_spec("gpu-0", "m", kv, BS, 8192, None, 256, engine=endpoints)
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     for tenant, cpu_bytes in tenants:
         quota = TenantQuota(10**6, 10**9, 10, 1000, cpu_bytes)
-        await Catalog(engine).create_tenant(tenant, tenant.title(), 1, quota)
+        await owned.catalog.create_tenant(tenant, tenant.title(), 1, quota)
 
 
 async def salt_of(engine: AsyncEngine, tenant: str) -> str:
@@ -94,9 +89,9 @@ async def until(condition: object, probe: object) -> None:
 
 
 async def test_quotas_are_mirrored_per_salt_and_follow_the_ledger(
-    lmcache: Lmcache, engine: AsyncEngine, settings: Settings
+    lmcache: Lmcache, engine: AsyncEngine, owned: HotPath
 ) -> None:
-    await register(engine, lmcache, ("acme", GIB), ("bolt", 256 << 20))
+    await register(owned, lmcache, ("acme", GIB), ("bolt", 256 << 20))
     tier = CpuTierMirror(CpuTierBooks(engine))
     try:
         assert await tier.mirror() == 2
@@ -106,16 +101,16 @@ async def test_quotas_are_mirrored_per_salt_and_follow_the_ledger(
         assert (await coordinator_get(lmcache, f"/quota/{bolt}"))["quota_limit_gb"] == 0.25
         assert await tier.mirror() == 0  # a replay changes nothing
 
-        await Catalog(engine).update_tenant("acme", {"max_cpu_tier_bytes": 512 << 20})
-        ledger = Ledger(engine, settings.admission_limits)
-        pins = Pins(engine, settings.admission_limits)
-        await offboarding_service(engine, ledger, pins).delete_tenant("bolt")
+        await owned.catalog.update_tenant("acme", {"max_cpu_tier_bytes": 512 << 20})
+        termination = Termination(owned.ledger, abort_timeout_seconds=1, hard_timeout_seconds=5)
+        await owned.offboarding(engine, termination).delete_tenant("bolt")
+        await termination.close()
         assert await tier.mirror() == 2
         assert (await coordinator_get(lmcache, f"/quota/{acme}"))["quota_limit_gb"] == 0.5
         assert (await coordinator_get(lmcache, f"/quota/{bolt}"))["quota_exists"] is False
 
         # The instance's L1 as the coordinator reports it, and what the server can do.
-        instance = await Catalog(engine).get_instance("gpu-0")
+        instance = await owned.catalog.get_instance("gpu-0")
         assert instance.cpu_capacity_bytes == LMCACHE_L1_BYTES
         assert instance.cpu_used_bytes is not None and instance.cpu_checked_at is not None
         coordinator = LmcacheCoordinator(lmcache.coordinator_url)
@@ -128,17 +123,17 @@ async def test_quotas_are_mirrored_per_salt_and_follow_the_ledger(
 
 
 async def test_pins_are_mirrored_once_and_survive_a_reclaim_delete(
-    lmcache: Lmcache, chunk_writer: ChunkWriter, engine: AsyncEngine, settings: Settings
+    lmcache: Lmcache, chunk_writer: ChunkWriter, engine: AsyncEngine, owned: HotPath
 ) -> None:
     """A suspended session of three chunks whose first two are a pinned system prompt: an
     EVICT step deletes the session's CPU-tier copy, and the pinned chunks stay."""
-    await register(engine, lmcache, ("pinner", GIB))
+    await register(owned, lmcache, ("pinner", GIB))
     salt = await salt_of(engine, "pinner")
     session_tokens = list(range(1000, 1000 + 3 * CHUNK))
     assert chunk_writer.store(salt, session_tokens) == 3
     await until([{"l1", "l2"}] * 3, lambda: tiers_of_chunks(lmcache, salt, session_tokens))
 
-    pins = Pins(engine, settings.admission_limits)
+    pins = owned.pins
     system_prompt = session_tokens[: 2 * CHUNK]
     tier = CpuTierMirror(CpuTierBooks(engine))
     coordinator = LmcacheCoordinator(lmcache.coordinator_url)
@@ -159,13 +154,13 @@ async def test_pins_are_mirrored_once_and_survive_a_reclaim_delete(
         assert sorted((await coordinator.pin_counts(where, salt)).values()) == [1, 1]
 
         # The session, suspended with its tokens, is evicted by a reclaim job.
-        ledger = Ledger(engine, settings.admission_limits)
+        ledger = owned.ledger
         prompt = tuple(session_tokens[:-1])
         params = AdmitParams("pinner", "chat", "gpu-0", len(prompt), 1, 1, 0)
         await ledger.admit(AdmitRequest(params, prompt, 0.0, None))
         await ledger.suspend("pinner", "chat", session_tokens)
         await tier.mirror()  # reads L1 fill, which the plan needs for OFFLOAD
-        jobs = ReclaimJobs(engine)
+        jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
         termination = Termination(ledger, abort_timeout_seconds=1, hard_timeout_seconds=5)
         job = await jobs.create(
             "evict-chat", "gpu-0", ReclaimTarget(48, Tier.EVICT, "pinner"), dry_run=False
@@ -204,9 +199,9 @@ async def test_pins_are_mirrored_once_and_survive_a_reclaim_delete(
 
 
 async def test_a_resumed_session_is_prefetched_back_into_l1(
-    lmcache: Lmcache, chunk_writer: ChunkWriter, engine: AsyncEngine, settings: Settings
+    lmcache: Lmcache, chunk_writer: ChunkWriter, engine: AsyncEngine, owned: HotPath
 ) -> None:
-    await register(engine, lmcache, ("resumer", GIB))
+    await register(owned, lmcache, ("resumer", GIB))
     salt = await salt_of(engine, "resumer")
     session_tokens = list(range(50_000, 50_000 + 2 * CHUNK))
     assert chunk_writer.store(salt, session_tokens) == 2
@@ -224,7 +219,7 @@ async def test_a_resumed_session_is_prefetched_back_into_l1(
         (await client.post("/cache/delete", json=body)).raise_for_status()
     await until([{"l2"}] * 2, lambda: tiers_of_chunks(lmcache, salt, session_tokens))
 
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     prompt = tuple(session_tokens[:-1])
     params = AdmitParams("resumer", "chat", "gpu-0", len(prompt), 1, 1, 0)
     await ledger.admit(AdmitRequest(params, prompt, 0.0, None))
@@ -232,7 +227,7 @@ async def test_a_resumed_session_is_prefetched_back_into_l1(
     tier = CpuTierMirror(CpuTierBooks(engine))
     try:
         await tier.mirror()
-        jobs = ReclaimJobs(engine)
+        jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
         job = await jobs.create(
             "offload", "gpu-0", ReclaimTarget(32, Tier.OFFLOAD, "resumer"), dry_run=False
         )

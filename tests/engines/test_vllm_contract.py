@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service import cli
 from quota_service.api import server
+from quota_service.api.server import HotPath
 from quota_service.config import Settings
 from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
@@ -26,18 +27,14 @@ from quota_service.core.model import (
     ReservationState,
     TenantQuota,
 )
-from quota_service.core.reclaim import JobState, ReclaimTarget, Tier
+from quota_service.core.reclaim import DEFAULT_WATERMARKS, JobState, ReclaimTarget, Tier
 from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
 from quota_service.enforcement.termination import Termination
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
-from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger
-from quota_service.store.offboarding import Offboarding
-from quota_service.store.pins import Pins
-from quota_service.store.reclaim import ReclaimJobs
 from tests.engines.conftest import BLOCK_SIZE, MAX_MODEL_LEN, NUM_GPU_BLOCKS, ROOT, Engine
 
 # Tokens a generation asks for when it must still be running when an abort arrives.
@@ -203,11 +200,11 @@ async def test_abort_by_request_id_stops_a_long_generation(vllm: Engine) -> None
 
 
 async def test_register_from_the_engine_and_release_only_after_the_abort(
-    vllm: Engine, engine: AsyncEngine
+    vllm: Engine, owned: HotPath
 ) -> None:
     """The instance is registered from what the engine reports; cancelling a reservation aborts
     its generation in vLLM and only then gives its blocks back."""
-    ledger = await register_tiny(vllm, engine)
+    ledger = await register_tiny(vllm, owned)
     termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
 
     async def cancel(tenant: str, request_id: str) -> None:
@@ -220,12 +217,14 @@ async def test_register_from_the_engine_and_release_only_after_the_abort(
         await termination.close()
 
 
-async def test_an_evict_step_aborts_the_running_request(vllm: Engine, engine: AsyncEngine) -> None:
+async def test_an_evict_step_aborts_the_running_request(
+    vllm: Engine, engine: AsyncEngine, owned: HotPath
+) -> None:
     """A reclaim job allowed to EVICT preempts the running reservation: vLLM aborts the
     generation, the reservation ends PREEMPTED, and the job reports the blocks it freed."""
-    ledger = await register_tiny(vllm, engine)
+    ledger = await register_tiny(vllm, owned)
     termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
-    jobs = ReclaimJobs(engine)
+    jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
     executor = ReclaimExecutor(jobs, termination, CpuTierMirror(CpuTierBooks(engine)))
 
     async def evict(tenant: str, request_id: str) -> None:
@@ -246,18 +245,18 @@ async def test_an_evict_step_aborts_the_running_request(vllm: Engine, engine: As
         await termination.close()
 
 
-async def test_offboarding_aborts_the_tenants_generation(vllm: Engine, engine: AsyncEngine) -> None:
+async def test_offboarding_aborts_the_tenants_generation(
+    vllm: Engine, engine: AsyncEngine, owned: HotPath
+) -> None:
     """DeleteTenant stops the tenant's generation in vLLM, and only then gives its blocks back
     and finishes (each attempt offboards a tenant of its own)."""
-    ledger = await register_tiny(vllm, engine)
+    ledger = await register_tiny(vllm, owned)
     termination = Termination(ledger, abort_timeout_seconds=5, hard_timeout_seconds=30)
-    offboarding = Offboarding(
-        engine, ledger, Pins(engine, Settings().admission_limits), termination
-    )
+    offboarding = owned.offboarding(engine, termination)
 
     async def new_tenant(attempt: int) -> str:
         tenant = f"gone-{attempt}"
-        await Catalog(engine).create_tenant(tenant, tenant, 1, TenantQuota(10**6, 10**9, 10, 10, 1))
+        await owned.catalog.create_tenant(tenant, tenant, 1, TenantQuota(10**6, 10**9, 10, 10, 1))
         return tenant
 
     async def offboard(tenant: str, request_id: str) -> None:
@@ -275,8 +274,9 @@ async def test_offboarding_aborts_the_tenants_generation(vllm: Engine, engine: A
         await termination.close()
 
 
-async def register_tiny(vllm: Engine, engine: AsyncEngine) -> Ledger:
-    """Register the engine as instance "tiny" from what it reports, and a tenant acme."""
+async def register_tiny(vllm: Engine, owned: HotPath) -> Ledger:
+    """Register the engine as instance "tiny" from what it reports, and a tenant acme; the
+    ledger (its owner)."""
     http = VllmHttp(vllm.base_url)
     try:
         described = await http.describe()
@@ -294,9 +294,9 @@ async def register_tiny(vllm: Engine, engine: AsyncEngine) -> Ledger:
         described.metrics.usable_blocks,
         engine=EngineEndpoints(vllm.base_url, vllm.events, vllm.replay),
     )
-    await Catalog(engine).register_instance(spec)
-    await Catalog(engine).create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
-    return Ledger(engine, Settings().admission_limits)
+    await owned.catalog.register_instance(spec)
+    await owned.catalog.create_tenant("acme", "Acme", 1, TenantQuota(10**6, 10**9, 10, 10, 1))
+    return owned.ledger
 
 
 EOS = {"ignore_eos": True}  # generate all LONG tokens, unless aborted
