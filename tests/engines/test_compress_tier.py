@@ -30,6 +30,7 @@ from quota_service.core.admission import AdmitRequest
 from quota_service.core.model import AdmitParams, ReservationState
 from quota_service.core.reclaim import (
     DEFAULT_WATERMARKS,
+    CompressMeasurement,
     CpuWatermarks,
     JobState,
     ReclaimTarget,
@@ -382,44 +383,61 @@ async def cpu_used_bytes(engine: AsyncEngine) -> int | None:
     return None if used is None else int(used)
 
 
-class PausedAfterDemotion(CpuTierMirror):
-    """The executor's CPU tier, pausing right after LMCache demoted the session (its delete
-    answered) until `go` is set: the ledger has not heard of it yet."""
+class Paused(CpuTierMirror):
+    """The executor's CPU tier, pausing until `go` is set right after it measured the session
+    (`after="measure"`) or right after LMCache demoted it (`after="demote"`, its delete
+    answered): either way, the ledger has not heard of it yet."""
 
-    def __init__(self, books: CpuTierBooks) -> None:
+    def __init__(self, books: CpuTierBooks, after: str) -> None:
         super().__init__(books)
-        self.demoted = asyncio.Event()
+        self.after = after
+        self.reached = asyncio.Event()
         self.go = asyncio.Event()
+
+    async def _pause(self, where: str) -> None:
+        if where == self.after:
+            self.reached.set()
+            await self.go.wait()
+
+    async def measure_session(self, tenant: str, request_id: str) -> CompressMeasurement:
+        measured = await super().measure_session(tenant, request_id)
+        await self._pause("measure")
+        return measured
 
     async def demote_session(self, tenant: str, request_id: str) -> DeleteResult | None:
         result = await super().demote_session(tenant, request_id)
-        self.demoted.set()
-        await self.go.wait()
+        await self._pause("demote")
         return result
 
 
-async def test_a_session_resumed_between_its_demotion_and_its_booking_stays_uncompressed(
-    fp8_lmcache: Lmcache, fp8_writer: ChunkWriter, engine: AsyncEngine, owned: HotPath
+@pytest.mark.parametrize("after", ["measure", "demote"])
+async def test_a_session_resumed_during_its_compress_step_stays_uncompressed_and_in_l1(
+    after: str,
+    fp8_lmcache: Lmcache,
+    fp8_writer: ChunkWriter,
+    engine: AsyncEngine,
+    owned: HotPath,
 ) -> None:
-    """LMCache demoted the session; before the step is booked, the session resumes (its
-    chunks prefetched back into L1, decompressed, as ResumeReservation does). The step is then
-    skipped: the ledger never books a resumed session compressed, its usage nets to zero, and
-    LMCache holds it in L1 again for its next turn."""
+    """The session resumes (its chunks prefetched back into L1, decompressed, as
+    ResumeReservation does) while its COMPRESS step runs: after the step measured it, or after
+    LMCache demoted it. The step is then skipped: the ledger never books a resumed session
+    compressed, its usage nets to zero, and LMCache holds it in L1 again for its next turn
+    (when the demotion came after the resume's prefetch, the executor prefetches it again)."""
     tokens = list(range(80_000, 80_000 + 2 * CHUNK))
-    ledger, tier = await offloaded_session(
-        engine, owned, fp8_lmcache, fp8_writer, "resumer", tokens
-    )
-    salt = await salt_of(engine, "resumer")
+    tenant = f"resumer-{after}"
+    ledger, tier = await offloaded_session(engine, owned, fp8_lmcache, fp8_writer, tenant, tokens)
+    salt = await salt_of(engine, tenant)
     termination = Termination(ledger, abort_timeout_seconds=1, hard_timeout_seconds=5)
-    paused = PausedAfterDemotion(CpuTierBooks(engine))
+    paused = Paused(CpuTierBooks(engine), after)
     try:
-        jobs, job_id = await compress_job(engine, owned, "resumer")
+        jobs, job_id = await compress_job(engine, owned, tenant)
         run = asyncio.create_task(ReclaimExecutor(jobs, termination, paused).run(job_id, 10))
-        await asyncio.wait_for(paused.demoted.wait(), 30)
-        await until([COMPRESSED] * 2, lambda: sizes(fp8_lmcache, salt, tokens))
+        await asyncio.wait_for(paused.reached.wait(), 30)
+        if after == "demote":
+            await until([COMPRESSED] * 2, lambda: sizes(fp8_lmcache, salt, tokens))
 
-        await tier.prefetch_session("resumer", "chat")
-        resumed = await ledger.resume("resumer", "chat", 0.0)
+        await tier.prefetch_session(tenant, "chat")
+        resumed = await ledger.resume(tenant, "chat", 0.0)
         assert resumed.state is ReservationState.ADMITTED
         paused.go.set()
         assert await asyncio.wait_for(run, 30) == 1
@@ -429,10 +447,10 @@ async def test_a_session_resumed_between_its_demotion_and_its_booking_stays_unco
             JobState.SUCCEEDED,
             [(StepState.SKIPPED, NOT_OFFLOADED_ANY_MORE)],
         )
-        session = await ledger.get("resumer", "chat")
+        session = await ledger.get(tenant, "chat")
         assert (session.offloaded_bytes, session.compressed_bytes) == (None, None)
-        assert await compressed_events(engine, "resumer") == []
-        assert await cpu_events(engine, "resumer") == 0  # offloaded, then back on the GPU
+        assert await compressed_events(engine, tenant) == []
+        assert await cpu_events(engine, tenant) == 0  # offloaded, then back on the GPU
         await until([FULL | COMPRESSED] * 2, lambda: sizes(fp8_lmcache, salt, tokens))
         assert fp8_writer.retrieve(salt, next_turn(tokens)) == FROM_FP8
         await assert_invariants(engine)
