@@ -1,40 +1,40 @@
 """Migration 0023 carries a live per-block ledger into the instance journal. A database at the
-revision before it is filled through the per-block ledger itself (pins of a tenant and of a
-namespace, shared prefixes, single blocks given back, blocks cached by ended reservations and
-counted by the engine's KV events, an idle and an offloaded session, a queue of two tenants at
-two priorities) and upgraded; each instance taken over from the journal must then hold exactly
-what the per-block tables held, the journal's views must say what those tables say, and an
-Admit must get what the per-block ledger would have given it."""
+revision before it, as the per-block ledger filled it (tests/integration/data: pins of a tenant
+and of a namespace, shared prefixes, single blocks given back, blocks cached by ended
+reservations and counted by the engine's KV events, an idle and an offloaded session, a queue of
+two tenants at two priorities, and an instance already served from memory), is upgraded; each
+instance taken over from the journal must then hold exactly what the per-block tables held, the
+journal's views must say what those tables say, and reservations and Admits must be what the
+per-block ledger answered on that database (kept beside it)."""
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime
+from enum import Enum
+from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
-from sqlalchemy import make_url, text
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.config import Settings
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.errors import KvQuotaError
-from quota_service.core.hashing import block_hashes, event_hash
 from quota_service.core.instance_machine import InstanceMachine
-from quota_service.core.kv_events import BlockStored, EventBatch
-from quota_service.core.model import EndReason, Reservation, ReservationState
+from quota_service.core.model import Reservation
 from quota_service.core.queueing import QueuePolicy
 from quota_service.owner.instance_owner import InstanceOwner, take_over
-from quota_service.store import blocks, migrate
+from quota_service.store import migrate
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
-from quota_service.store.journal import GENERATIONS_PER_EPOCH, NO_TOTALS, Journal, totals_of
-from quota_service.store.ledger import Ledger, offload
-from quota_service.store.pins import Pins
-from quota_service.store.reconcile import Reconciler
-from tests.databases import Databases
-from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request
+from quota_service.store.journal import NO_TOTALS, Journal, totals_of
+from tests.integration.ledger_fixtures import add_instance, request
 from tests.integration.test_pins_and_offboarding import BS, tokens
 from tests.unit.machine_fixtures import assert_same_machine, recount, slot_rows
 
@@ -64,109 +64,26 @@ def prompt(
     )
 
 
+DATA = Path(__file__).parent / "data"
+
+
 @pytest.fixture
 async def ledger_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
-    """The test's database at the revision before the migration."""
+    """The test's database at the revision before the migration, as the per-block ledger
+    filled it."""
     migrate.downgrade(database_url, PREVIOUS)
+    with psycopg.connect(database_url) as conn:
+        conn.execute((DATA / "per_block_ledger_0022.sql").read_text())
     engine = connect(database_url)
     yield engine
     await engine.dispose()
 
 
-@pytest.fixture
-def copy_of(databases: Databases) -> Iterator[Callable[[str], str]]:
-    """Copies of a database (nothing may be connected to it meanwhile), dropped afterwards."""
-    copies: list[str] = []
-
-    def copy(url: str) -> str:
-        database = make_url(url).database
-        assert database is not None
-        copies.append(databases.create(database))
-        return databases.url(copies[-1])
-
-    yield copy
-    for name in copies:
-        databases.drop(name)
-
-
-async def fill(engine: AsyncEngine) -> None:
-    """Everything the per-block ledger holds that the journal must carry, on gpu-0 and gpu-1."""
-    catalog = Catalog(engine)
-    await add_instance(engine, "gpu-0", blocks=48)
-    await add_instance(engine, "gpu-1", blocks=16)
-    await add_tenant(engine, "acme")
-    await add_tenant(engine, "beta")
-    await catalog.update_tenant("beta", {"weight": 3})
-    await add_tenant(engine, "gamma")
-    await catalog.create_namespace("public")
-    await catalog.update_tenant("gamma", {"namespace": "public"})
-    ledger, pins = Ledger(engine, LIMITS), Pins(engine, LIMITS)
-
-    await pins.pin("tenants/acme", "system", "gpu-0", tokens(1, 3))
-    await pins.pin("namespaces/public", "system", "gpu-0", tokens(2, 2))
-    # On the pinned prefixes, and two of beta's sharing a prefix.
-    await ledger.admit(prompt("on-pin", tokens(1, 3) + tokens(3, 1, extra=5)))
-    await ledger.admit(prompt("shared", tokens(2, 2) + tokens(4, 1), tenant="gamma"))
-    for request_id in ("b1", "b2"):
-        await ledger.admit(prompt(request_id, tokens(5, 3, extra=3), tenant="beta"))
-    # Ended: their hashed blocks stay cached, least recently released first.
-    salts = {}
-    for request_id, tenant, seed in (
-        ("gone-1", "acme", 6),
-        ("gone-2", "beta", 7),
-        ("gone-3", "acme", 8),
-    ):
-        _, salts[tenant] = await ledger.admit(prompt(request_id, tokens(seed, 3, extra=1), tenant))
-        await ledger.end(tenant, request_id, EndReason.RELEASED, 1)
-    # The engine holds copies of a cached prefix and of one in use.
-    stored = [
-        BlockStored(tuple(event_hash(h) for h in block_hashes(ids, BS, salt)), None, (), BS, "GPU")
-        for ids, salt in ((tokens(6, 3), salts["acme"]), (tokens(5, 2), salts["beta"]))
-    ]
-    await Reconciler(engine, ledger).apply("gpu-0", 0, EventBatch(0.0, tuple(stored), None))
-    # Single blocks given back: b1's first (b2 still holds it) and its last (freed).
-    b1 = await ledger.get("beta", "b1")
-    await ledger.release_blocks("beta", "b1", [b1.block_table[0], b1.block_table[-1]])
-    # Sessions idle between turns: one on the GPU, one offloaded to the CPU tier.
-    for request_id in ("idle", "offloaded"):
-        await ledger.admit(request(request_id, 2 * BS, BS, tenant="beta"))
-        await ledger.suspend("beta", request_id, ())
-    async with engine.begin() as conn:
-        await conn.execute(blocks.LOCK_INSTANCE, {"instance": "gpu-0"})
-        assert await offload(conn, "gpu-0", "beta", "offloaded") == 3
-    # The free slots taken, requests larger than what is cached wait: the tenants' fair tags
-    # order them (beta's weight is 3), a higher priority goes first.
-    free = (await counters(engine))["instance:gpu-0"]["free_blocks"]
-    await ledger.admit(request("fill", free * BS - 1, 1))
-    for request_id, tenant, priority in (
-        ("q1", "acme", 0),
-        ("q2", "beta", 0),
-        ("q3", "acme", 0),
-        ("q4", "beta", 0),
-        ("q5", "acme", 1),
-    ):
-        big = prompt(request_id, tokens(20, 12), tenant, priority=priority, wait=600.0)
-        assert (await ledger.admit(big))[0].state is ReservationState.QUEUED
-
-    # Another instance, where a queued request was dispatched (its class's virtual time moved
-    # on); tenants' totals span both.
-    await ledger.admit(prompt("ended", tokens(10, 3), tenant="beta", instance="gpu-1"))
-    await ledger.admit(request("full", 12 * BS - 1, 1, instance="gpu-1"))
-    waited = prompt("waited", tokens(9, 2, extra=4), instance="gpu-1", wait=600.0)
-    assert (await ledger.admit(waited))[0].state is ReservationState.QUEUED
-    for tenant, request_id in (("beta", "ended"), ("acme", "full")):
-        await ledger.end(tenant, request_id, EndReason.RELEASED, 1)
-    assert await ledger.dispatch("gpu-1") == 1
-    async with engine.begin() as conn:
-        # A free slot that turned over more than 2**40 times: the new owner's generations
-        # must start above it too.
-        await conn.execute(
-            text(
-                "UPDATE blocks SET generation = :turned WHERE instance = 'gpu-1' AND block_id = "
-                "(SELECT max(block_id) FROM blocks WHERE instance = 'gpu-1' AND state = 'FREE')"
-            ),
-            {"turned": 3 * GENERATIONS_PER_EPOCH + 7},
-        )
+def per_block_answers() -> dict[str, Any]:
+    """What the per-block ledger answered on that database: each live reservation (as
+    GetReservation returned it), and the Admits of WANTED."""
+    answers: dict[str, Any] = json.loads((DATA / "per_block_ledger_0022.json").read_text())
+    return answers
 
 
 async def served_from_memory(engine: AsyncEngine, journal: Journal) -> None:
@@ -383,24 +300,6 @@ def clocks_of_machine(machine: InstanceMachine) -> Clocks:
     )
 
 
-async def live_reservations(
-    engine: AsyncEngine, ledger: Ledger, instance: str
-) -> dict[str, Reservation]:
-    async with engine.connect() as conn:
-        keys = await conn.execute(
-            text(
-                "SELECT tenant, request_id FROM reservations "
-                "WHERE instance = :i AND state IN ('QUEUED', 'ADMITTED')"
-            ),
-            {"i": instance},
-        )
-        live = keys.all()
-    return {
-        f"tenants/{tenant}/reservations/{request_id}": await ledger.get(tenant, request_id)
-        for tenant, request_id in live
-    }
-
-
 # What the migration must not change: the per-block tables, tenants' totals, usage history, and
 # every column of reservations and pins but the journal's.
 _UNTOUCHED_TABLES = (
@@ -486,19 +385,16 @@ async def rows_of(engine: AsyncEngine, query: Any) -> tuple[Any, ...]:
 async def test_a_taken_over_instance_holds_what_the_per_block_ledger_held(
     ledger_engine: AsyncEngine,
     database_url: str,
-    copy_of: Callable[[str], str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     engine = ledger_engine
-    await fill(engine)
     journal = Journal(engine)
     await served_from_memory(engine, journal)
     await journal.close()
-    ledger = Ledger(engine, LIMITS)
     tenants = ["acme", "beta", "gamma"]
     held = {name: await held_in(engine, PER_BLOCK, name) for name in CARRIED}
     clocks = {name: await clocks_of_ledger(engine, name, tenants) for name in CARRIED}
-    reservations = {name: await live_reservations(engine, ledger, name) for name in CARRIED}
+    answered = per_block_answers()
     async with engine.connect() as conn:
         free: dict[str, dict[int, int]] = {
             name: {b: g for b, g in await conn.execute(_FREE_GENERATIONS, {"i": name})}
@@ -506,9 +402,6 @@ async def test_a_taken_over_instance_holds_what_the_per_block_ledger_held(
         }
     untouched = await rows_of(engine, _UNTOUCHED)
     owned_before = await all_rows(engine, _OWNERS)
-    # The per-block ledger as it is, to answer the same Admits.
-    await engine.dispose()
-    as_it_was = copy_of(database_url)
 
     caplog.set_level(logging.INFO, logger="alembic.runtime.migration")
     migrate.upgrade(database_url)
@@ -534,37 +427,58 @@ async def test_a_taken_over_instance_holds_what_the_per_block_ledger_held(
         assert await held_in(engine, JOURNALED_ROWS, name) == held[name], name
         assert clocks_of_machine(machine) == clocks[name], name
         assert {
-            r.name: r.snapshot(machine.queue_position(r)) for r in machine.reservations.values()
-        } == reservations[name], name
+            r.name: as_json(r.snapshot(machine.queue_position(r)))
+            for r in machine.reservations.values()
+        } == answered["reservations"][name], name
         # Every handle the ledger handed out is stale on a slot that is free now.
         for block, generation in free[name].items():
             assert machine.pool.generation(block) > generation, (name, block)
     assert list(owners[JOURNALED].machine.reservations) == [("acme", "mem")]
     await check_totals(engine, owners, tenants)
 
-    # The same Admits, on the per-block ledger as it was and on the machines: the same hits on
-    # the same cached and shared blocks, and the same blocks evicted for the rest (priority 2
-    # goes ahead of the queue).
-    wanted = [
-        prompt("again-1", tokens(6, 3, extra=1), priority=2),
-        prompt("again-2", tokens(2, 2) + tokens(4, 1, extra=3), tenant="gamma", priority=2),
-        prompt("again-3", tokens(5, 3, extra=3), tenant="beta", priority=2),
-        prompt("again-4", tokens(1, 3) + tokens(3, 1, extra=5), priority=2),
-        prompt("again-5", tokens(7, 3, extra=1), tenant="beta", priority=2),
-        prompt("again-6", tokens(10, 3, extra=2), tenant="beta", instance="gpu-1"),
-    ]
-    old_ledger_engine = connect(as_it_was)
-    old_ledger = Ledger(old_ledger_engine, LIMITS)
-    for one in wanted:
-        by_ledger = await admitted(old_ledger.admit(one))
+    # The same Admits as the per-block ledger was asked on that database: the same hits on the
+    # same cached and shared blocks, and the same blocks evicted for the rest.
+    for one, by_ledger in zip(WANTED, answered["admits"], strict=True):
         by_owner = await admitted(owners[one.params.instance].apply(admit_in_memory(one)))
-        assert by_owner == by_ledger, one.params.request_id
-    await old_ledger_engine.dispose()
+        assert answer_json(by_owner) == by_ledger, one.params.request_id
     # What the owners journaled since is what a next owner rebuilds.
     for name in CARRIED:
         fresh = await owner_of(engine, journal, name, "replica-b")
         assert_same_machine(owners[name].machine, fresh.machine)
     await journal.close()
+
+
+# The Admits asked of both layouts after the migration: priority 2 goes ahead of the queue.
+WANTED = [
+    prompt("again-1", tokens(6, 3, extra=1), priority=2),
+    prompt("again-2", tokens(2, 2) + tokens(4, 1, extra=3), tenant="gamma", priority=2),
+    prompt("again-3", tokens(5, 3, extra=3), tenant="beta", priority=2),
+    prompt("again-4", tokens(1, 3) + tokens(3, 1, extra=5), priority=2),
+    prompt("again-5", tokens(7, 3, extra=1), tenant="beta", priority=2),
+    prompt("again-6", tokens(10, 3, extra=2), tenant="beta", instance="gpu-1"),
+]
+
+
+def as_json(reservation: Reservation) -> dict[str, Any]:
+    """A reservation as the frozen answers of the per-block ledger keep it."""
+    fields = asdict(reservation)
+    fields["block_table"] = [[h.block_id, h.generation] for h in reservation.block_table]
+    for key, value in fields.items():
+        if isinstance(value, datetime):
+            fields[key] = value.isoformat()
+        elif isinstance(value, Enum):
+            fields[key] = value.value
+        elif isinstance(value, bytes):
+            fields[key] = value.hex()
+    return fields
+
+
+def answer_json(answer: tuple[Any, ...]) -> list[Any]:
+    """An Admit's answer (`admitted`) as the frozen answers keep it."""
+    if len(answer) == 1:
+        return [answer[0].value]
+    state, hits, hit_blocks, table = answer
+    return [state.value, hits, [[h.block_id, h.generation] for h in hit_blocks], table]
 
 
 def admit_in_memory(wanted: AdmitRequest) -> Callable[[InstanceMachine, float], Reservation]:
@@ -592,7 +506,6 @@ async def test_downgrade_clears_what_was_carried_until_an_owner_writes(
     ledger_engine: AsyncEngine, database_url: str
 ) -> None:
     engine = ledger_engine
-    await fill(engine)
     untouched = await rows_of(engine, _UNTOUCHED)
     cleared = await rows_of(engine, _JOURNAL)
     migrate.upgrade(database_url)
@@ -621,11 +534,12 @@ async def test_downgrade_clears_what_was_carried_until_an_owner_writes(
     ("corruption", "error"),
     [
         (
-            "UPDATE blocks SET content_hash = substring(content_hash FROM 2) WHERE block_id = 1",
+            "UPDATE blocks SET content_hash = substring(content_hash FROM 2) "
+            "WHERE instance = 'gpu-0' AND block_id = 1",
             "instances/gpu-0: a block's content hash is not 32 bytes long",
         ),
         (
-            "UPDATE blocks SET hash_scope = NULL WHERE block_id = 1",
+            "UPDATE blocks SET hash_scope = NULL WHERE instance = 'gpu-0' AND block_id = 1",
             "instances/gpu-0: a block holds a hash with no scope",
         ),
     ],
@@ -635,11 +549,6 @@ async def test_a_slot_the_journal_cannot_hold_stops_the_migration(
     ledger_engine: AsyncEngine, database_url: str, corruption: str, error: str
 ) -> None:
     engine = ledger_engine
-    await add_instance(engine, blocks=16)
-    await add_tenant(engine, "acme")
-    ledger = Ledger(engine, LIMITS)
-    await ledger.admit(prompt("r", tokens(1, 2, extra=1)))
-    await ledger.end("acme", "r", EndReason.RELEASED, 1)
     async with engine.begin() as conn:
         await conn.execute(text(corruption))
     before = await rows_of(engine, _JOURNAL)
