@@ -79,7 +79,6 @@ class ReclaimExecutor:
         """Measure (once: a retry uses what the step kept), demote, then apply the step.
         False: the CPU tier failed, and the step stays planned."""
         key = (step.tenant, step.request_id)
-        demoted = False
         try:
             measured = step.measured
             if measured is None:
@@ -87,16 +86,11 @@ class ReclaimExecutor:
                 measured = await self._jobs.record_measurement(job_id, step.seq, found)
             if measured is not None and measured.before_bytes:
                 await self._cpu_tier.demote_session(*key)
-                demoted = True
         except Exception as exc:
             log.warning("compressing %s/%s in the CPU tier failed (%s)", *key, exc)
             return False
         if await self._jobs.compress(job_id, step.seq):
             log.info("compressed %s/%s: %s", *key, measured)
-        elif demoted:
-            # The session left the CPU tier before it was booked compressed: resumed, its
-            # chunks were prefetched into L1, and a demotion after that dropped them again.
-            await self._cpu_tier.prefetch_session(*key)
         return True
 
     async def run_open(self, budget: int) -> int:
