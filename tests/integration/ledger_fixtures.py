@@ -15,7 +15,6 @@ from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.model import AdmitParams, TenantQuota
 from quota_service.enforcement.termination import Termination
-from quota_service.owner.owners import Owners
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import RESERVATION_BATCH, Offboarding
@@ -108,10 +107,10 @@ _DERIVED_HOLDINGS = text(
 
 
 async def derived_counters(
-    engine: AsyncEngine, owners: Owners | None = None
+    engine: AsyncEngine, hot: HotPath | None = None
 ) -> dict[str, dict[str, int]]:
     """Instance and tenant counters as the record derives them, keyed as `counters` keys them.
-    With `owners`, each machine they serve must hold the same (invariant 8): its pool, its
+    With `hot`, each machine its owners serve must hold the same (invariant 8): its pool, its
     queue and each tenant's holdings on it."""
     found: dict[str, dict[str, int]] = {}
     async with engine.connect() as conn:
@@ -125,7 +124,7 @@ async def derived_counters(
         }
         count = await conn.execute(text("SELECT count(*) FROM reservations"))
         found["reservations"] = {"count": count.scalar_one()}
-    for owner in owners.served() if owners is not None else ():
+    for owner in hot.owners.served() if hot is not None and hot.owners is not None else ():
         machine, recorded = owner.machine, found[f"instance:{owner.instance}"]
         pool = machine.pool.counts()
         in_memory = {
@@ -142,6 +141,26 @@ async def derived_counters(
             held = (len(here.held), here.tokens, len(here.pinned))
             assert held == holdings.get((name, owner.instance), (0, 0, 0)), (name, owner.instance)
     return found
+
+
+_RECORDED_SLOTS = text(
+    "SELECT block_id, state, ref_count, generation FROM journal_slots WHERE instance = :instance"
+)
+
+
+async def slots(
+    engine: AsyncEngine, hot: HotPath, instance: str = "gpu-0"
+) -> dict[int, tuple[str, int, int]]:
+    """Every slot of an instance served here, block_id → (state, references, generation), from
+    its owner's memory; the record's view says the same of every slot that holds anything."""
+    assert hot.owners is not None
+    pool = (await hot.owners.owner(instance)).machine.pool
+    held = {b: (pool.state(b), pool.ref_count(b), pool.generation(b)) for b in range(pool.capacity)}
+    async with engine.connect() as conn:
+        rows = await conn.execute(_RECORDED_SLOTS, {"instance": instance})
+        recorded = {r.block_id: (r.state, r.ref_count, r.generation) for r in rows}
+    assert recorded == {b: slot for b, slot in held.items() if slot[0] != "FREE"}
+    return held
 
 
 # Each table's rows as text, in one round trip: the fuzz test reads this around every call. The

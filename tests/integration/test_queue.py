@@ -60,7 +60,7 @@ async def test_queue_then_dispatch_in_order(engine: AsyncEngine, owned: HotPath)
     queued = [(await ledger.admit(waiting(f"q{i}", 4)))[0] for i in range(3)]
     assert [q.state for q in queued] == [ReservationState.QUEUED] * 3
     assert [q.queue_position for q in queued] == [0, 1, 2]
-    assert (await derived_counters(engine, owned.owners))["instance:gpu-0"]["blocks_in_use"] == 8
+    assert (await derived_counters(engine, owned))["instance:gpu-0"]["blocks_in_use"] == 8
     await assert_invariants(engine)
 
     # A retry keeps its place; other parameters under its id are refused.
@@ -135,7 +135,7 @@ async def test_cancel_and_deadline_free_the_queue(engine: AsyncEngine, owned: Ho
     assert await ledger.reap_expired(10) == 1
     timed_out = await ledger.get("acme", "t")
     assert timed_out.end_reason is EndReason.QUEUE_TIMEOUT
-    assert (await derived_counters(engine, owned.owners))["instance:gpu-0"]["queued_requests"] == 0
+    assert (await derived_counters(engine, owned))["instance:gpu-0"]["queued_requests"] == 0
     await assert_invariants(engine)
 
 
