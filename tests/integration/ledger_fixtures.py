@@ -201,9 +201,15 @@ def offboarding_service(
     return Offboarding(engine, ledger, pins, termination(ledger), reservation_batch)
 
 
-def owned_offboarding(engine: AsyncEngine, hot: HotPath) -> Offboarding:
-    """Offboarding on the memory hot path, as the server builds it."""
-    return hot.offboarding(engine, termination(hot.ledger))
+def owned_offboarding(
+    engine: AsyncEngine, hot: HotPath, reservation_batch: int = RESERVATION_BATCH
+) -> Offboarding:
+    """Offboarding on the memory hot path, as the server builds it, ending reservations
+    `reservation_batch` at a time (the server's factory keeps the default: a test that crashes
+    between batches makes them small)."""
+    offboarding = hot.offboarding(engine, termination(hot.ledger))
+    offboarding._reservation_batch = reservation_batch
+    return offboarding
 
 
 def crash_after_batches(
