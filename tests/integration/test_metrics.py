@@ -27,7 +27,6 @@ from quota_service.core.model import (
 )
 from quota_service.core.reclaim import DEFAULT_WATERMARKS, CompressMeasurement, ReclaimTarget, Tier
 from quota_service.metrics import LedgerMetrics, ServiceMetrics, serve_metrics
-from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
 from tests.integration.scraping import body, key, matching, samples_of, scrape
@@ -107,7 +106,7 @@ async def test_tenants_by_tier_queues_and_reclaim_by_tier(
     lmcache = LmcacheEndpoint("http://127.0.0.1:1", "mp-1", "m")
     endpoints = EngineEndpoints("http://127.0.0.1:1", lmcache=lmcache)
     spec = catalog.instance_spec("gpu-0", "m", GEOMETRY, BS, 8192, None, 16, engine=endpoints)
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     await CpuTierBooks(engine).record_usage("gpu-0", 0, 1 << 20)
     acme_quota = TenantQuota(100, 10**6, 5, 8, 1 << 20)
     await add_tenant(engine, "acme", acme_quota)

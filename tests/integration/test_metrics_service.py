@@ -25,7 +25,6 @@ from quota_service.core.model import EngineEndpoints
 from quota_service.engine.simulated import EventPublisher
 from quota_service.jobs.follower import Followers
 from quota_service.metrics import PoolMetrics, ServiceMetrics
-from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
 from tests.integration.grpc_helpers import admit, free_port, quota, refused
 from tests.integration.scraping import key, matching, scrape, serving, until
@@ -171,7 +170,7 @@ async def test_engine_event_lag_is_observed_when_a_batch_is_applied(
         64,
         engine=EngineEndpoints("http://127.0.0.1:1", events, replay),
     )
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     metrics = ServiceMetrics()
     followers = Followers(database_url, owned.reconciler(engine), 60.0, metrics)
 

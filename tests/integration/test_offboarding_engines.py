@@ -23,7 +23,6 @@ from quota_service.core.model import (
 )
 from quota_service.enforcement.termination import Termination
 from quota_service.engine.vllm.http import vllm_request_ids
-from quota_service.store.catalog import Catalog
 from quota_service.store.offboarding import FORWARDING_SECONDS
 from tests.integration.engine_stubs import abort_endpoint, closed_port
 from tests.integration.invariants import assert_invariants
@@ -45,7 +44,7 @@ async def tenant_on_engine(engine: AsyncEngine, owned: HotPath, url: str) -> Non
     spec = catalog.instance_spec(
         "gpu-0", "m", None, 16, 8192, None, 256, engine=EngineEndpoints(url)
     )
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     await add_instance(engine, "bare", 256)
     await add_tenant(engine, "gone")
     await add_tenant(engine, "stay")
@@ -181,7 +180,7 @@ async def test_blocks_cached_by_an_abort_confirmed_mid_pass_are_freed_before_it_
         64,
         engine=EngineEndpoints(f"http://127.0.0.1:{closed_port()}"),
     )
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     await add_tenant(engine, "gone")
     ledger = owned.ledger
     prompt = tuple(range(1, 65))  # 4 full blocks, hashed under the tenant's salt

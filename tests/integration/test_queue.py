@@ -18,7 +18,6 @@ from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.model import EndReason, QueueBounds, ReservationState, TenantQuota
-from quota_service.store.catalog import Catalog
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import (
     UNLIMITED,
@@ -39,9 +38,11 @@ def waiting(
     return replace(base, params=replace(base.params, priority=priority), wait_timeout_seconds=wait)
 
 
-async def add_instance(engine: AsyncEngine, blocks: int, bounds: QueueBounds | None = None) -> None:
-    spec = catalog.instance_spec("gpu-0", "m", None, BS, 8192, None, blocks, queue=bounds)
-    await Catalog(engine).register_instance(spec)
+async def add_instance(
+    owned: HotPath, blocks: int, bounds: QueueBounds | None = None, name: str = "gpu-0"
+) -> None:
+    spec = catalog.instance_spec(name, "m", None, BS, 8192, None, blocks, queue=bounds)
+    await owned.catalog.register_instance(spec)
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
 
 
 async def test_queue_then_dispatch_in_order(engine: AsyncEngine, owned: HotPath) -> None:
-    await add_instance(engine, 10)
+    await add_instance(owned, 10)
     await add_tenant(engine, "acme")
     ledger = owned.ledger
     first, _ = await ledger.admit(waiting("a", 8))
@@ -97,7 +98,7 @@ async def test_bounds_give_queue_full(engine: AsyncEngine, owned: HotPath) -> No
     bounds = QueueBounds(
         max_queued_requests=2, target_ttft_seconds=1, prefill_tokens_per_second=100
     )
-    await add_instance(engine, 16, bounds)
+    await add_instance(owned, 16, bounds)
     await add_tenant(engine, "acme")
     await add_tenant(engine, "small", TenantQuota(1000, 10**6, 1, 1, 1))
     ledger = owned.ledger
@@ -122,7 +123,7 @@ async def test_bounds_give_queue_full(engine: AsyncEngine, owned: HotPath) -> No
 
 
 async def test_cancel_and_deadline_free_the_queue(engine: AsyncEngine, owned: HotPath) -> None:
-    await add_instance(engine, 4)
+    await add_instance(owned, 4)
     await add_tenant(engine, "acme")
     ledger = owned.ledger
     await ledger.admit(waiting("fill", 4))
@@ -144,9 +145,9 @@ async def test_weighted_fair_share(engine: AsyncEngine, owned: HotPath) -> None:
     ones: of the tokens the served queue admits over 60 admissions, the weight-3 tenant gets
     three times the other's, within 10%. tests/unit/test_fair_share.py drives the same loop
     for 600 admissions, in every shape, on the state machine that shares the queue's rules."""
-    await add_instance(engine, 48)
-    await Catalog(engine).create_tenant("light", "Light", 1, TenantQuota(10**6, 10**9, 10**4, 1, 1))
-    await Catalog(engine).create_tenant("heavy", "Heavy", 3, TenantQuota(10**6, 10**9, 10**4, 1, 1))
+    await add_instance(owned, 48)
+    await owned.catalog.create_tenant("light", "Light", 1, TenantQuota(10**6, 10**9, 10**4, 1, 1))
+    await owned.catalog.create_tenant("heavy", "Heavy", 3, TenantQuota(10**6, 10**9, 10**4, 1, 1))
     ledger = owned.ledger
     sizes = {"light": 2, "heavy": 6}  # short against long requests
     sent = 0
@@ -187,11 +188,9 @@ async def test_a_big_request_is_not_starved(engine: AsyncEngine, owned: HotPath)
     """Half the instance, for one tenant, behind a stream of small requests of another: the small
     ones may pass it only until it has waited max_bypass_wait, then it is admitted within one
     release cycle."""
-    await add_instance(engine, 20)
+    await add_instance(owned, 20)
     await add_tenant(engine, "acme")
-    await Catalog(engine).create_tenant(
-        "other", "Other", 100, TenantQuota(10**6, 10**9, 10**4, 1, 1)
-    )
+    await owned.catalog.create_tenant("other", "Other", 100, TenantQuota(10**6, 10**9, 10**4, 1, 1))
     ledger = owned.ledger
     for i in range(10):
         await ledger.admit(waiting(f"s{i}", 2, tenant="other"))
@@ -235,7 +234,7 @@ async def test_a_big_request_is_not_starved(engine: AsyncEngine, owned: HotPath)
 async def test_retry_delays_grow_with_the_queue_and_shrink_near_lease_expiry(
     engine: AsyncEngine, owned: HotPath
 ) -> None:
-    await add_instance(engine, 8)
+    await add_instance(owned, 8)
     await add_tenant(engine, "acme")
     ledger = owned.ledger
     # Observe a holding time so Little's law has a service time to work with.
@@ -258,7 +257,7 @@ async def test_retry_delays_grow_with_the_queue_and_shrink_near_lease_expiry(
 
     # Shrinks as leases near their expiry: with nothing observed, the lease bounds the wait.
     await owned.catalog.create_tenant("fresh", "Fresh", 1, UNLIMITED)
-    await add_instance_named(engine, "gpu-1", 4)
+    await add_instance(owned, 4, name="gpu-1")
     await ledger.admit(
         replace(
             request("lease", 4 * BS - 1, 1, tenant="fresh", instance="gpu-1"), lease_ttl_seconds=3.0
@@ -268,11 +267,6 @@ async def test_retry_delays_grow_with_the_queue_and_shrink_near_lease_expiry(
     await asyncio.sleep(1.0)
     late = await probe_instance(owned, "gpu-1")
     assert late < early <= 3.0
-
-
-async def add_instance_named(engine: AsyncEngine, name: str, blocks: int) -> None:
-    spec = catalog.instance_spec(name, "m", None, BS, 8192, None, blocks)
-    await Catalog(engine).register_instance(spec)
 
 
 async def probe_instance(owned: HotPath, instance: str) -> float:

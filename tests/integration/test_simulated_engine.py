@@ -20,7 +20,6 @@ from quota_service.enforcement.termination import Termination
 from quota_service.engine.simulated import EventPublisher, SimulatedHost, SimulatedPool
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.jobs.follower import Followers
-from quota_service.store.catalog import Catalog
 from tests.integration.grpc_helpers import free_port
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_tenant, derived_counters
@@ -67,7 +66,7 @@ async def test_the_engine_path_against_the_simulated_host(
         described.metrics.usable_blocks,
         engine=endpoints,
     )
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     await add_tenant(engine, "acme")
     ledger = owned.ledger
     followers = Followers(database_url, owned.reconciler(engine), load_check_seconds=0.1)
@@ -109,7 +108,7 @@ async def test_the_engine_path_against_the_simulated_host(
                 return await scalar("SELECT engine_requests_running FROM instances") == 1
 
             await until(load_recorded)  # the follower read vllm:num_requests_running
-            described_instance = await Catalog(engine).get_instance("sim")
+            described_instance = await owned.catalog.get_instance("sim")
             assert (
                 described_instance.engine_requests_running,
                 described_instance.live_reservations,

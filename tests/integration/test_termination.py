@@ -12,7 +12,6 @@ from quota_service.core import catalog
 from quota_service.core.model import EndReason, EngineEndpoints, ReservationState
 from quota_service.enforcement.termination import Termination
 from quota_service.engine.vllm.http import vllm_request_ids
-from quota_service.store.catalog import Catalog
 from tests.integration.engine_stubs import abort_endpoint, closed_port
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_tenant, derived_counters, request
@@ -23,7 +22,7 @@ async def test_an_unreachable_engine_keeps_the_blocks_until_the_hard_timeout(
 ) -> None:
     unreachable = EngineEndpoints(f"http://127.0.0.1:{closed_port()}")
     spec = catalog.instance_spec("gpu-0", "m", None, 16, 8192, None, 64, engine=unreachable)
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     await add_tenant(engine, "acme")
     ledger = owned.ledger
     termination = Termination(ledger, abort_timeout_seconds=0.5, hard_timeout_seconds=2.0)
@@ -74,7 +73,7 @@ async def test_a_silent_engine_is_retried_with_backoff_not_for_every_request(
     spec = catalog.instance_spec(
         "gpu-0", "m", None, 16, 8192, None, 64, engine=EngineEndpoints(f"http://127.0.0.1:{port}")
     )
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     await add_tenant(engine, "acme")
     ledger = owned.ledger
     termination = Termination(ledger, abort_timeout_seconds=0.2, hard_timeout_seconds=60.0)
@@ -118,7 +117,7 @@ async def test_the_sweep_asks_each_engine_once_for_all_it_must_stop(
         spec = catalog.instance_spec(
             "gpu-0", "m", None, 16, 8192, None, 64, engine=EngineEndpoints(url)
         )
-        await Catalog(engine).register_instance(spec)
+        await owned.catalog.register_instance(spec)
         await add_tenant(engine, "acme")
         ledger = owned.ledger
         termination = Termination(ledger, abort_timeout_seconds=30.0, hard_timeout_seconds=60.0)
