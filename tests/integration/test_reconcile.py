@@ -59,7 +59,7 @@ async def test_events_confirm_evict_and_count_drift(engine: AsyncEngine, owned: 
         ("IN_USE", True)
     ] * 4
 
-    # The engine evicts two blocks the ledger still references: drift, nothing freed.
+    # The engine evicts two blocks the owner still references: drift, nothing freed.
     assert await reconciler.apply("gpu-0", 1, batch(BlockRemoved(tuple(hashes[2:]), "GPU"))) == (
         0,
         2,
@@ -91,7 +91,7 @@ async def test_events_confirm_evict_and_count_drift(engine: AsyncEngine, owned: 
     # AllBlocksCleared frees every cached block.
     assert await reconciler.apply("gpu-0", 4, batch(AllBlocksCleared())) == (2, 0)
     assert (await derived_counters(engine, owned))["instance:gpu-0"]["cached_blocks"] == 0
-    # A new request on the same prompt misses: the ledger no longer claims those contents.
+    # A new request on the same prompt misses: the owner no longer claims those contents.
     again, _ = await ledger.admit(
         replace(request("b", len(PROMPT), 1), prompt_token_ids=tuple(PROMPT))
     )
@@ -126,8 +126,8 @@ async def test_an_evicted_copy_is_the_unreferenced_one_of_its_hash(
     engine: AsyncEngine, owned: HotPath
 ) -> None:
     """An exact repeat fills its prompt's last block again (vLLM never hits the last token), so
-    engine and ledger both hold that hash twice: the cached copy and the repeat's. The engine
-    evicting the cached copy frees the ledger's cached one, and is no drift: the repeat's block
+    engine and owner both hold that hash twice: the cached copy and the repeat's. The engine
+    evicting the cached copy frees the owner's cached one, and is no drift: the repeat's block
     is referenced in the engine too, so it was not the copy evicted."""
     hashes = await prompt_admitted(engine, owned)
     ledger, reconciler = owned.ledger, owned.reconciler(engine)
