@@ -96,7 +96,7 @@ async def test_released_prefix_stays_cached_and_is_reused(
 
 
 async def test_never_hashed_slots_first_then_lru_tail_before_head(
-    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
+    ledger: OwnedLedger, engine: AsyncEngine
 ) -> None:
     other = [t + 50_000 for t in PROMPT]
     a, _ = await ledger.admit(with_tokens("a", PROMPT))  # blocks 0-4
@@ -120,9 +120,7 @@ async def test_never_hashed_slots_first_then_lru_tail_before_head(
     await assert_invariants(engine)
 
 
-async def test_salts_keep_tenants_apart(
-    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
-) -> None:
+async def test_salts_keep_tenants_apart(ledger: OwnedLedger, engine: AsyncEngine) -> None:
     await add_tenant(engine, "globex")
     await ledger.admit(with_tokens("a", PROMPT))
     theirs, _ = await ledger.admit(with_tokens("a", PROMPT, tenant="globex"))

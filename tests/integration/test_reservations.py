@@ -84,7 +84,7 @@ async def test_ended_reservation_keeps_its_record(ledger: OwnedLedger) -> None:
 
 
 async def test_same_request_id_with_other_parameters_is_refused(
-    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
+    ledger: OwnedLedger, engine: AsyncEngine
 ) -> None:
     await ledger.admit(request("dup", 100, 50))
     before = await snapshot(engine)
@@ -95,7 +95,7 @@ async def test_same_request_id_with_other_parameters_is_refused(
 
 
 async def test_same_request_id_with_another_prompt_is_refused(
-    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
+    ledger: OwnedLedger, engine: AsyncEngine
 ) -> None:
     """As many tokens is not the same prompt: the first reservation's block table holds the
     first prompt's blocks. The same prompt again is answered with the same reservation."""
@@ -145,9 +145,7 @@ async def test_refusals_change_nothing(
     assert await snapshot(engine) == before
 
 
-async def test_tenant_quota_on_tokens_in_flight(
-    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
-) -> None:
+async def test_tenant_quota_on_tokens_in_flight(ledger: OwnedLedger, owned: HotPath) -> None:
     await owned.catalog.create_tenant("tok", "Tok", 1, TenantQuota(1000, 1000, 1, 1, 1))
     await ledger.admit(request("one", 400, 200, tenant="tok"))
     with pytest.raises(KvQuotaError) as error:
@@ -179,7 +177,7 @@ async def test_suspended_tenant_and_draining_instance(
 
 
 async def test_lease_expiry_is_reaped_and_renewal_refused(
-    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
+    ledger: OwnedLedger, engine: AsyncEngine
 ) -> None:
     await ledger.admit(request("short", 100, 100, lease_ttl=1.0))
     await ledger.admit(request("long", 100, 100, lease_ttl=60.0))
@@ -261,7 +259,7 @@ async def test_many_admits_and_releases_never_over_commit(
 
 
 async def test_racing_duplicates_at_the_quota_edge_both_get_the_reservation(
-    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
+    ledger: OwnedLedger, engine: AsyncEngine
 ) -> None:
     """The loser of two identical Admits must see the winner's reservation (and replay it), not
     the winner's usage (and refuse for quota)."""
