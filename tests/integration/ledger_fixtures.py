@@ -111,7 +111,8 @@ async def derived_counters(
 ) -> dict[str, dict[str, int]]:
     """Instance and tenant counters as the record derives them, keyed as `counters` keys them.
     With `hot`, each machine its owners serve must hold the same (invariant 8): its pool, its
-    queue and each tenant's holdings on it."""
+    queue and each tenant's holdings on it; only while no operation is being applied (a
+    machine runs ahead of the record until its batch commits)."""
     found: dict[str, dict[str, int]] = {}
     async with engine.connect() as conn:
         for row in await conn.execute(_DERIVED_INSTANCES):

@@ -89,8 +89,9 @@ async def test_the_engine_path_against_the_simulated_host(
             return await scalar(query) == 3
 
         async def cache_dropped() -> bool:
-            pool = (await derived_counters(engine, owned))["instance:sim"]
-            return pool["cached_blocks"] == 0
+            # The record alone: the follower may be applying a batch its owner has not
+            # committed yet, so memory may be ahead of it.
+            return (await derived_counters(engine))["instance:sim"]["cached_blocks"] == 0
 
         await until(following)
         prompt = list(range(1, 3 * BS + 1))
