@@ -90,6 +90,7 @@ async def test_released_prefix_stays_cached_and_is_reused(
     assert (await pool(engine, owned))["cached_blocks"] == 4
     again, _ = await ledger.admit(with_tokens("b", PROMPT))
     assert again.prefix_hit_blocks == 4
+    assert [h.block_id for h in again.block_table] == [0, 1, 2, 3, 4]
     assert again.block_table[:4] == first.block_table[:4]
     assert again.block_table[4] == BlockHandle(4, tail.generation + 1)
     await assert_invariants(engine)
