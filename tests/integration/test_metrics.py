@@ -30,8 +30,7 @@ from quota_service.metrics import LedgerMetrics, ServiceMetrics, serve_metrics
 from quota_service.store.cpu_tier import CpuTierBooks
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
 from tests.integration.scraping import body, key, matching, samples_of, scrape
-from tests.integration.test_compress_steps import COMPRESS_ONLY, FULL
-from tests.integration.test_suspend_offload import offloaded
+from tests.integration.test_compress_steps import COMPRESS_ONLY, FULL, offloaded
 
 BS = 16
 GEOMETRY = geometry.KvGeometry(2, 2, 64, geometry.KvDtype.FP16)  # 16 KiB a block

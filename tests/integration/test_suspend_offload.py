@@ -56,19 +56,6 @@ async def with_cpu_tier(engine: AsyncEngine, blocks: int, cpu_used: int, cpu_cap
     await add_tenant(engine, "acme")
 
 
-async def offloaded(engine: AsyncEngine, owned: HotPath, *request_ids: str) -> None:
-    """Sessions of 4 blocks on gpu-0, suspended with their tokens and offloaded."""
-    await with_cpu_tier(engine, blocks=16, cpu_used=0, cpu_capacity=1 << 20)
-    for i, request_id in enumerate(request_ids):
-        await owned.ledger.admit(session(request_id, 1000 * i))
-        await owned.ledger.suspend("acme", request_id, tuple(range(1000 * i, 1000 * i + 4 * BS)))
-    jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
-    job = await jobs.create("offload", "gpu-0", ReclaimTarget(16, Tier.OFFLOAD), dry_run=False)
-    while await jobs.run_step(job.job_id):
-        pass
-    await CpuTierBooks(engine).record_usage("gpu-0", 900, 1000)
-
-
 async def test_an_idle_session_is_offloaded_and_comes_back_with_its_prefix(
     engine: AsyncEngine, owned: HotPath
 ) -> None:
