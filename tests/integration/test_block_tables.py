@@ -222,10 +222,14 @@ async def test_prefix_hit_racing_eviction(
 
 @contextmanager
 def statements(engine: AsyncEngine) -> Iterator[list[str]]:
+    """The statements the calling task sends through the engine (not the lease rounds that run
+    beside it)."""
     seen: list[str] = []
+    caller = asyncio.current_task()
 
     def count(*args: object) -> None:
-        seen.append(str(args[2]))
+        if asyncio.current_task() is caller:
+            seen.append(str(args[2]))
 
     event.listen(engine.sync_engine, "before_cursor_execute", count)
     try:
