@@ -1,5 +1,6 @@
-"""Block tables on the durable shadow of an instance's block pool: prefix sharing, the cache,
-eviction order, tombstones and single-block release, asserted with exact block ids."""
+"""Block tables on an instance's pool, served from its owner's memory and journaled: prefix
+sharing, the cache, eviction order, stale handles and single-block release, asserted with exact
+block ids."""
 
 from __future__ import annotations
 
@@ -12,14 +13,21 @@ import pytest
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from quota_service.config import Settings
+from quota_service.api.server import HotPath
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.model import EndReason
-from quota_service.store.ledger import Ledger
+from quota_service.owner.owners import OwnedLedger
 from tests.integration.invariants import assert_invariants
-from tests.integration.ledger_fixtures import add_instance, add_tenant, counters, request, snapshot
+from tests.integration.ledger_fixtures import (
+    add_instance,
+    add_tenant,
+    derived_counters,
+    request,
+    slots,
+    snapshot,
+)
 
 BS = 16
 PROMPT = list(range(1000, 1000 + 4 * BS + 5))  # 4 full blocks, a partial fifth
@@ -38,26 +46,20 @@ def with_tokens(
 
 
 @pytest.fixture
-async def ledger(engine: AsyncEngine, settings: Settings) -> Ledger:
+async def ledger(engine: AsyncEngine, owned: HotPath) -> OwnedLedger:
     await add_instance(engine, blocks=16)
     await add_tenant(engine, "acme")
-    return Ledger(engine, settings.admission_limits)
+    assert isinstance(owned.ledger, OwnedLedger)
+    return owned.ledger
 
 
-async def blocks(engine: AsyncEngine) -> dict[int, tuple[str, int, int]]:
-    """block_id → (state, ref_count, generation)."""
-    async with engine.connect() as conn:
-        rows = await conn.execute(
-            text("SELECT block_id, state, ref_count, generation FROM blocks ORDER BY block_id")
-        )
-        return {r.block_id: (r.state, r.ref_count, r.generation) for r in rows}
+async def pool(engine: AsyncEngine, owned: HotPath) -> dict[str, int]:
+    return (await derived_counters(engine, owned))["instance:gpu-0"]
 
 
-async def pool(engine: AsyncEngine) -> dict[str, int]:
-    return (await counters(engine))["instance:gpu-0"]
-
-
-async def test_table_layout_and_prefix_sharing(ledger: Ledger, engine: AsyncEngine) -> None:
+async def test_table_layout_and_prefix_sharing(
+    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
+) -> None:
     first, salt = await ledger.admit(with_tokens("a", PROMPT))
     # 4 full prompt blocks (hashed), then the tail: 5 + 11 tokens = 1 block.
     assert [h.block_id for h in first.block_table] == [0, 1, 2, 3, 4]
@@ -66,9 +68,9 @@ async def test_table_layout_and_prefix_sharing(ledger: Ledger, engine: AsyncEngi
     assert second.prefix_hit_blocks == 4
     assert [h.block_id for h in second.block_table] == [0, 1, 2, 3, 5, 6]  # shared prefix, 2 tails
     assert second.reserved_blocks == 6
-    states = await blocks(engine)
+    states = await slots(engine, owned)
     assert [states[i][1] for i in range(7)] == [2, 2, 2, 2, 1, 1, 1]
-    counts = await counters(engine)
+    counts = await derived_counters(engine, owned)
     assert counts["tenant:acme"]["blocks_in_use"] == 7  # distinct: sharing within a tenant is free
     assert counts["instance:gpu-0"]["blocks_in_use"] == 7
     assert len(salt) >= 32
@@ -76,29 +78,29 @@ async def test_table_layout_and_prefix_sharing(ledger: Ledger, engine: AsyncEngi
 
 
 async def test_released_prefix_stays_cached_and_is_reused(
-    ledger: Ledger, engine: AsyncEngine
+    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
 ) -> None:
-    await ledger.admit(with_tokens("a", PROMPT))
+    first, _ = await ledger.admit(with_tokens("a", PROMPT))
+    tail = first.block_table[4]
     await ledger.end("acme", "a", EndReason.RELEASED, 1)
-    states = await blocks(engine)
+    states = await slots(engine, owned)
     assert [states[i][0] for i in range(5)] == ["CACHED"] * 4 + ["FREE"]
-    assert states[4][2] == 1  # the private tail was freed: generation bumped, tombstoned
-    assert (await pool(engine))["cached_blocks"] == 4
+    # The private tail was freed: its generation moved on, so its old handle is stale.
+    assert states[4][2] == tail.generation + 1
+    assert (await pool(engine, owned))["cached_blocks"] == 4
     again, _ = await ledger.admit(with_tokens("b", PROMPT))
     assert again.prefix_hit_blocks == 4
     assert [h.block_id for h in again.block_table] == [0, 1, 2, 3, 4]
-    assert again.block_table[4] == BlockHandle(4, 1)
-    async with engine.connect() as conn:
-        tomb = await conn.execute(text("SELECT block_id, generation, reason FROM tombstones"))
-        assert [tuple(r) for r in tomb] == [(4, 0, "FREED")]
+    assert again.block_table[:4] == first.block_table[:4]
+    assert again.block_table[4] == BlockHandle(4, tail.generation + 1)
     await assert_invariants(engine)
 
 
 async def test_never_hashed_slots_first_then_lru_tail_before_head(
-    ledger: Ledger, engine: AsyncEngine
+    ledger: OwnedLedger, engine: AsyncEngine
 ) -> None:
     other = [t + 50_000 for t in PROMPT]
-    await ledger.admit(with_tokens("a", PROMPT))  # blocks 0-4
+    a, _ = await ledger.admit(with_tokens("a", PROMPT))  # blocks 0-4
     await ledger.admit(with_tokens("b", other))  # blocks 5-9
     await ledger.end("acme", "a", EndReason.RELEASED, 1)  # 0-3 cached (older), 4 freed
     await ledger.end("acme", "b", EndReason.RELEASED, 1)  # 5-8 cached (newer), 9 freed
@@ -107,11 +109,9 @@ async def test_never_hashed_slots_first_then_lru_tail_before_head(
     big, _ = await ledger.admit(request("c", 12 * BS - 11, 11))
     ids = [h.block_id for h in big.block_table]
     assert ids == [4, 9, 10, 11, 12, 13, 14, 15, 3, 2, 1, 0]
-    async with engine.connect() as conn:
-        evicted = await conn.execute(
-            text("SELECT block_id, generation FROM tombstones WHERE reason = 'EVICTED' ORDER BY 1")
-        )
-        assert [tuple(r) for r in evicted] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    # a's prefix was evicted: its slots are at the generation after the one it cached.
+    evicted = {h.block_id: h.generation + 1 for h in a.block_table[:4]}
+    assert {h.block_id: h.generation for h in big.block_table[8:]} == evicted
     # b's prefix is still cached; a's is gone: a new request for it misses.
     hit_b, _ = await ledger.admit(with_tokens("d", other[: 2 * BS + 1], 1))
     assert hit_b.prefix_hit_blocks == 2
@@ -121,7 +121,7 @@ async def test_never_hashed_slots_first_then_lru_tail_before_head(
     await assert_invariants(engine)
 
 
-async def test_salts_keep_tenants_apart(ledger: Ledger, engine: AsyncEngine) -> None:
+async def test_salts_keep_tenants_apart(ledger: OwnedLedger, engine: AsyncEngine) -> None:
     await add_tenant(engine, "globex")
     await ledger.admit(with_tokens("a", PROMPT))
     theirs, _ = await ledger.admit(with_tokens("a", PROMPT, tenant="globex"))
@@ -130,13 +130,13 @@ async def test_salts_keep_tenants_apart(ledger: Ledger, engine: AsyncEngine) -> 
     await assert_invariants(engine)
 
 
-async def test_release_blocks(ledger: Ledger, engine: AsyncEngine) -> None:
+async def test_release_blocks(ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath) -> None:
     admitted, _ = await ledger.admit(with_tokens("a", PROMPT, 30))
     table = admitted.block_table  # 4 prompt blocks + 3 tail blocks (5 + 30 tokens)
     assert len(table) == 7
     after = await ledger.release_blocks("acme", "a", [table[6], table[5]])
     assert after.block_table == table[:5]
-    assert (await counters(engine))["tenant:acme"]["blocks_in_use"] == 5
+    assert (await derived_counters(engine, owned))["tenant:acme"]["blocks_in_use"] == 5
     # A full prompt block stays cached at its generation: releasing it again changes nothing.
     released = await ledger.release_blocks("acme", "a", [table[3]])
     before = await snapshot(engine)
@@ -164,7 +164,7 @@ async def test_release_blocks(ledger: Ledger, engine: AsyncEngine) -> None:
 
     await ledger.end("acme", "b", EndReason.CANCELLED)
     await ledger.end("acme", "a", EndReason.RELEASED, 30)
-    assert (await pool(engine))["blocks_in_use"] == 0
+    assert (await pool(engine, owned))["blocks_in_use"] == 0
     with pytest.raises(KvQuotaError) as ended:
         await ledger.release_blocks("acme", "a", [table[0]])
     assert (ended.value.reason, ended.value.metadata["endReason"]) == (
@@ -174,7 +174,9 @@ async def test_release_blocks(ledger: Ledger, engine: AsyncEngine) -> None:
     await assert_invariants(engine)
 
 
-async def test_concurrent_sharers_count_exactly(ledger: Ledger, engine: AsyncEngine) -> None:
+async def test_concurrent_sharers_count_exactly(
+    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
+) -> None:
     await add_instance(engine, "gpu-1", blocks=400)
     tokens = list(range(10 * BS + 1))  # ten full blocks every request can hit, and a tail
     results = await asyncio.gather(
@@ -183,15 +185,20 @@ async def test_concurrent_sharers_count_exactly(ledger: Ledger, engine: AsyncEng
     async with engine.connect() as conn:
         refs = await conn.execute(
             text(
-                "SELECT ref_count FROM blocks WHERE instance = 'gpu-1' AND content_hash IS NOT NULL"
+                "SELECT ref_count FROM journal_slots "
+                "WHERE instance = 'gpu-1' AND content_hash IS NOT NULL"
             )
         )
         assert [r.ref_count for r in refs] == [30] * 10
+    states = await slots(engine, owned, "gpu-1")
+    assert sorted(refs for _, refs, _ in states.values()) == [0] * 360 + [1] * 30 + [30] * 10
     assert sum(r.prefix_hit_blocks for r, _ in results) == 29 * 10
     await assert_invariants(engine)
 
 
-async def test_prefix_hit_racing_eviction(ledger: Ledger, engine: AsyncEngine) -> None:
+async def test_prefix_hit_racing_eviction(
+    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
+) -> None:
     """A prefix hit and the eviction of the same cached blocks, concurrently: either the hit wins
     (blocks kept, referenced) or the eviction does (a miss on fresh slots); never a reference to
     a slot that was reused."""
@@ -199,7 +206,7 @@ async def test_prefix_hit_racing_eviction(ledger: Ledger, engine: AsyncEngine) -
         tokens = [attempt * 100_000 + t for t in PROMPT]
         await ledger.admit(with_tokens(f"seed{attempt}", tokens))
         await ledger.end("acme", f"seed{attempt}", EndReason.RELEASED, 1)
-        free = (await pool(engine))["free_blocks"]
+        free = (await pool(engine, owned))["free_blocks"]
         hit, _ = await asyncio.gather(
             ledger.admit(with_tokens(f"hit{attempt}", tokens)),
             ledger.admit(request(f"evict{attempt}", (free + 4) * BS - 1, 1)),
@@ -215,10 +222,14 @@ async def test_prefix_hit_racing_eviction(ledger: Ledger, engine: AsyncEngine) -
 
 @contextmanager
 def statements(engine: AsyncEngine) -> Iterator[list[str]]:
+    """The statements the calling task sends through the engine (not the lease rounds that run
+    beside it)."""
     seen: list[str] = []
+    caller = asyncio.current_task()
 
     def count(*args: object) -> None:
-        seen.append(str(args[2]))
+        if asyncio.current_task() is caller:
+            seen.append(str(args[2]))
 
     event.listen(engine.sync_engine, "before_cursor_execute", count)
     try:
@@ -228,14 +239,18 @@ def statements(engine: AsyncEngine) -> Iterator[list[str]]:
 
 
 async def test_round_trips_do_not_grow_with_the_request(
-    ledger: Ledger, engine: AsyncEngine
+    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
 ) -> None:
+    """Statements through the engine, and the owner's batches (each one round trip)."""
     await add_instance(engine, "big", blocks=400)
+    assert owned.owners is not None
+    owner = await owned.owners.owner("big")  # claimed first: the claim is no request's cost
     sizes = {}
     for blocks_wanted in (1, 96):
         tokens = list(range(blocks_wanted * BS + 1))
+        batches = owner.stats.batches
         with statements(engine) as seen:
             await ledger.admit(with_tokens(f"n{blocks_wanted}", tokens, 1, instance="big"))
             await ledger.end("acme", f"n{blocks_wanted}", EndReason.RELEASED, 1)
-        sizes[blocks_wanted] = len(seen)
+        sizes[blocks_wanted] = (len(seen), owner.stats.batches - batches)
     assert sizes[1] == sizes[96]

@@ -1,4 +1,5 @@
-"""The Prometheus exporter serves the ledger's figures: per instance (drift among them), per
+"""The Prometheus exporter serves the record's figures, as the memory hot path keeps it: per
+instance (drift among them), per
 tenant and tier (compressed sessions counted at their compressed size), and what reclaim jobs
 gave back by tier."""
 
@@ -11,6 +12,7 @@ from dataclasses import replace
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service.api.server import HotPath
 from quota_service.config import Settings
 from quota_service.core import catalog, geometry
 from quota_service.core.admission import AdmitRequest
@@ -23,32 +25,25 @@ from quota_service.core.model import (
     ReservationState,
     TenantQuota,
 )
-from quota_service.core.reclaim import CompressMeasurement, ReclaimTarget, Tier
+from quota_service.core.reclaim import DEFAULT_WATERMARKS, CompressMeasurement, ReclaimTarget, Tier
 from quota_service.metrics import LedgerMetrics, ServiceMetrics, serve_metrics
-from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
-from quota_service.store.inspection import Inspection
-from quota_service.store.ledger import Ledger
-from quota_service.store.pins import Pins
-from quota_service.store.reclaim import ReclaimJobs
-from quota_service.store.reconcile import Reconciler
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
 from tests.integration.scraping import body, key, matching, samples_of, scrape
-from tests.integration.test_compress_steps import COMPRESS_ONLY, FULL, HotPath, offloaded
+from tests.integration.test_compress_steps import COMPRESS_ONLY, FULL, offloaded
 
 BS = 16
 GEOMETRY = geometry.KvGeometry(2, 2, 64, geometry.KvDtype.FP16)  # 16 KiB a block
 BLOCK_BYTES = 16384
 
 
-def ledger_metrics(engine: AsyncEngine, refresh_seconds: float = 60.0) -> LedgerMetrics:
-    return LedgerMetrics(Catalog(engine), Inspection(engine), ReclaimJobs(engine), refresh_seconds)
-
-
 @pytest.fixture
-async def exporter(engine: AsyncEngine) -> AsyncIterator[tuple[LedgerMetrics, str]]:
-    """The ledger snapshot, served as the server serves it; yields it and its URL."""
-    metrics = ledger_metrics(engine)
+async def exporter(
+    engine: AsyncEngine, owned: HotPath, settings: Settings
+) -> AsyncIterator[tuple[LedgerMetrics, str]]:
+    """The record's snapshot, built and served as the server does; yields it and its URL."""
+    reclaim = owned.reclaim(engine, settings.cpu_watermarks)
+    metrics = LedgerMetrics(owned.catalog, owned.inspection(engine), reclaim, 60.0)
     served = ServiceMetrics()
     served.registry.register(metrics)
     server = serve_metrics("127.0.0.1:0", served.registry)
@@ -60,20 +55,20 @@ async def exporter(engine: AsyncEngine) -> AsyncIterator[tuple[LedgerMetrics, st
 
 
 async def test_drift_and_blocks_per_instance(
-    engine: AsyncEngine, settings: Settings, exporter: tuple[LedgerMetrics, str]
+    engine: AsyncEngine, owned: HotPath, exporter: tuple[LedgerMetrics, str]
 ) -> None:
     await add_instance(engine, blocks=16)
     await add_tenant(engine, "acme")
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     prompt = list(range(500, 500 + 4 * BS))
     _, salt = await ledger.admit(
         replace(request("a", len(prompt), 1), prompt_token_ids=tuple(prompt))
     )
     hashes = tuple(event_hash(h) for h in block_hashes(prompt, BS, salt))
-    reconciler = Reconciler(engine, ledger)
+    reconciler = owned.reconciler(engine)
     stored = BlockStored(hashes, None, tuple(prompt), BS, "GPU")
     await reconciler.apply("gpu-0", 0, EventBatch(0.0, (stored,), 0))
-    # The engine evicts blocks the ledger still references: drift.
+    # The engine evicts blocks the owner still references: drift.
     await reconciler.apply("gpu-0", 1, EventBatch(0.0, (BlockRemoved(hashes[2:], "GPU"),), 0))
 
     metrics, url = exporter
@@ -105,29 +100,27 @@ def turn(request_id: str, first_token: int, blocks: int, tenant: str = "acme") -
 
 
 async def test_tenants_by_tier_queues_and_reclaim_by_tier(
-    engine: AsyncEngine, settings: Settings, exporter: tuple[LedgerMetrics, str]
+    engine: AsyncEngine, owned: HotPath, exporter: tuple[LedgerMetrics, str]
 ) -> None:
     lmcache = LmcacheEndpoint("http://127.0.0.1:1", "mp-1", "m")
     endpoints = EngineEndpoints("http://127.0.0.1:1", lmcache=lmcache)
     spec = catalog.instance_spec("gpu-0", "m", GEOMETRY, BS, 8192, None, 16, engine=endpoints)
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     await CpuTierBooks(engine).record_usage("gpu-0", 0, 1 << 20)
     acme_quota = TenantQuota(100, 10**6, 5, 8, 1 << 20)
     await add_tenant(engine, "acme", acme_quota)
     await add_tenant(engine, "globex")
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     salts = set()
     # acme: a pinned system prompt (2 blocks), an idle session (4) and a running request (4).
-    await Pins(engine, settings.admission_limits).pin(
-        "tenants/acme", "system", "gpu-0", list(range(2 * BS))
-    )
+    await owned.pins.pin("tenants/acme", "system", "gpu-0", list(range(2 * BS)))
     for admit in (turn("chat", 1000, 4), turn("busy", 5000, 4), turn("g1", 9000, 3, "globex")):
         salts.add((await ledger.admit(admit))[1])
     await ledger.suspend("acme", "chat", ())
     # globex leaves its 2 full prompt blocks cached (its last block is simply free).
     await ledger.end("globex", "g1", EndReason.RELEASED, 1)
 
-    jobs = ReclaimJobs(engine)
+    jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
     reclaimed = 0
     for request_id, target in (
         ("free", ReclaimTarget(2, Tier.FREE)),
@@ -199,15 +192,14 @@ async def test_tenants_by_tier_queues_and_reclaim_by_tier(
 
 
 async def test_a_compressed_session_counts_in_the_cpu_tier_at_its_compressed_size(
-    engine: AsyncEngine, settings: Settings, exporter: tuple[LedgerMetrics, str]
+    engine: AsyncEngine, owned: HotPath, exporter: tuple[LedgerMetrics, str]
 ) -> None:
     """Two offloaded sessions of 4 blocks; a COMPRESS step takes the coldest to a quarter of
     its bytes. The tenant's CPU-tier bytes are what its quota counts: the other session whole
     and the compressed one at its compressed size, which is also shown on its own."""
-    path = HotPath(engine, settings, memory=False)
-    await offloaded(engine, path, "chat", "idle")
+    await offloaded(engine, owned, "chat", "idle")
     await CpuTierBooks(engine).record_compression_ratio("gpu-0", 0.25)
-    jobs = path.jobs(FULL)
+    jobs = owned.reclaim(engine, FULL)
     job = await jobs.create("compress", "gpu-0", COMPRESS_ONLY, dry_run=False)
     assert [s.planned.reservation for s in job.steps] == [("acme", "chat")]
     await jobs.run_step(job.job_id)

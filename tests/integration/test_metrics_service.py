@@ -1,6 +1,6 @@
 """A replica's own figures, through a real server where they come from RPCs: admissions by
 outcome and reason, RPC latency by method and status, queue waits; the database pool; and the
-lag between an engine's KV events and their application to the ledger."""
+lag between an engine's KV events and their application by the instance's owner."""
 
 from __future__ import annotations
 
@@ -18,16 +18,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
+from quota_service.api.server import HotPath
 from quota_service.config import Settings
 from quota_service.core import catalog
 from quota_service.core.model import EngineEndpoints
 from quota_service.engine.simulated import EventPublisher
 from quota_service.jobs.follower import Followers
 from quota_service.metrics import PoolMetrics, ServiceMetrics
-from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
-from quota_service.store.ledger import Ledger
-from quota_service.store.reconcile import Reconciler
 from tests.integration.grpc_helpers import admit, free_port, quota, refused
 from tests.integration.scraping import key, matching, scrape, serving, until
 
@@ -158,7 +156,7 @@ async def test_the_pool_gauges_follow_connections_checked_out(database_url: str)
 
 
 async def test_engine_event_lag_is_observed_when_a_batch_is_applied(
-    engine: AsyncEngine, database_url: str, settings: Settings
+    engine: AsyncEngine, database_url: str, owned: HotPath
 ) -> None:
     events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     publisher = EventPublisher(events, replay)
@@ -172,10 +170,9 @@ async def test_engine_event_lag_is_observed_when_a_batch_is_applied(
         64,
         engine=EngineEndpoints("http://127.0.0.1:1", events, replay),
     )
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     metrics = ServiceMetrics()
-    ledger = Ledger(engine, settings.admission_limits)
-    followers = Followers(database_url, Reconciler(engine, ledger), 60.0, metrics)
+    followers = Followers(database_url, owned.reconciler(engine), 60.0, metrics)
 
     def applied() -> float:
         found = metrics.registry.get_sample_value(
@@ -184,12 +181,15 @@ async def test_engine_event_lag_is_observed_when_a_batch_is_applied(
         return found or 0.0
 
     started = time.time()
+    assert owned.owners is not None
     try:
+        # A lease round claims the instance whose engine publishes events; its owner follows it.
+        await owned.owners.take_over_unowned()
         await followers.scan()
 
         async def lag_observed() -> bool:
             # Until the follower has subscribed, live batches go nowhere: publish until one
-            # lands (an eviction of contents the ledger never had changes nothing).
+            # lands (an eviction of contents the owner never had changes nothing).
             await publisher.publish(
                 [{"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}]
             )

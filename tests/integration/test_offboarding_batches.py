@@ -1,32 +1,29 @@
 """Offboarding ends a tenant's admitted reservations in batches: every kind of live reservation
 (queued, suspended, offloaded to the CPU tier, sharing blocks with another tenant or a pin of
-its own) ends as Ledger.end would end it, and the books balance afterwards."""
+its own) ends as ending it through its instance's owner would, and the books balance
+afterwards."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from quota_service.config import Settings
+from quota_service.api.server import HotPath
+from quota_service.api.waiting import Waiters
 from quota_service.core import catalog, geometry
 from quota_service.core.admission import AdmitRequest
+from quota_service.core.instance_machine import InstanceMachine
 from quota_service.core.model import EndReason, ReservationState, TenantState
-from quota_service.store import blocks
-from quota_service.store.catalog import Catalog
-from quota_service.store.ledger import Ledger, offload
-from quota_service.store.notifications import Listener
 from quota_service.store.offboarding import OffboardingReport
-from quota_service.store.pins import Pins
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import (
     add_tenant,
-    counters,
     crash_after_batches,
-    offboarding_service,
+    derived_counters,
+    owned_offboarding,
     request,
     snapshot,
 )
@@ -48,13 +45,18 @@ _METERED = text(
     """
 )
 
+# What each tenant holds, as the record derives it: its blocks by how many tenants hold each,
+# its pinned blocks, and its sessions' bytes in the CPU tier.
 _HELD = text(
     """
-    SELECT tb.tenant, 'blocks:' || (SELECT count(*) FROM tenant_blocks o
-                                     WHERE o.instance = tb.instance AND o.block_id = tb.block_id)
+    WITH held AS (SELECT DISTINCT tenant, instance, block_id FROM journal_slot_references
+                  WHERE tenant IS NOT NULL)
+    SELECT h.tenant, 'blocks:' || (SELECT count(*) FROM held o
+                                    WHERE o.instance = h.instance AND o.block_id = h.block_id)
            AS kind, count(*) AS total
-    FROM tenant_blocks tb GROUP BY 1, 2
-    UNION ALL SELECT tenant, 'pinned', pinned_blocks FROM tenants
+    FROM held h GROUP BY 1, 2
+    UNION ALL SELECT tenant, 'pinned', sum(pinned_blocks) FROM journal_tenant_holdings
+              GROUP BY tenant
     UNION ALL SELECT tenant, 'cpu_bytes', coalesce(sum(offloaded_bytes), 0) FROM reservations
               WHERE state <> 'ENDED' GROUP BY tenant
     """
@@ -86,10 +88,9 @@ async def end_reasons(engine: AsyncEngine, tenant: str) -> dict[str, str | None]
         return {request_id: reason for request_id, reason in rows.all()}
 
 
-async def offboarded_tenant(engine: AsyncEngine, settings: Settings) -> tuple[Ledger, Pins]:
+async def offboarded_tenant(engine: AsyncEngine, owned: HotPath) -> None:
     """'big' holds every kind of live reservation on gpu-0; 'other' shares a prefix with it."""
-    limits = settings.admission_limits
-    ledger, pins, books = Ledger(engine, limits), Pins(engine, limits), Catalog(engine)
+    ledger, pins, books = owned.ledger, owned.pins, owned.catalog
     spec = catalog.instance_spec("gpu-0", "m", GEOMETRY, BS, 8192, None, 80)
     await books.register_instance(spec)
     for tenant in ("big", "other", "filler"):
@@ -114,46 +115,46 @@ async def offboarded_tenant(engine: AsyncEngine, settings: Settings) -> tuple[Le
     for request_id in ("idle", "offloaded"):
         await ledger.admit(request(request_id, 2 * BS, BS, tenant="big"))
         await ledger.suspend("big", request_id, ())
-    async with engine.begin() as conn:
-        await conn.execute(blocks.LOCK_INSTANCE, {"instance": "gpu-0"})
-        assert await offload(conn, "gpu-0", "big", "offloaded") == 3
+    assert owned.owners is not None
+
+    def offload(machine: InstanceMachine, now: float) -> int | None:
+        return machine.offload("big", "offloaded", 3 * BLOCK_BYTES)
+
+    assert await owned.owners.run("gpu-0", offload) == 3
     # The instance full: one more waits in the queue.
-    pool = (await counters(engine))["instance:gpu-0"]
+    pool = (await derived_counters(engine, owned))["instance:gpu-0"]
     room = pool["free_blocks"] + pool["cached_blocks"]
     await ledger.admit(request("fill", (room - 1) * BS, BS, tenant="filler"))
     waiting = replace(request("waiting", 2 * BS, BS, tenant="big"), wait_timeout_seconds=60.0)
     queued, _ = await ledger.admit(waiting)
     assert queued.state is ReservationState.QUEUED
-    return ledger, pins
 
 
 async def test_offboarding_ends_every_kind_of_reservation_in_batches(
-    engine: AsyncEngine, database_url: str, settings: Settings
+    engine: AsyncEngine, owned: HotPath, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ledger, pins = await offboarded_tenant(engine, settings)
-    other_before = (await counters(engine))["tenant:other"]
-    big = (await counters(engine))["tenant:big"]
+    await offboarded_tenant(engine, owned)
+    other_before = (await derived_counters(engine, owned))["tenant:other"]
+    big = (await derived_counters(engine, owned))["tenant:big"]
     # The pin's 3 blocks and 2 more on top of them, 6 with 4 of them shared, the private and
     # idle requests' blocks; the offloaded one holds none.
     assert big["blocks_in_use"] == 3 + 2 + 6 + 3 * PRIVATE + 3
     assert (big["pinned_blocks"], big["queued_requests"]) == (3, 1)
     await assert_invariants(engine)
 
+    # Each ending is announced to this replica's waiters (queued Admits and watches, which
+    # other replicas forward here), as a committed batch tells them.
     notified: list[str] = []
-    listener = Listener(database_url)
-    listener.subscribe(lambda kind, subject: notified.append(f"{kind}:{subject}"))
-    listener.start()
-    await asyncio.wait_for(listener.connected.wait(), 10)
-    try:
-        offboarding = offboarding_service(engine, ledger, pins, reservation_batch=BATCH)
-        report = await offboarding.delete_tenant("big")
-        live = {f"changed:big/{r}" for r in await end_reasons(engine, "big")}
-        for _ in range(50):
-            if live <= set(notified):
-                break
-            await asyncio.sleep(0.1)
-    finally:
-        await listener.stop()
+    hear = Waiters.on_notification
+
+    def heard(waiters: Waiters, kind: str, subject: str) -> None:
+        notified.append(f"{kind}:{subject}")
+        hear(waiters, kind, subject)
+
+    monkeypatch.setattr(Waiters, "on_notification", heard)
+    offboarding = owned_offboarding(engine, owned, reservation_batch=BATCH)
+    report = await offboarding.delete_tenant("big")
+    live = {f"changed:big/{r}" for r in await end_reasons(engine, "big")}
     assert live <= set(notified)
 
     # Freed: the two tails, the private and idle blocks; kept: the 4 shared blocks and the
@@ -168,7 +169,7 @@ async def test_offboarding_ends_every_kind_of_reservation_in_batches(
     reasons = await end_reasons(engine, "big")
     assert set(reasons.values()) == {EndReason.TENANT_DELETED.value}
     assert len(reasons) == PRIVATE + 5
-    books = await counters(engine)
+    books = await derived_counters(engine, owned)
     assert {k: v for k, v in books["tenant:big"].items() if k != "tenant"} == {
         "blocks_in_use": 0,
         "tokens_in_flight": 0,
@@ -177,7 +178,7 @@ async def test_offboarding_ends_every_kind_of_reservation_in_batches(
     }
     assert books["tenant:other"] == other_before  # its usage never moves with big's
     assert books["instance:gpu-0"]["queued_requests"] == 0
-    assert (await Catalog(engine).get_tenant("big")).state is TenantState.DELETED
+    assert (await owned.catalog.get_tenant("big")).state is TenantState.DELETED
     # Metering: the shares, pins and CPU-tier bytes of every tenant net out to what it holds.
     assert await metered(engine) == await held(engine)
     await assert_invariants(engine)
@@ -189,10 +190,10 @@ async def test_offboarding_ends_every_kind_of_reservation_in_batches(
 
 
 async def test_a_crash_between_batches_resumes_where_it_stopped(
-    engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch
+    engine: AsyncEngine, owned: HotPath, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ledger, pins = await offboarded_tenant(engine, settings)
-    offboarding = offboarding_service(engine, ledger, pins, reservation_batch=BATCH)
+    await offboarded_tenant(engine, owned)
+    offboarding = owned_offboarding(engine, owned, reservation_batch=BATCH)
     crash_after_batches(offboarding, monkeypatch, 2)
     with pytest.raises(RuntimeError):
         await offboarding.delete_tenant("big")
@@ -202,8 +203,8 @@ async def test_a_crash_between_batches_resumes_where_it_stopped(
     await assert_invariants(engine)
 
     monkeypatch.undo()
-    assert await offboarding_service(engine, ledger, pins).resume_all() == 1
+    assert await owned_offboarding(engine, owned).resume_all() == 1
     assert set((await end_reasons(engine, "big")).values()) == {EndReason.TENANT_DELETED.value}
-    assert (await Catalog(engine).get_tenant("big")).state is TenantState.DELETED
+    assert (await owned.catalog.get_tenant("big")).state is TenantState.DELETED
     assert await metered(engine) == await held(engine)
     await assert_invariants(engine)

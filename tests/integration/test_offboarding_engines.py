@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from quota_service.config import Settings
+from quota_service.api.server import HotPath
 from quota_service.core import catalog
 from quota_service.core.errors import Code, KvQuotaError
 from quota_service.core.model import (
@@ -23,64 +23,58 @@ from quota_service.core.model import (
 )
 from quota_service.enforcement.termination import Termination
 from quota_service.engine.vllm.http import vllm_request_ids
-from quota_service.store.catalog import Catalog
-from quota_service.store.ledger import Ledger
-from quota_service.store.offboarding import FORWARDING_SECONDS, Offboarding
-from quota_service.store.pins import Pins
+from quota_service.store.offboarding import FORWARDING_SECONDS
 from tests.integration.engine_stubs import abort_endpoint, closed_port
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import (
     add_instance,
     add_tenant,
-    counters,
     crash_after_batches,
-    offboarding_service,
+    derived_counters,
+    owned_offboarding,
     request,
 )
 
 RUNNING = ("r0", "r1", "r2")
 
 
-async def tenant_on_engine(engine: AsyncEngine, settings: Settings, url: str) -> Ledger:
+async def tenant_on_engine(engine: AsyncEngine, owned: HotPath, url: str) -> None:
     """Tenant "gone" with three running reservations and a suspended one on "gpu-0", whose
     engine is at `url`, and one on "bare" (no engine); tenant "stay" runs one on "gpu-0"."""
     spec = catalog.instance_spec(
         "gpu-0", "m", None, 16, 8192, None, 256, engine=EngineEndpoints(url)
     )
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     await add_instance(engine, "bare", 256)
     await add_tenant(engine, "gone")
     await add_tenant(engine, "stay")
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     for request_id in (*RUNNING, "idle"):
         await ledger.admit(request(request_id, 100, 60, tenant="gone"))
     await ledger.suspend("gone", "idle", ())
     await ledger.admit(request("elsewhere", 100, 60, tenant="gone", instance="bare"))
     await ledger.admit(request("other", 100, 60, tenant="stay"))
-    return ledger
 
 
 async def test_the_engine_aborts_the_tenants_running_requests_before_their_blocks_are_freed(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
     aborted: list[list[str]] = []
     states_at_abort: list[set[ReservationState]] = []
     aborted_at: list[datetime] = []
-    ledger: Ledger | None = None
+    ledger = owned.ledger
 
     async def on_abort(ids: list[str]) -> None:
-        assert ledger is not None
         aborted.append(ids)
         aborted_at.append(datetime.now(UTC))
         states = {(await ledger.get("gone", r)).state for r in RUNNING}
         states_at_abort.append(states)
 
     async with abort_endpoint(on_abort) as url:
-        ledger = await tenant_on_engine(engine, settings, url)
+        await tenant_on_engine(engine, owned, url)
         termination = Termination(ledger, abort_timeout_seconds=30.0, hard_timeout_seconds=60.0)
-        pins = Pins(engine, settings.admission_limits)
         try:
-            report = await Offboarding(engine, ledger, pins, termination).delete_tenant("gone")
+            report = await owned.offboarding(engine, termination).delete_tenant("gone")
         finally:
             await termination.close()
 
@@ -101,26 +95,27 @@ async def test_the_engine_aborts_the_tenants_running_requests_before_their_block
             EndReason.TENANT_DELETED,
         )
     assert (await ledger.get("stay", "other")).state is ReservationState.ADMITTED
-    assert (await Catalog(engine).get_tenant("gone")).state is TenantState.DELETED
+    assert (await owned.catalog.get_tenant("gone")).state is TenantState.DELETED
     await assert_invariants(engine)
 
 
 async def test_an_unreachable_engine_holds_the_offboarding_until_the_hard_timeout(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
-    ledger = await tenant_on_engine(engine, settings, f"http://127.0.0.1:{closed_port()}")
+    await tenant_on_engine(engine, owned, f"http://127.0.0.1:{closed_port()}")
+    ledger = owned.ledger
     termination = Termination(ledger, abort_timeout_seconds=0.5, hard_timeout_seconds=1.5)
-    offboarding = Offboarding(engine, ledger, Pins(engine, settings.admission_limits), termination)
+    offboarding = owned.offboarding(engine, termination)
     try:
         report = await offboarding.delete_tenant("gone")
         # The engine may still be generating for the running ones: they keep their blocks.
         assert (report.awaiting_engine_aborts, report.finished) == (3, False)
-        assert (await Catalog(engine).get_tenant("gone")).state is TenantState.DELETING
+        assert (await owned.catalog.get_tenant("gone")).state is TenantState.DELETING
         for request_id in RUNNING:
             assert (await ledger.get("gone", request_id)).state is ReservationState.ADMITTED
         for request_id in ("idle", "elsewhere"):  # nothing runs them
             assert (await ledger.get("gone", request_id)).end_reason is EndReason.TENANT_DELETED
-        held = (await counters(engine))["tenant:gone"]["blocks_in_use"]
+        held = (await derived_counters(engine, owned))["tenant:gone"]["blocks_in_use"]
         assert held == 3 * 10  # ceil(160 / 16) blocks each
         assert await offboarding.resume_all() == 0  # still waiting, nothing re-sent by it
         await assert_invariants(engine)
@@ -133,28 +128,27 @@ async def test_an_unreachable_engine_holds_the_offboarding_until_the_hard_timeou
     for request_id in RUNNING:
         ended = await ledger.get("gone", request_id)
         assert ended.end_reason is EndReason.ENGINE_UNREACHABLE
-    assert (await Catalog(engine).get_tenant("gone")).state is TenantState.DELETED
-    assert (await counters(engine))["tenant:gone"]["blocks_in_use"] == 0
+    assert (await owned.catalog.get_tenant("gone")).state is TenantState.DELETED
+    assert (await derived_counters(engine, owned))["tenant:gone"]["blocks_in_use"] == 0
     assert (await ledger.get("stay", "other")).state is ReservationState.ADMITTED
     await assert_invariants(engine)
 
 
 async def test_an_idle_session_of_a_tenant_being_deleted_cannot_resume(
-    engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch
+    engine: AsyncEngine, owned: HotPath, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Offboarding ends an idle session without an abort (nothing runs it): a resume between
     the start of the offboarding and its end must not start it again."""
     await add_instance(engine)
     await add_tenant(engine, "gone")
-    ledger = Ledger(engine, settings.admission_limits)
-    pins = Pins(engine, settings.admission_limits)
+    ledger = owned.ledger
     await ledger.admit(request("idle", 100, 60, tenant="gone"))
     await ledger.suspend("gone", "idle", ())
-    crashing = offboarding_service(engine, ledger, pins)
+    crashing = owned_offboarding(engine, owned)
     crash_after_batches(crashing, monkeypatch, 0)
     with pytest.raises(RuntimeError):
         await crashing.delete_tenant("gone")
-    assert (await Catalog(engine).get_tenant("gone")).state is TenantState.DELETING
+    assert (await owned.catalog.get_tenant("gone")).state is TenantState.DELETING
 
     with pytest.raises(KvQuotaError) as refused:
         await ledger.resume("gone", "idle", 0.0)
@@ -165,13 +159,13 @@ async def test_an_idle_session_of_a_tenant_being_deleted_cannot_resume(
     assert refused.value.metadata["state"] == "DELETING"
     assert (await ledger.get("gone", "idle")).suspended_at is not None  # unchanged
 
-    assert await offboarding_service(engine, ledger, pins).resume_all() == 1
+    assert await owned_offboarding(engine, owned).resume_all() == 1
     assert (await ledger.get("gone", "idle")).end_reason is EndReason.TENANT_DELETED
     await assert_invariants(engine)
 
 
 async def test_blocks_cached_by_an_abort_confirmed_mid_pass_are_freed_before_it_finishes(
-    engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch
+    engine: AsyncEngine, owned: HotPath, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The sweep may end a pending reservation while an offboarding pass is between freeing the
     tenant's cache and finishing: its blocks are then cached under the tenant's salt, and the
@@ -186,12 +180,12 @@ async def test_blocks_cached_by_an_abort_confirmed_mid_pass_are_freed_before_it_
         64,
         engine=EngineEndpoints(f"http://127.0.0.1:{closed_port()}"),
     )
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     await add_tenant(engine, "gone")
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     prompt = tuple(range(1, 65))  # 4 full blocks, hashed under the tenant's salt
     await ledger.admit(replace(request("r0", 64, 16, tenant="gone"), prompt_token_ids=prompt))
-    offboarding = offboarding_service(engine, ledger, Pins(engine, settings.admission_limits))
+    offboarding = owned_offboarding(engine, owned)
     assert (await offboarding.delete_tenant("gone")).awaiting_engine_aborts == 1
 
     free_own_cache = offboarding._free_own_cache
@@ -203,9 +197,9 @@ async def test_blocks_cached_by_an_abort_confirmed_mid_pass_are_freed_before_it_
     monkeypatch.setattr(offboarding, "_free_own_cache", then_the_sweep_ends_it)
     report = await offboarding.delete_tenant("gone")
     assert (report.awaiting_engine_aborts, report.finished) == (0, False)
-    assert (await counters(engine))["instance:gpu-0"]["cached_blocks"] == 4
+    assert (await derived_counters(engine, owned))["instance:gpu-0"]["cached_blocks"] == 4
     monkeypatch.undo()
     assert await offboarding.resume_all() == 1
-    assert (await Catalog(engine).get_tenant("gone")).state is TenantState.DELETED
-    assert (await counters(engine))["instance:gpu-0"]["cached_blocks"] == 0
+    assert (await owned.catalog.get_tenant("gone")).state is TenantState.DELETED
+    assert (await derived_counters(engine, owned))["instance:gpu-0"]["cached_blocks"] == 0
     await assert_invariants(engine)

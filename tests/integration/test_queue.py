@@ -1,5 +1,5 @@
-"""The wait queue against PostgreSQL: queueing, dispatch order, bounds, fairness, starvation,
-cancellation and deadlines."""
+"""The wait queue of an instance's owner, journaled to PostgreSQL: queueing, dispatch order,
+bounds, fairness, starvation, cancellation and deadlines."""
 
 from __future__ import annotations
 
@@ -12,16 +12,20 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from quota_service.api.server import HotPath
 from quota_service.config import Settings
 from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.model import EndReason, QueueBounds, ReservationState, TenantQuota
-from quota_service.core.queueing import QueuePolicy
-from quota_service.store.catalog import Catalog
-from quota_service.store.ledger import Ledger
 from tests.integration.invariants import assert_invariants
-from tests.integration.ledger_fixtures import add_tenant, counters, request, snapshot
+from tests.integration.ledger_fixtures import (
+    UNLIMITED,
+    add_tenant,
+    derived_counters,
+    request,
+    snapshot,
+)
 
 BS = 16
 
@@ -34,25 +38,30 @@ def waiting(
     return replace(base, params=replace(base.params, priority=priority), wait_timeout_seconds=wait)
 
 
-async def add_instance(engine: AsyncEngine, blocks: int, bounds: QueueBounds | None = None) -> None:
-    spec = catalog.instance_spec("gpu-0", "m", None, BS, 8192, None, blocks, queue=bounds)
-    await Catalog(engine).register_instance(spec)
+async def add_instance(
+    owned: HotPath, blocks: int, bounds: QueueBounds | None = None, name: str = "gpu-0"
+) -> None:
+    spec = catalog.instance_spec(name, "m", None, BS, 8192, None, blocks, queue=bounds)
+    await owned.catalog.register_instance(spec)
 
 
-def make_ledger(engine: AsyncEngine, settings: Settings, bypass: float = 5.0) -> Ledger:
-    return Ledger(engine, settings.admission_limits, QueuePolicy(max_bypass_wait_seconds=bypass))
+@pytest.fixture
+def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
+    """How long a request that does not fit may be passed: 5 s, or what the test gives with
+    `@pytest.mark.parametrize("settings", [seconds], indirect=True)`."""
+    return replace(settings, max_bypass_wait_seconds=getattr(request, "param", 5.0))
 
 
-async def test_queue_then_dispatch_in_order(engine: AsyncEngine, settings: Settings) -> None:
-    await add_instance(engine, 10)
+async def test_queue_then_dispatch_in_order(engine: AsyncEngine, owned: HotPath) -> None:
+    await add_instance(owned, 10)
     await add_tenant(engine, "acme")
-    ledger = make_ledger(engine, settings)
+    ledger = owned.ledger
     first, _ = await ledger.admit(waiting("a", 8))
     assert first.state is ReservationState.ADMITTED
     queued = [(await ledger.admit(waiting(f"q{i}", 4)))[0] for i in range(3)]
     assert [q.state for q in queued] == [ReservationState.QUEUED] * 3
     assert [q.queue_position for q in queued] == [0, 1, 2]
-    assert (await counters(engine))["instance:gpu-0"]["blocks_in_use"] == 8
+    assert (await derived_counters(engine, owned))["instance:gpu-0"]["blocks_in_use"] == 8
     await assert_invariants(engine)
 
     # A retry keeps its place; other parameters under its id are refused.
@@ -74,23 +83,25 @@ async def test_queue_then_dispatch_in_order(engine: AsyncEngine, settings: Setti
     )
     assert "3 queued requests go first" in no_jump.value.message
 
+    # The release dispatches the queue in its own step: q0 and q1 fit in the 10 blocks, q2
+    # waits, and a dispatch after it finds nothing more to admit.
     await ledger.end("acme", "a", EndReason.RELEASED, 1)
-    assert await ledger.dispatch("gpu-0") == 2  # q0 and q1 fit in the 10 blocks, q2 waits
+    assert await ledger.dispatch("gpu-0") == 0
     states = [(await ledger.get("acme", f"q{i}")).state for i in range(3)]
     assert states == [ReservationState.ADMITTED, ReservationState.ADMITTED, ReservationState.QUEUED]
     assert (await ledger.get("acme", "q2")).queue_position == 0
     await assert_invariants(engine)
 
 
-async def test_bounds_give_queue_full(engine: AsyncEngine, settings: Settings) -> None:
+async def test_bounds_give_queue_full(engine: AsyncEngine, owned: HotPath) -> None:
     # Two queued requests at most, and a TTFT guard of 1 s x 100 tokens/s = 100 prompt tokens.
     bounds = QueueBounds(
         max_queued_requests=2, target_ttft_seconds=1, prefill_tokens_per_second=100
     )
-    await add_instance(engine, 16, bounds)
+    await add_instance(owned, 16, bounds)
     await add_tenant(engine, "acme")
     await add_tenant(engine, "small", TenantQuota(1000, 10**6, 1, 1, 1))
-    ledger = make_ledger(engine, settings)
+    ledger = owned.ledger
     await ledger.admit(waiting("fill", 16))
     await ledger.admit(waiting("q0", 4))  # 63 prompt tokens queued
 
@@ -111,10 +122,10 @@ async def test_bounds_give_queue_full(engine: AsyncEngine, settings: Settings) -
     await assert_invariants(engine)
 
 
-async def test_cancel_and_deadline_free_the_queue(engine: AsyncEngine, settings: Settings) -> None:
-    await add_instance(engine, 4)
+async def test_cancel_and_deadline_free_the_queue(engine: AsyncEngine, owned: HotPath) -> None:
+    await add_instance(owned, 4)
     await add_tenant(engine, "acme")
-    ledger = make_ledger(engine, settings)
+    ledger = owned.ledger
     await ledger.admit(waiting("fill", 4))
     await ledger.admit(waiting("c", 4))
     await ledger.admit(waiting("t", 4, wait=0.5))
@@ -125,19 +136,19 @@ async def test_cancel_and_deadline_free_the_queue(engine: AsyncEngine, settings:
     assert await ledger.reap_expired(10) == 1
     timed_out = await ledger.get("acme", "t")
     assert timed_out.end_reason is EndReason.QUEUE_TIMEOUT
-    assert (await counters(engine))["instance:gpu-0"]["queued_requests"] == 0
+    assert (await derived_counters(engine, owned))["instance:gpu-0"]["queued_requests"] == 0
     await assert_invariants(engine)
 
 
-async def test_weighted_fair_share(engine: AsyncEngine, settings: Settings) -> None:
+async def test_weighted_fair_share(engine: AsyncEngine, owned: HotPath) -> None:
     """Weights 1 and 3 flooding one instance, one tenant with short requests, the other with long
     ones: of the tokens the served queue admits over 60 admissions, the weight-3 tenant gets
     three times the other's, within 10%. tests/unit/test_fair_share.py drives the same loop
     for 600 admissions, in every shape, on the state machine that shares the queue's rules."""
-    await add_instance(engine, 48)
-    await Catalog(engine).create_tenant("light", "Light", 1, TenantQuota(10**6, 10**9, 10**4, 1, 1))
-    await Catalog(engine).create_tenant("heavy", "Heavy", 3, TenantQuota(10**6, 10**9, 10**4, 1, 1))
-    ledger = make_ledger(engine, settings)
+    await add_instance(owned, 48)
+    await owned.catalog.create_tenant("light", "Light", 1, TenantQuota(10**6, 10**9, 10**4, 1, 1))
+    await owned.catalog.create_tenant("heavy", "Heavy", 3, TenantQuota(10**6, 10**9, 10**4, 1, 1))
+    ledger = owned.ledger
     sizes = {"light": 2, "heavy": 6}  # short against long requests
     sent = 0
     seen: set[tuple[str, str]] = set()
@@ -172,16 +183,15 @@ async def test_weighted_fair_share(engine: AsyncEngine, settings: Settings) -> N
     await assert_invariants(engine)
 
 
-async def test_a_big_request_is_not_starved(engine: AsyncEngine, settings: Settings) -> None:
+@pytest.mark.parametrize("settings", [0.5], indirect=True)
+async def test_a_big_request_is_not_starved(engine: AsyncEngine, owned: HotPath) -> None:
     """Half the instance, for one tenant, behind a stream of small requests of another: the small
     ones may pass it only until it has waited max_bypass_wait, then it is admitted within one
     release cycle."""
-    await add_instance(engine, 20)
+    await add_instance(owned, 20)
     await add_tenant(engine, "acme")
-    await Catalog(engine).create_tenant(
-        "other", "Other", 100, TenantQuota(10**6, 10**9, 10**4, 1, 1)
-    )
-    ledger = make_ledger(engine, settings, bypass=0.5)
+    await owned.catalog.create_tenant("other", "Other", 100, TenantQuota(10**6, 10**9, 10**4, 1, 1))
+    ledger = owned.ledger
     for i in range(10):
         await ledger.admit(waiting(f"s{i}", 2, tenant="other"))
     big, _ = await ledger.admit(waiting("big", 10))
@@ -222,11 +232,11 @@ async def test_a_big_request_is_not_starved(engine: AsyncEngine, settings: Setti
 
 
 async def test_retry_delays_grow_with_the_queue_and_shrink_near_lease_expiry(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
-    await add_instance(engine, 8)
+    await add_instance(owned, 8)
     await add_tenant(engine, "acme")
-    ledger = make_ledger(engine, settings)
+    ledger = owned.ledger
     # Observe a holding time so Little's law has a service time to work with.
     await ledger.admit(waiting("warm", 1))
     await asyncio.sleep(0.2)
@@ -246,26 +256,21 @@ async def test_retry_delays_grow_with_the_queue_and_shrink_near_lease_expiry(
     assert delays == sorted(delays) and delays[-1] > delays[0], delays
 
     # Shrinks as leases near their expiry: with nothing observed, the lease bounds the wait.
-    await add_tenant(engine, "fresh")
-    await add_instance_named(engine, "gpu-1", 4)
+    await owned.catalog.create_tenant("fresh", "Fresh", 1, UNLIMITED)
+    await add_instance(owned, 4, name="gpu-1")
     await ledger.admit(
         replace(
             request("lease", 4 * BS - 1, 1, tenant="fresh", instance="gpu-1"), lease_ttl_seconds=3.0
         )
     )
-    early = await probe_instance(ledger, "gpu-1")
+    early = await probe_instance(owned, "gpu-1")
     await asyncio.sleep(1.0)
-    late = await probe_instance(ledger, "gpu-1")
+    late = await probe_instance(owned, "gpu-1")
     assert late < early <= 3.0
 
 
-async def add_instance_named(engine: AsyncEngine, name: str, blocks: int) -> None:
-    spec = catalog.instance_spec(name, "m", None, BS, 8192, None, blocks)
-    await Catalog(engine).register_instance(spec)
-
-
-async def probe_instance(ledger: Ledger, instance: str) -> float:
+async def probe_instance(owned: HotPath, instance: str) -> float:
     with pytest.raises(KvQuotaError) as refused:
-        await ledger.admit(request("probe", 10, 5, tenant="fresh", instance=instance))
+        await owned.ledger.admit(request("probe", 10, 5, tenant="fresh", instance=instance))
     assert refused.value.retry_delay_seconds is not None
     return refused.value.retry_delay_seconds

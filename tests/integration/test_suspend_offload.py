@@ -10,26 +10,30 @@ from dataclasses import replace
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from quota_service.config import Settings
+from quota_service.api.server import HotPath
 from quota_service.core import catalog, geometry
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.errors import Code, KvQuotaError
 from quota_service.core.model import EndReason, EngineEndpoints, LmcacheEndpoint, ReservationState
-from quota_service.core.reclaim import JobState, ReclaimTarget, Tier, Unreclaimable
+from quota_service.core.reclaim import (
+    DEFAULT_WATERMARKS,
+    JobState,
+    ReclaimTarget,
+    Tier,
+    Unreclaimable,
+)
 from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
 from quota_service.enforcement.termination import Termination
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
-from quota_service.store.ledger import Ledger
 from quota_service.store.reclaim import (
     NOT_SUSPENDED_ANY_MORE,
     OVER_TENANT_CPU_QUOTA,
-    ReclaimJobs,
     ended_before_preemption,
 )
 from tests.integration.invariants import assert_invariants
-from tests.integration.ledger_fixtures import add_tenant, counters, request
+from tests.integration.ledger_fixtures import add_tenant, derived_counters, request
 
 BS = 16
 GEOMETRY = geometry.KvGeometry(2, 2, 64, geometry.KvDtype.FP16)  # 16 KiB a block
@@ -53,10 +57,10 @@ async def with_cpu_tier(engine: AsyncEngine, blocks: int, cpu_used: int, cpu_cap
 
 
 async def test_an_idle_session_is_offloaded_and_comes_back_with_its_prefix(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
     await with_cpu_tier(engine, blocks=16, cpu_used=0, cpu_capacity=1 << 20)
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     chat, _ = await ledger.admit(session("chat", 0))
     await ledger.admit(session("busy", 5000))
     turn = tuple(range(4 * BS))  # the prompt and the token generated
@@ -64,7 +68,7 @@ async def test_an_idle_session_is_offloaded_and_comes_back_with_its_prefix(
     assert suspended.suspended_at is not None
     assert await ledger.suspend("acme", "chat", turn) == suspended  # idempotent
 
-    jobs = ReclaimJobs(engine)
+    jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
     job = await jobs.create("offload", "gpu-0", ReclaimTarget(4, Tier.OFFLOAD), dry_run=False)
     assert [(s.planned.tier, s.planned.reservation, s.planned.cpu_bytes) for s in job.steps] == [
         (Tier.OFFLOAD, ("acme", "chat"), 4 * BLOCK_BYTES)
@@ -79,7 +83,7 @@ async def test_an_idle_session_is_offloaded_and_comes_back_with_its_prefix(
         4 * BLOCK_BYTES,
         (),
     )
-    acme = (await counters(engine))["tenant:acme"]
+    acme = (await derived_counters(engine, owned))["tenant:acme"]
     assert (acme["blocks_in_use"], acme["tokens_in_flight"]) == (4, 4 * BS)  # "busy" alone
     await assert_invariants(engine)
 
@@ -95,13 +99,13 @@ async def test_an_idle_session_is_offloaded_and_comes_back_with_its_prefix(
 
 
 async def test_a_resume_without_room_is_refused_or_waits_in_the_queue(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
     await with_cpu_tier(engine, blocks=8, cpu_used=0, cpu_capacity=1 << 20)
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     await ledger.admit(session("chat", 0))
     await ledger.suspend("acme", "chat", ())
-    jobs = ReclaimJobs(engine)
+    jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
     job = await jobs.create("offload", "gpu-0", ReclaimTarget(4, Tier.OFFLOAD), dry_run=False)
     while await jobs.run_step(job.job_id):
         pass
@@ -130,8 +134,10 @@ async def test_a_resume_without_room_is_refused_or_waits_in_the_queue(
 
     queued = await ledger.resume("acme", "chat", 30.0)
     assert queued.state is ReservationState.QUEUED
+    # The release dispatches the queue in its own step: the session is back on the GPU, and a
+    # dispatch after it finds nothing more to admit.
     await ledger.end("acme", "big", EndReason.RELEASED, 1)
-    assert await ledger.dispatch("gpu-0") == 1
+    assert await ledger.dispatch("gpu-0") == 0
     back = await ledger.get("acme", "chat")
     assert (back.state, back.offloaded_bytes, len(back.block_table)) == (
         ReservationState.ADMITTED,
@@ -142,13 +148,13 @@ async def test_a_resume_without_room_is_refused_or_waits_in_the_queue(
 
 
 async def test_offload_needs_room_below_the_watermark_and_a_suspension(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
     await with_cpu_tier(engine, blocks=16, cpu_used=1 << 20, cpu_capacity=1 << 20)  # full
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     await ledger.admit(session("chat", 0))
     await ledger.suspend("acme", "chat", ())
-    jobs = ReclaimJobs(engine)
+    jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
     full = await jobs.create("full", "gpu-0", ReclaimTarget(4, Tier.OFFLOAD), dry_run=True)
     assert full.steps == ()
     assert [(e.reason, e.blocks) for e in full.excluded] == [(Unreclaimable.CPU_TIER_FULL, 4)]
@@ -176,19 +182,19 @@ async def test_offload_needs_room_below_the_watermark_and_a_suspension(
 
 
 async def test_offload_keeps_within_the_tenants_cpu_tier_quota(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
     """The CPU tier has room for both sessions; acme's quota (max_cpu_tier_bytes) for one. The
     plan offloads one and says why the other stays; a step planned while there was room is
     skipped once the quota is lowered before it runs."""
     await with_cpu_tier(engine, blocks=16, cpu_used=0, cpu_capacity=1 << 30)
-    catalog_ = Catalog(engine)
+    catalog_ = owned.catalog
     await catalog_.update_tenant("acme", {"max_cpu_tier_bytes": 6 * BLOCK_BYTES})
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     for name, first in (("one", 0), ("two", 5000)):
         await ledger.admit(session(name, first))
         await ledger.suspend("acme", name, ())
-    jobs = ReclaimJobs(engine)
+    jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
     job = await jobs.create("offload", "gpu-0", ReclaimTarget(8, Tier.OFFLOAD), dry_run=False)
     assert [s.planned.reservation for s in job.steps] == [("acme", "one")]
     assert [(e.reason, e.blocks, e.reservation) for e in job.excluded] == [
@@ -204,7 +210,7 @@ async def test_offload_keeps_within_the_tenants_cpu_tier_quota(
 
 
 async def test_a_dry_run_across_every_tier_and_its_execution_agree_but_for_what_changed(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
     """Cached blocks, an idle session the CPU tier takes, one it cannot, and running work: the
     executed job gives back what the dry run said, less the steps whose subject changed in
@@ -212,7 +218,7 @@ async def test_a_dry_run_across_every_tier_and_its_execution_agree_but_for_what_
     # CPU tier: 1 MiB, offload watermark 0.8: room for one 4-block session (64 KiB) of two
     # once 700 KiB are in use.
     await with_cpu_tier(engine, blocks=40, cpu_used=700 << 10, cpu_capacity=1 << 20)
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     await ledger.admit(session("cached", 20_000))
     await ledger.end("acme", "cached", EndReason.RELEASED, 1)  # 3 hashed blocks stay cached
     for name, first in (("idle-1", 0), ("idle-2", 1000)):
@@ -220,7 +226,7 @@ async def test_a_dry_run_across_every_tier_and_its_execution_agree_but_for_what_
         await ledger.suspend("acme", name, ())
     for name, first in (("run-1", 2000), ("run-2", 3000)):
         await ledger.admit(session(name, first))
-    jobs = ReclaimJobs(engine)
+    jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
     target = ReclaimTarget(15, Tier.EVICT)
     dry = await jobs.create("dry", "gpu-0", target, dry_run=True)
     expected = [(s.planned.tier, s.planned.reservation, s.planned.gpu_blocks) for s in dry.steps]

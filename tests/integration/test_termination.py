@@ -7,26 +7,24 @@ import asyncio
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from quota_service.config import Settings
+from quota_service.api.server import HotPath
 from quota_service.core import catalog
 from quota_service.core.model import EndReason, EngineEndpoints, ReservationState
 from quota_service.enforcement.termination import Termination
 from quota_service.engine.vllm.http import vllm_request_ids
-from quota_service.store.catalog import Catalog
-from quota_service.store.ledger import Ledger
 from tests.integration.engine_stubs import abort_endpoint, closed_port
 from tests.integration.invariants import assert_invariants
-from tests.integration.ledger_fixtures import add_tenant, counters, request
+from tests.integration.ledger_fixtures import add_tenant, derived_counters, request
 
 
 async def test_an_unreachable_engine_keeps_the_blocks_until_the_hard_timeout(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
     unreachable = EngineEndpoints(f"http://127.0.0.1:{closed_port()}")
     spec = catalog.instance_spec("gpu-0", "m", None, 16, 8192, None, 64, engine=unreachable)
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     await add_tenant(engine, "acme")
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     termination = Termination(ledger, abort_timeout_seconds=0.5, hard_timeout_seconds=2.0)
     await ledger.admit(request("cancelled", 100, 50))
     await ledger.admit(request("lapsing", 100, 50, lease_ttl=1.0))
@@ -34,9 +32,11 @@ async def test_an_unreachable_engine_keeps_the_blocks_until_the_hard_timeout(
     kept = await termination.end("acme", "cancelled", EndReason.CANCELLED)
     assert kept.state is ReservationState.ADMITTED  # the engine may still be generating
     await asyncio.sleep(1.1)
-    assert await ledger.reap_expired(10) == 0  # not the ledger's alone to end: it has an engine
+    assert await ledger.reap_expired(10) == 0  # not the owner's alone to end: it has an engine
     assert await termination.sweep(10) == 0  # the lapsed lease's abort is now pending too
-    assert (await counters(engine))["instance:gpu-0"]["blocks_in_use"] == 20  # 10 each
+    assert (await derived_counters(engine, owned))["instance:gpu-0"][
+        "blocks_in_use"
+    ] == 20  # 10 each
     await asyncio.sleep(2.5)  # both aborts have been pending longer than the hard timeout
     assert await termination.sweep(10) == 2
     for name in ("cancelled", "lapsing"):
@@ -45,7 +45,7 @@ async def test_an_unreachable_engine_keeps_the_blocks_until_the_hard_timeout(
             ReservationState.ENDED,
             EndReason.ENGINE_UNREACHABLE,
         )
-    assert (await counters(engine))["instance:gpu-0"]["blocks_in_use"] == 0
+    assert (await derived_counters(engine, owned))["instance:gpu-0"]["blocks_in_use"] == 0
     # A Release needs no abort: the engine has finished.
     await ledger.admit(request("done", 100, 50))
     released = await termination.end("acme", "done", EndReason.RELEASED, 3)
@@ -55,7 +55,7 @@ async def test_an_unreachable_engine_keeps_the_blocks_until_the_hard_timeout(
 
 
 async def test_a_silent_engine_is_retried_with_backoff_not_for_every_request(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
     """An engine that accepts connections but never answers: each abort costs a timeout, so after
     one fails the others on that engine wait for the backoff instead of piling up."""
@@ -73,9 +73,9 @@ async def test_a_silent_engine_is_retried_with_backoff_not_for_every_request(
     spec = catalog.instance_spec(
         "gpu-0", "m", None, 16, 8192, None, 64, engine=EngineEndpoints(f"http://127.0.0.1:{port}")
     )
-    await Catalog(engine).register_instance(spec)
+    await owned.catalog.register_instance(spec)
     await add_tenant(engine, "acme")
-    ledger = Ledger(engine, settings.admission_limits)
+    ledger = owned.ledger
     termination = Termination(ledger, abort_timeout_seconds=0.2, hard_timeout_seconds=60.0)
     try:
         for name in ("a", "b", "c"):
@@ -104,7 +104,7 @@ async def test_a_silent_engine_is_retried_with_backoff_not_for_every_request(
 
 
 async def test_the_sweep_asks_each_engine_once_for_all_it_must_stop(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, owned: HotPath
 ) -> None:
     """Lapsed leases and pending aborts on one engine are aborted in one call (sent twice, a
     moment apart), not one call per request; an idle session's lapsed lease needs none."""
@@ -117,9 +117,9 @@ async def test_the_sweep_asks_each_engine_once_for_all_it_must_stop(
         spec = catalog.instance_spec(
             "gpu-0", "m", None, 16, 8192, None, 64, engine=EngineEndpoints(url)
         )
-        await Catalog(engine).register_instance(spec)
+        await owned.catalog.register_instance(spec)
         await add_tenant(engine, "acme")
-        ledger = Ledger(engine, settings.admission_limits)
+        ledger = owned.ledger
         termination = Termination(ledger, abort_timeout_seconds=30.0, hard_timeout_seconds=60.0)
         try:
             for name in ("a", "b", "c", "idle"):

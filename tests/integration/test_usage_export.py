@@ -32,12 +32,13 @@ def stamp(hours: float) -> Timestamp:
 
 async def test_closed_hours_export_over_grpc_and_the_cli_identically(
     engine: AsyncEngine,
+    owned: server.HotPath,
     settings: Settings,
     database_url: str,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    await shared_prompt_timeline(engine, settings)
+    await shared_prompt_timeline(engine, owned)
     assert await UsageRollup(engine).close_due(HOUR + timedelta(hours=2), timedelta(0)) == 1
     running = await server.start(settings, database_url)
     address = f"127.0.0.1:{running.port}"

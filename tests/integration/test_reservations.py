@@ -1,4 +1,5 @@
-"""The ledger against a real PostgreSQL: the reference scenario, idempotency, leases, refusals."""
+"""Reservations on an instance's owner, journaled to a real PostgreSQL: the reference scenario,
+idempotency, leases, refusals."""
 
 from __future__ import annotations
 
@@ -9,38 +10,37 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from quota_service.config import Settings
+from quota_service.api.server import HotPath
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.model import EndReason, ReservationState, TenantQuota, TenantState
-from quota_service.store.catalog import Catalog
-from quota_service.store.ledger import Ledger
+from quota_service.owner.owners import OwnedLedger
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import (
     add_instance,
     add_tenant,
-    counters,
+    derived_counters,
     request,
     snapshot,
 )
 
 
 @pytest.fixture
-async def ledger(engine: AsyncEngine, settings: Settings) -> Ledger:
+async def ledger(engine: AsyncEngine, owned: HotPath) -> OwnedLedger:
     await add_instance(engine)
     await add_tenant(engine, "acme")
-    return Ledger(engine, settings.admission_limits)
+    assert isinstance(owned.ledger, OwnedLedger)
+    return owned.ledger
 
 
-async def free_blocks(engine: AsyncEngine) -> int:
-    instance = await Catalog(engine).get_instance("gpu-0")
-    return instance.free_blocks
+async def free_blocks(engine: AsyncEngine, owned: HotPath) -> int:
+    return (await derived_counters(engine, owned))["instance:gpu-0"]["free_blocks"]
 
 
-async def test_reference_scenario(ledger: Ledger, engine: AsyncEngine) -> None:
+async def test_reference_scenario(ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath) -> None:
     a, _ = await ledger.admit(request("a", 4096, 2048))
     assert a.reserved_blocks == 384
-    assert await free_blocks(engine) == 128
+    assert await free_blocks(engine, owned) == 128
 
     with pytest.raises(KvQuotaError) as refused:
         await ledger.admit(request("b", 2048, 1024))
@@ -52,25 +52,25 @@ async def test_reference_scenario(ledger: Ledger, engine: AsyncEngine) -> None:
     assert too_long.value.reason == "CONTEXT_LENGTH_EXCEEDED"
 
     await ledger.end("acme", "a", EndReason.RELEASED, 2000)
-    assert await free_blocks(engine) == 512
+    assert await free_blocks(engine, owned) == 512
 
     b, _ = await ledger.admit(request("b", 2048, 1024))
     assert b.reserved_blocks == 192
-    assert await free_blocks(engine) == 320
+    assert await free_blocks(engine, owned) == 320
 
     again, _ = await ledger.admit(request("b", 2048, 1024))
     assert again == b
-    assert await free_blocks(engine) == 320
+    assert await free_blocks(engine, owned) == 320
 
     first = await ledger.end("acme", "b", EndReason.RELEASED, 10)
     second = await ledger.end("acme", "b", EndReason.RELEASED, 99)
     assert second == first
     assert second.output_tokens == 10
-    assert await free_blocks(engine) == 512
+    assert await free_blocks(engine, owned) == 512
     await assert_invariants(engine)
 
 
-async def test_ended_reservation_keeps_its_record(ledger: Ledger) -> None:
+async def test_ended_reservation_keeps_its_record(ledger: OwnedLedger) -> None:
     await ledger.admit(request("r", 100, 50, n=2))
     ended = await ledger.end("acme", "r", EndReason.RELEASED, 42)
     got = await ledger.get("acme", "r")
@@ -84,7 +84,7 @@ async def test_ended_reservation_keeps_its_record(ledger: Ledger) -> None:
 
 
 async def test_same_request_id_with_other_parameters_is_refused(
-    ledger: Ledger, engine: AsyncEngine
+    ledger: OwnedLedger, engine: AsyncEngine
 ) -> None:
     await ledger.admit(request("dup", 100, 50))
     before = await snapshot(engine)
@@ -95,7 +95,7 @@ async def test_same_request_id_with_other_parameters_is_refused(
 
 
 async def test_same_request_id_with_another_prompt_is_refused(
-    ledger: Ledger, engine: AsyncEngine
+    ledger: OwnedLedger, engine: AsyncEngine
 ) -> None:
     """As many tokens is not the same prompt: the first reservation's block table holds the
     first prompt's blocks. The same prompt again is answered with the same reservation."""
@@ -114,7 +114,7 @@ async def test_same_request_id_with_another_prompt_is_refused(
     assert (await ledger.admit(with_prompt("p", prompt)))[0] == first
 
 
-async def test_cancel_is_idempotent_and_wins_over_a_later_release(ledger: Ledger) -> None:
+async def test_cancel_is_idempotent_and_wins_over_a_later_release(ledger: OwnedLedger) -> None:
     await ledger.admit(request("c", 100, 50))
     cancelled = await ledger.end("acme", "c", EndReason.CANCELLED)
     assert cancelled.end_reason is EndReason.CANCELLED
@@ -122,8 +122,10 @@ async def test_cancel_is_idempotent_and_wins_over_a_later_release(ledger: Ledger
     assert await ledger.end("acme", "c", EndReason.RELEASED, 5) == cancelled
 
 
-async def test_refusals_change_nothing(ledger: Ledger, engine: AsyncEngine) -> None:
-    await Catalog(engine).create_tenant("small", "Small", 1, TenantQuota(20, 1000, 1, 1, 1))
+async def test_refusals_change_nothing(
+    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
+) -> None:
+    await owned.catalog.create_tenant("small", "Small", 1, TenantQuota(20, 1000, 1, 1, 1))
     await ledger.admit(request("held", 4096, 2048))
     await ledger.admit(request("small-held", 160, 16, tenant="small"))  # 11 of its 20 blocks
     before = await snapshot(engine)
@@ -143,8 +145,8 @@ async def test_refusals_change_nothing(ledger: Ledger, engine: AsyncEngine) -> N
     assert await snapshot(engine) == before
 
 
-async def test_tenant_quota_on_tokens_in_flight(ledger: Ledger, engine: AsyncEngine) -> None:
-    await Catalog(engine).create_tenant("tok", "Tok", 1, TenantQuota(1000, 1000, 1, 1, 1))
+async def test_tenant_quota_on_tokens_in_flight(ledger: OwnedLedger, owned: HotPath) -> None:
+    await owned.catalog.create_tenant("tok", "Tok", 1, TenantQuota(1000, 1000, 1, 1, 1))
     await ledger.admit(request("one", 400, 200, tenant="tok"))
     with pytest.raises(KvQuotaError) as error:
         await ledger.admit(request("two", 400, 200, tenant="tok"))
@@ -155,8 +157,10 @@ async def test_tenant_quota_on_tokens_in_flight(ledger: Ledger, engine: AsyncEng
     assert error.value.retry_delay_seconds is not None
 
 
-async def test_suspended_tenant_and_draining_instance(ledger: Ledger, engine: AsyncEngine) -> None:
-    store = Catalog(engine)
+async def test_suspended_tenant_and_draining_instance(
+    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
+) -> None:
+    store = owned.catalog
     await store.set_tenant_state("acme", TenantState.SUSPENDED)
     before = await snapshot(engine)
     with pytest.raises(KvQuotaError) as suspended:
@@ -173,7 +177,7 @@ async def test_suspended_tenant_and_draining_instance(ledger: Ledger, engine: As
 
 
 async def test_lease_expiry_is_reaped_and_renewal_refused(
-    ledger: Ledger, engine: AsyncEngine
+    ledger: OwnedLedger, engine: AsyncEngine
 ) -> None:
     await ledger.admit(request("short", 100, 100, lease_ttl=1.0))
     await ledger.admit(request("long", 100, 100, lease_ttl=60.0))
@@ -197,7 +201,7 @@ async def test_lease_expiry_is_reaped_and_renewal_refused(
     await assert_invariants(engine)
 
 
-async def test_renewing_an_ended_reservation_is_refused(ledger: Ledger) -> None:
+async def test_renewing_an_ended_reservation_is_refused(ledger: OwnedLedger) -> None:
     await ledger.admit(request("done", 100, 100))
     await ledger.end("acme", "done", EndReason.RELEASED, 1)
     with pytest.raises(KvQuotaError) as ended:
@@ -206,7 +210,7 @@ async def test_renewing_an_ended_reservation_is_refused(ledger: Ledger) -> None:
 
 
 async def test_two_transactions_racing_for_the_last_blocks(
-    ledger: Ledger, engine: AsyncEngine
+    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
 ) -> None:
     await add_tenant(engine, "other")
     await ledger.admit(request("fill", 4096, 2048))  # 128 blocks left
@@ -219,23 +223,23 @@ async def test_two_transactions_racing_for_the_last_blocks(
     losers = [r for r in results if isinstance(r, KvQuotaError)]
     assert len(winners) == 1 and len(losers) == 1
     assert losers[0].reason == "INSTANCE_OVERLOADED"
-    assert await free_blocks(engine) == 0
+    assert await free_blocks(engine, owned) == 0
     await assert_invariants(engine)
 
 
 async def test_concurrent_duplicates_make_one_reservation(
-    ledger: Ledger, engine: AsyncEngine
+    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
 ) -> None:
     results = await asyncio.gather(*(ledger.admit(request("same", 160, 16)) for _ in range(10)))
     assert len({r for r, _ in results}) == 1
-    assert await free_blocks(engine) == 512 - 11
+    assert await free_blocks(engine, owned) == 512 - 11
     async with engine.connect() as conn:
         count = await conn.execute(text("SELECT count(*) FROM reservations"))
         assert count.scalar_one() == 1
 
 
 async def test_many_admits_and_releases_never_over_commit(
-    ledger: Ledger, engine: AsyncEngine
+    ledger: OwnedLedger, engine: AsyncEngine, owned: HotPath
 ) -> None:
     await add_tenant(engine, "capped", TenantQuota(200, 10**9, 10, 10, 10))
 
@@ -251,11 +255,11 @@ async def test_many_admits_and_releases_never_over_commit(
 
     await asyncio.gather(*(one(i) for i in range(120)))
     await assert_invariants(engine)
-    assert (await counters(engine))["tenant:capped"]["blocks_in_use"] <= 200
+    assert (await derived_counters(engine, owned))["tenant:capped"]["blocks_in_use"] <= 200
 
 
 async def test_racing_duplicates_at_the_quota_edge_both_get_the_reservation(
-    ledger: Ledger, engine: AsyncEngine
+    ledger: OwnedLedger, engine: AsyncEngine
 ) -> None:
     """The loser of two identical Admits must see the winner's reservation (and replay it), not
     the winner's usage (and refuse for quota)."""
