@@ -1054,22 +1054,23 @@ class InstanceMachine:
 
     def offload(self, tenant: str, request_id: str, offloaded_bytes: int) -> int | None:
         """A suspended reservation's blocks leave the GPU (the CPU tier holds its contents) and
-        its tokens leave the tenant's tokens in flight; it stays live. Returns how many table
-        entries were given back, or None when it is not suspended on the GPU."""
+        its tokens leave the tenant's tokens in flight; it stays live. Returns how many of its
+        slots left the GPU (referenced by nothing now: a slot another table shares, or a pin
+        holds, stays), or None when it is not suspended on the GPU."""
         record = self.reservations.get((tenant, request_id))
         if record is None or not record.on_gpu or record.suspended_at is None:
             return None
         table = record.table
         assert table is not None
         here = self.tenants[tenant]
-        given_back = table.live_entries
+        held = set(table.live_blocks())
         self._drop_all(table, here)
         here.tokens -= record.tokens
         record.table = None
         record.offloaded_bytes = offloaded_bytes
         self.usage(tenant).cpu_bytes += offloaded_bytes
         self._touch(record)
-        return given_back
+        return sum(1 for block in held if self.pool.ref_count(block) == 0)
 
     def compress(
         self, tenant: str, request_id: str, kept: int, compressed: int, before: int, after: int

@@ -213,12 +213,6 @@ async def test_fair_shares_add_up_to_the_referenced_blocks_whatever_happens(
     assert fair / MICROS == physical
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an OFFLOAD step on the memory hot path records and meters the session's table "
-    "entries given back (InstanceMachine.offload), 4 here, not the GPU blocks it freed: 2 of "
-    "them stay held by the tenant's own pin, and pinned blocks are never counted as reclaimed",
-)
 async def test_pins_the_cpu_tier_and_reclaims_are_metered(
     engine: AsyncEngine, owned: HotPath
 ) -> None:
