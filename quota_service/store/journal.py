@@ -12,6 +12,7 @@ the lease has lapsed (`InstanceHeld`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -385,38 +386,57 @@ def _from_json(name: str, converted: str | None) -> str:
     return f"r.{name}"
 
 
-# A batch is written through the driver in one pipeline (one round trip for all of it), so
-# these statements use its placeholders; each kind of row goes as one JSON parameter (one
-# statement however many rows). The first statement moves the owner's row on under its epoch or
-# fails the transaction; the ones after take the batch number from that row.
+_COLUMN_NAMES = ", ".join(c for c, _, _ in _RESERVATION_COLUMNS)
+_COLUMN_VALUES = ", ".join(_from_json(c, f) for c, _, f in _RESERVATION_COLUMNS)
+_JSON_RECORD = ", ".join(f"{c} {t}" for c, t, _ in _RESERVATION_COLUMNS)
+
+# A batch is written through the driver in one query (one round trip for all of it, whatever
+# instances it holds batches of), so these statements use its placeholders; each kind of row goes
+# as one JSON parameter (one statement however many rows), and statements whose order does not
+# matter are one statement of several parts: each statement costs PostgreSQL about as much to
+# parse, plan and start as its rows cost to write. The first statement moves the owner's row on
+# under its epoch or fails the transaction; the ones after take the batch number from that row.
 _NEXT_BATCH = "SELECT journal_next_batch(%(instance)s, %(epoch)s, %(clocks)s::jsonb)"
 # What journal_next_batch (migration 0021) fails with when the epoch is not the owner's.
 DEPOSED_SQLSTATE = "KQ001"
-_UPSERT_RESERVATIONS = (
-    f"INSERT INTO reservations ({', '.join(c for c, _, _ in _RESERVATION_COLUMNS)}) "
-    f"SELECT {', '.join(_from_json(c, f) for c, _, f in _RESERVATION_COLUMNS)} "
-    "FROM jsonb_to_recordset(%(rows)s::jsonb) AS r("
-    + ", ".join(f"{c} {t}" for c, t, _ in _RESERVATION_COLUMNS)
-    + ") ON CONFLICT (tenant, request_id) DO UPDATE SET "
+# New reservations are inserted unless the request id is recorded already, and then the batch
+# fails with those ids (journal_fresh, migration 0021); the changed ones replace their rows.
+_WRITE_RESERVATIONS = (
+    f"WITH r AS (SELECT * FROM jsonb_to_recordset(%(new)s::jsonb) AS r({_JSON_RECORD})), "
+    f"inserted AS (INSERT INTO reservations ({_COLUMN_NAMES}) SELECT {_COLUMN_VALUES} FROM r "
+    "ON CONFLICT (tenant, request_id) DO NOTHING RETURNING tenant, request_id), "
+    f"changed AS (INSERT INTO reservations ({_COLUMN_NAMES}) SELECT {_COLUMN_VALUES} "
+    f"FROM jsonb_to_recordset(%(changed)s::jsonb) AS r({_JSON_RECORD}) "
+    "ON CONFLICT (tenant, request_id) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c, _, _ in _RESERVATION_COLUMNS[2:])
-)
-# A pin, and what the instance's CPU tier must pin too, as it is now (salt, coordinator): an
-# unpin later reaches the same pins there whatever changed meanwhile.
-# New reservations: inserted unless the request id is recorded already, and then the batch
-# fails with those ids (journal_fresh, migration 0021).
-_INSERT_NEW_RESERVATIONS = (
-    "WITH r AS (SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS r("
-    + ", ".join(f"{c} {t}" for c, t, _ in _RESERVATION_COLUMNS)
-    + ")), inserted AS ("
-    f"INSERT INTO reservations ({', '.join(c for c, _, _ in _RESERVATION_COLUMNS)}) "
-    f"SELECT {', '.join(_from_json(c, f) for c, _, f in _RESERVATION_COLUMNS)} FROM r "
-    "ON CONFLICT (tenant, request_id) DO NOTHING RETURNING tenant, request_id) "
-    "SELECT journal_fresh(ARRAY(SELECT r.tenant || '/' || r.request_id FROM r "
+    + ") SELECT journal_fresh(ARRAY(SELECT r.tenant || '/' || r.request_id FROM r "
     "WHERE NOT EXISTS (SELECT 1 FROM inserted i "
     "WHERE i.tenant = r.tenant AND i.request_id = r.request_id)))"
 )
 # What journal_fresh fails with.
 REUSED_SQLSTATE = "KQ002"
+# Tenants' fleet-wide totals move (journal_move_totals, migration 0022, fails the batch (KQ003)
+# past a quota), with the batch's usage events and the instance's counters as the catalog shows
+# them.
+_MOVE_TOTALS = (
+    "WITH usage AS (INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, "
+    "compressed_bytes, tokens_reserved, output_tokens, admitted, queued, refused, shadow_refused) "
+    "SELECT u.tenant, %(instance)s, u.blocks, u.pinned, u.cpu_bytes, u.compressed_bytes, "
+    "u.tokens_reserved, u.output_tokens, u.admitted, u.queued, u.refused, u.shadow_refused "
+    "FROM jsonb_to_recordset(%(usage)s::jsonb) AS u(tenant text, blocks jsonb, pinned int, "
+    "cpu_bytes bigint, compressed_bytes bigint, tokens_reserved bigint, output_tokens bigint, "
+    "admitted int, queued int, refused jsonb, shadow_refused jsonb)), "
+    "counters AS (UPDATE instances SET free_blocks = %(free)s, cached_blocks = %(cached)s, "
+    "blocks_in_use = %(in_use)s, pinned_blocks = %(pinned)s, queued_requests = %(queued)s, "
+    "queued_prompt_tokens = %(queued_tokens)s, mean_hold_seconds = %(mean_hold)s, "
+    "drift_blocks = %(drift)s WHERE instance = %(instance)s) "
+    "SELECT journal_move_totals(%(instance)s, %(totals)s::jsonb)"
+)
+# What journal_move_totals fails with.
+OVER_QUOTA_SQLSTATE = "KQ003"
+
+# A pin, and what the instance's CPU tier must pin too, as it is now (salt, coordinator): an
+# unpin later reaches the same pins there whatever changed meanwhile.
 _UPSERT_PIN = (
     "WITH pin AS (INSERT INTO pins (owner, pin_id, tenant, instance, prompt_tokens, "
     "pinned_blocks, prefix_hash, created_at, block_ids, block_generations, state, removed_at) "
@@ -453,26 +473,6 @@ _INSERT_DELTA = (
     "INSERT INTO pool_deltas (instance, batch, scopes, slots, generations, digests, scope_ids, "
     f"engine_copies, lru_seqs, dropped) SELECT instance, batch, {_SLOT_ARRAYS}, "
     "%(dropped)s::int[] FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s"
-)
-# Moves the tenants' fleet-wide totals, and fails the batch (KQ003) past a quota.
-_MOVE_TOTALS = "SELECT journal_move_totals(%(instance)s, %(rows)s::jsonb)"
-# What journal_move_totals fails with.
-OVER_QUOTA_SQLSTATE = "KQ003"
-_INSERT_USAGE = (
-    "INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, compressed_bytes, "
-    "tokens_reserved, output_tokens, admitted, queued, refused, shadow_refused) "
-    "SELECT u.tenant, %(instance)s, u.blocks, u.pinned, u.cpu_bytes, u.compressed_bytes, "
-    "u.tokens_reserved, u.output_tokens, u.admitted, u.queued, u.refused, u.shadow_refused "
-    "FROM jsonb_to_recordset(%(rows)s::jsonb) AS u(tenant text, blocks jsonb, pinned int, "
-    "cpu_bytes bigint, compressed_bytes bigint, tokens_reserved bigint, output_tokens bigint, "
-    "admitted int, queued int, refused jsonb, shadow_refused jsonb)"
-)
-# The instance's counters as the catalog shows them, kept with each batch (one row).
-_POOL_COUNTERS = (
-    "UPDATE instances SET free_blocks = %(free)s, cached_blocks = %(cached)s, "
-    "blocks_in_use = %(in_use)s, pinned_blocks = %(pinned)s, queued_requests = %(queued)s, "
-    "queued_prompt_tokens = %(queued_tokens)s, mean_hold_seconds = %(mean_hold)s, "
-    "drift_blocks = %(drift)s WHERE instance = %(instance)s"
 )
 _WRITE_CHECKPOINT = (
     "INSERT INTO pool_checkpoints (instance, batch, scopes, slots, generations, digests, "
@@ -628,23 +628,30 @@ class _Writer:
         return prepares
 
 
-class Journal:
-    """Reads and writes of the instance journal. Writes are the owner's alone."""
+@dataclass(slots=True)
+class CommitStats:
+    """How a replica's commits are doing: transactions, and the owners' batches they held."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
-        self._url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        self._writers: dict[str, _Writer] = {}
-        self._closed = False
+    commits: int = 0
+    batches: int = 0
 
-    async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
-        """Commit one batch. Raises Deposed when a newer owner exists."""
-        fenced = {"instance": instance, "epoch": epoch}
+
+@dataclass(slots=True)
+class _Batch:
+    """An owner's batch waiting for the replica's next commit."""
+
+    instance: str
+    epoch: int
+    rows: BatchRows
+    committed: asyncio.Future[None]
+
+    def statements(self) -> list[Statement]:
+        rows = self.rows
+        fenced = {"instance": self.instance, "epoch": self.epoch}
         statements: list[Statement] = [(_NEXT_BATCH, {**fenced, "clocks": json.dumps(rows.clocks)})]
-        if rows.new_reservations:
-            statements.append((_INSERT_NEW_RESERVATIONS, _rows(rows.new_reservations)))
-        if rows.reservations:
-            statements.append((_UPSERT_RESERVATIONS, _rows(rows.reservations)))
+        if rows.new_reservations or rows.reservations:
+            written = {"new": _json(rows.new_reservations), "changed": _json(rows.reservations)}
+            statements.append((_WRITE_RESERVATIONS, written))
         statements += [(_UPSERT_PIN, pin) for pin in rows.pins]
         statements += [(_REMOVE_PIN, pin) for pin in rows.removed_pins]
         if rows.checkpoint is not None:
@@ -652,22 +659,106 @@ class Journal:
             statements.append((_DELETE_COVERED_DELTAS, fenced))
         elif rows.delta is not None:
             statements.append((_INSERT_DELTA, {**rows.delta, **fenced}))
-        if rows.totals:
-            statements.append((_MOVE_TOTALS, {**_rows(rows.totals), **fenced}))
-        if rows.usage:
-            statements.append((_INSERT_USAGE, {**_rows(rows.usage), **fenced}))
-        statements.append((_POOL_COUNTERS, rows.pool))
-        await self._commit(instance, statements, rows.statements)
+        moved = {**rows.pool, "totals": _json(rows.totals), "usage": _json(rows.usage)}
+        statements.append((_MOVE_TOTALS, moved))
+        return statements
 
-    async def _commit(
-        self, instance: str, statements: Sequence[Statement], unprepared: Sequence[Statement]
-    ) -> None:
-        """One transaction in one round trip: the statements, bound here, go as one query
-        between BEGIN and COMMIT, on the instance's own connection (an owner writes one batch
-        at a time). The journal's own statements run prepared (`_Writer`), the record's that
-        ride along (`unprepared`) as they are. A statement that fails (the fence, when a newer
-        owner took the instance) fails the rest, and the transaction is rolled back."""
-        writer = self._writers.get(instance)
+
+class Journal:
+    """Reads and writes of the instance journal. Writes are the owners' alone: a replica commits
+    the batches its owners gave it meanwhile in one transaction (group commit across instances),
+    on one connection."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._writer: _Writer | None = None
+        self._waiting: list[_Batch] = []
+        self._committer: asyncio.Task[None] | None = None
+        self._closed = False
+        self.stats = CommitStats()
+
+    async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
+        """Commit one batch of an owner's, with whatever batches of other owners wait too.
+        Raises Deposed when a newer owner exists (RequestIdsReused, QuotaRaced as they say);
+        another owner's failure does not fail this batch."""
+        batch = _Batch(instance, epoch, rows, asyncio.get_running_loop().create_future())
+        self._waiting.append(batch)
+        if self._committer is None:
+            self._committer = asyncio.create_task(self._commit_waiting())
+        await batch.committed
+
+    async def _commit_waiting(self) -> None:
+        """Commit what waits, as one transaction, until nothing does: the batches that arrive
+        while one commits go in the next. When a batch's statement failed the transaction, it
+        is tried again one batch per transaction: the one that failed fails alone, and the
+        others commit."""
+        try:
+            while self._waiting:
+                batches = [b for b in self._waiting if not b.committed.done()]
+                self._waiting = []
+                if batches and not await self._commit_or_fail(batches):
+                    for batch in batches:
+                        await self._commit_or_fail([batch])
+        finally:
+            self._committer = None
+
+    async def _commit_or_fail(self, batches: list[_Batch]) -> bool:
+        try:
+            return await self._commit(batches)
+        except Exception as exc:  # whatever it was, no caller waits forever
+            _fail(batches, exc)
+            return True
+
+    async def _commit(self, batches: list[_Batch]) -> bool:
+        """One transaction in one round trip: the batches' statements, bound here, go as one
+        query between BEGIN and COMMIT. The journal's own statements run prepared (`_Writer`),
+        the record's that ride along (`BatchRows.statements`) as they are. A statement that
+        fails fails the rest, and the transaction is rolled back: the batch fails (Deposed when
+        it was its fence), or, in a transaction of several batches, False says to try them
+        again apart. Any other failure (the connection lost, a COMMIT cut short that may have
+        taken) fails them all, and the connection is not trusted again."""
+        try:
+            writer = await self._connected()
+        except psycopg.Error as exc:
+            _fail(batches, exc)
+            return True
+        cursor = psycopg.AsyncClientCursor(writer.connection)
+        statements = [(b.statements(), b.rows.statements) for b in batches]
+        query = ";".join(
+            [
+                *writer.prepare(sql for own, _ in statements for sql, _ in own),
+                "BEGIN",
+                *(
+                    text
+                    for own, unprepared in statements
+                    for text in (
+                        *(cursor.mogrify(writer.executes[sql], params) for sql, params in own),
+                        *(cursor.mogrify(sql, params) for sql, params in unprepared),
+                    )
+                ),
+                "COMMIT",
+            ]
+        )
+        try:
+            await cursor.execute(query)
+        except psycopg.Error as exc:
+            if not await _rolled_back(writer.connection):
+                self._writer = None
+                await writer.connection.close()
+            elif len(batches) > 1:
+                return False
+            _fail(batches, exc)
+            return True
+        self.stats.commits += 1
+        self.stats.batches += len(batches)
+        for batch in batches:
+            if not batch.committed.done():
+                batch.committed.set_result(None)
+        return True
+
+    async def _connected(self) -> _Writer:
+        writer = self._writer
         if writer is None or writer.connection.closed:
             self._raise_if_closed()
             # Autocommit: the driver adds no BEGIN of its own (a round trip).
@@ -675,41 +766,18 @@ class Journal:
             if self._closed:  # closed while this one connected: nothing else would close it
                 await connection.close()
                 self._raise_if_closed()
-            writer = self._writers[instance] = _Writer(connection)
-        cursor = psycopg.AsyncClientCursor(writer.connection)
-        query = ";".join(
-            [
-                *writer.prepare(sql for sql, _ in statements),
-                "BEGIN",
-                *(cursor.mogrify(writer.executes[sql], params) for sql, params in statements),
-                *(cursor.mogrify(sql, params) for sql, params in unprepared),
-                "COMMIT",
-            ]
-        )
-        try:
-            await cursor.execute(query)
-        except psycopg.Error as exc:
-            # Whatever failed, this connection is not trusted again.
-            del self._writers[instance]
-            await writer.connection.close()
-            if exc.sqlstate == DEPOSED_SQLSTATE:
-                raise Deposed(instance) from exc
-            if exc.sqlstate == REUSED_SQLSTATE and exc.diag.message_primary:
-                keys = [key.split("/", 1) for key in exc.diag.message_primary.split(" ")]
-                raise RequestIdsReused([(t, r) for t, r in keys]) from exc
-            if exc.sqlstate == OVER_QUOTA_SQLSTATE:
-                raise QuotaRaced(exc.diag.message_primary or "") from exc
-            raise
+            writer = self._writer = _Writer(connection)
+        return writer
 
     def _raise_if_closed(self) -> None:
         if self._closed:
             raise psycopg.OperationalError("the journal is closed: this replica is stopping")
 
     async def close(self) -> None:
-        """Close the owners' write connections; no batch is written after."""
+        """Close the write connection; no batch is written after."""
         self._closed = True
-        writers, self._writers = self._writers, {}
-        for writer in writers.values():
+        writer, self._writer = self._writer, None
+        if writer is not None:
             await writer.connection.close()
 
     async def instances_of(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
@@ -825,6 +893,47 @@ class Journal:
             return await _recorded(conn, instance, found)
 
 
+_IN_ERROR = psycopg.pq.TransactionStatus.INERROR
+
+
+async def _rolled_back(connection: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether a failed transaction surely committed nothing: a statement failed it (so its
+    COMMIT never ran), and it is rolled back now."""
+    if connection.info.transaction_status is not _IN_ERROR:
+        return False
+    try:
+        await connection.execute("ROLLBACK")
+    except psycopg.Error:
+        return False
+    return True
+
+
+def _fail(batches: Sequence[_Batch], exc: Exception) -> None:
+    error = exc
+    if len(batches) == 1 and isinstance(exc, psycopg.Error):
+        error = _error_of(batches[0].instance, exc)
+    for batch in batches:
+        if not batch.committed.done():
+            batch.committed.set_exception(error)
+
+
+def _error_of(instance: str, exc: psycopg.Error) -> Exception:
+    """What a failed transaction of one batch means for it."""
+    message = exc.diag.message_primary or ""
+    error: Exception
+    if exc.sqlstate == DEPOSED_SQLSTATE:
+        error = Deposed(instance)
+    elif exc.sqlstate == REUSED_SQLSTATE and message:
+        keys = [key.split("/", 1) for key in message.split(" ")]
+        error = RequestIdsReused([(t, r) for t, r in keys])
+    elif exc.sqlstate == OVER_QUOTA_SQLSTATE:
+        error = QuotaRaced(message)
+    else:
+        return exc
+    error.__cause__ = exc
+    return error
+
+
 def _held(instance: str, row: RowMapping) -> InstanceHeld:
     return InstanceHeld(instance, row["owner"], row["address"], float(row["seconds_left"]))
 
@@ -867,8 +976,8 @@ async def _recorded(
     return RecordedInstance(int(owner["epoch"]), int(owner["batch"]), image)
 
 
-def _rows(rows: list[dict[str, Any]]) -> dict[str, str]:
-    return {"rows": json.dumps(rows, separators=(",", ":"))}
+def _json(rows: list[dict[str, Any]]) -> str | None:
+    return json.dumps(rows, separators=(",", ":")) if rows else None
 
 
 def _slots_from_row(row: RowMapping) -> Iterable[SlotContents]:
