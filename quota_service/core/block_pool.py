@@ -18,7 +18,7 @@ Order, as the ledger has always had it (and the reference model states it):
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
@@ -421,22 +421,29 @@ class BlockPool:
 
     def contents_columns(self) -> ContentColumns:
         """`contents`, field by field (a checkpoint of a large pool makes no object per slot)."""
+        return next(self.contents_chunks(self.capacity), ContentColumns([], [], b"", [], [], []))
+
+    def contents_chunks(self, per_chunk: int) -> Iterator[ContentColumns]:
+        """`contents_columns` in chunks of at most `per_chunk` slots, in slot order: a caller
+        that turns each into something compact before taking the next never holds the
+        columns of a large pool whole. Each chunk is read as it is taken: take them all before
+        the pool changes."""
         hashed = sorted(
             [*self._by_key.values(), *(b for more in self._more_by_key.values() for b in more)]
         )
-        if not hashed:
-            return ContentColumns([], [], b"", [], [], [])
-        pick = itemgetter(*hashed)
         width = DIGEST_BYTES
         digests = self._digests
-        return ContentColumns(
-            hashed,
-            _picked(pick, self._generation, len(hashed)),
-            b"".join([digests[b * width : (b + 1) * width] for b in hashed]),
-            _picked(pick, self._scope, len(hashed)),
-            _picked(pick, self._copies, len(hashed)),
-            _picked(pick, self._lru_seq, len(hashed)),
-        )
+        for start in range(0, len(hashed), per_chunk):
+            chunk = hashed[start : start + per_chunk]
+            pick = itemgetter(*chunk)
+            yield ContentColumns(
+                chunk,
+                _picked(pick, self._generation, len(chunk)),
+                b"".join([digests[b * width : (b + 1) * width] for b in chunk]),
+                _picked(pick, self._scope, len(chunk)),
+                _picked(pick, self._copies, len(chunk)),
+                _picked(pick, self._lru_seq, len(chunk)),
+            )
 
     def contents(self) -> list[SlotContents]:
         """What `rebuild` needs of the slots besides the tables: every slot holding a hash, in

@@ -114,6 +114,9 @@ def totals_of(machine: InstanceMachine, tenant: str) -> TenantTotals:
     return TenantTotals(len(here.held), here.tokens, len(here.pinned), here.queued)
 
 
+# Slots per row of a checkpoint: a statement of a few MB, however large the pool.
+CHECKPOINT_CHUNK_SLOTS = 65_536
+
 # A statement in the driver's placeholders (%(name)s) with its parameters.
 Statement = tuple[str, Mapping[str, Any]]
 
@@ -136,8 +139,9 @@ class BatchRows:
     # The record's own statements that commit with the batch (InstanceOwner.apply).
     statements: list[Statement] = field(default_factory=list)
     # Every slot's contents as of this batch, written whole in place of its delta (the deltas
-    # before it are then dropped): recovery reads what is live, not all history.
-    checkpoint: dict[str, Any] | None = None
+    # before it are then dropped): recovery reads what is live, not all history. In chunks of
+    # CHECKPOINT_CHUNK_SLOTS slots, each sent as a statement of its own.
+    checkpoint: list[dict[str, Any]] | None = None
 
     @property
     def operations(self) -> int:
@@ -170,7 +174,11 @@ def batch_rows(
         if collection == "tenants":
             touched.add(owner_id)
     if checkpoint:
-        rows.checkpoint = _slot_arrays(machine.scopes, machine.pool.contents_columns())
+        chunks = machine.pool.contents_chunks(CHECKPOINT_CHUNK_SLOTS)
+        rows.checkpoint = [
+            {**_slot_arrays(machine.scopes, chunk), "chunk": number}
+            for number, chunk in enumerate(chunks)
+        ]
     elif changes.slots or changes.dropped_slots:
         changed = ContentColumns.of(changes.slots)
         rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changed)}
@@ -474,18 +482,16 @@ _INSERT_DELTA = (
     f"engine_copies, lru_seqs, dropped) SELECT instance, batch, {_SLOT_ARRAYS}, "
     "%(dropped)s::int[] FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s"
 )
-_WRITE_CHECKPOINT = (
-    "INSERT INTO pool_checkpoints (instance, batch, scopes, slots, generations, digests, "
-    f"scope_ids, engine_copies, lru_seqs) SELECT instance, batch, {_SLOT_ARRAYS} "
-    "FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s "
-    "ON CONFLICT (instance) DO UPDATE SET batch = EXCLUDED.batch, scopes = EXCLUDED.scopes, "
-    "slots = EXCLUDED.slots, generations = EXCLUDED.generations, digests = EXCLUDED.digests, "
-    "scope_ids = EXCLUDED.scope_ids, engine_copies = EXCLUDED.engine_copies, "
-    "lru_seqs = EXCLUDED.lru_seqs, written_at = now()"
-)
-_DELETE_COVERED_DELTAS = (
+# A new checkpoint replaces the last one and the deltas it covers.
+_DROP_COVERED = (
+    "WITH checkpoint AS (DELETE FROM pool_checkpoints WHERE instance = %(instance)s) "
     "DELETE FROM pool_deltas d USING instance_owners o WHERE d.instance = %(instance)s "
     "AND o.instance = d.instance AND o.epoch = %(epoch)s AND d.batch <= o.batch"
+)
+_WRITE_CHECKPOINT_CHUNK = (
+    "INSERT INTO pool_checkpoints (instance, chunk, batch, scopes, slots, generations, digests, "
+    f"scope_ids, engine_copies, lru_seqs) SELECT instance, %(chunk)s, batch, {_SLOT_ARRAYS} "
+    "FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s"
 )
 _INSTANCES_OF = text(
     "SELECT r.tenant, r.request_id, r.instance FROM reservations r "
@@ -655,13 +661,16 @@ class _Batch:
         statements += [(_UPSERT_PIN, pin) for pin in rows.pins]
         statements += [(_REMOVE_PIN, pin) for pin in rows.removed_pins]
         if rows.checkpoint is not None:
-            statements.append((_WRITE_CHECKPOINT, {**rows.checkpoint, **fenced}))
-            statements.append((_DELETE_COVERED_DELTAS, fenced))
+            statements.append((_DROP_COVERED, fenced))
         elif rows.delta is not None:
             statements.append((_INSERT_DELTA, {**rows.delta, **fenced}))
         moved = {**rows.pool, "totals": _json(rows.totals), "usage": _json(rows.usage)}
         statements.append((_MOVE_TOTALS, moved))
         return statements
+
+    def checkpoint_chunks(self) -> list[Statement]:
+        fenced = {"instance": self.instance, "epoch": self.epoch}
+        return [(_WRITE_CHECKPOINT_CHUNK, {**c, **fenced}) for c in self.rows.checkpoint or ()]
 
 
 class Journal:
@@ -712,8 +721,9 @@ class Journal:
 
     async def _commit(self, batches: list[_Batch]) -> bool:
         """One transaction in one round trip: the batches' statements, bound here, go as one
-        query between BEGIN and COMMIT. The journal's own statements run prepared (`_Writer`),
-        the record's that ride along (`BatchRows.statements`) as they are. A statement that
+        query between BEGIN and COMMIT (a checkpoint's chunks follow, one round trip each). The
+        journal's own statements run prepared (`_Writer`), the record's that ride along
+        (`BatchRows.statements`) as they are. A statement that
         fails fails the rest, and the transaction is rolled back: the batch fails (Deposed when
         it was its fence), or, in a transaction of several batches, False says to try them
         again apart. Any other failure (the connection lost, a COMMIT cut short that may have
@@ -725,9 +735,11 @@ class Journal:
             return True
         cursor = psycopg.AsyncClientCursor(writer.connection)
         statements = [(b.statements(), b.rows.statements) for b in batches]
+        chunks = [chunk for b in batches for chunk in b.checkpoint_chunks()]
+        prepares = writer.prepare(sql for own, _ in [*statements, (chunks, ())] for sql, _ in own)
         query = ";".join(
             [
-                *writer.prepare(sql for own, _ in statements for sql, _ in own),
+                *prepares,
                 "BEGIN",
                 *(
                     text
@@ -737,11 +749,17 @@ class Journal:
                         *(cursor.mogrify(sql, params) for sql, params in unprepared),
                     )
                 ),
-                "COMMIT",
+                *(() if chunks else ("COMMIT",)),
             ]
         )
         try:
             await cursor.execute(query)
+            # A checkpoint's chunks go one statement each, built as it is sent: the text of a
+            # large pool's checkpoint is never in memory whole.
+            for sql, params in chunks:
+                await cursor.execute(cursor.mogrify(writer.executes[sql], params))
+            if chunks:
+                await cursor.execute("COMMIT")
         except psycopg.Error as exc:
             if not await _rolled_back(writer.connection):
                 self._writer = None
