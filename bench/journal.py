@@ -45,6 +45,8 @@ OUTPUT_TOKENS = 256
 UNLIMITED = TenantQuota(10**9, 10**12, 10**6, 10**9, 0)
 LIMITS = Settings().admission_limits
 TENANT = "bench"
+# The tenants of the commits' load, as the suite's fleet has them.
+TENANTS = [f"t{i}" for i in range(16)]
 
 Progress = Callable[[str], None]
 # Request ids, unique across load points.
@@ -57,18 +59,16 @@ async def _add_instance(cat: Catalog, name: str, slots: int) -> None:
     )
 
 
-def _request(request_id: str, instance: str, token_ids: tuple[int, ...] = ()) -> AdmitRequest:
-    params = AdmitParams(TENANT, request_id, instance, PROMPT_TOKENS, OUTPUT_TOKENS, 1, 0)
-    return AdmitRequest(params, token_ids, 0.0, None)
-
-
-async def _admit(owner: InstanceOwner, request_id: str, token_ids: tuple[int, ...] = ()) -> None:
-    wanted = _request(request_id, owner.instance, token_ids)
+async def _admit(
+    owner: InstanceOwner, request_id: str, token_ids: tuple[int, ...] = (), tenant: str = TENANT
+) -> None:
+    params = AdmitParams(tenant, request_id, owner.instance, PROMPT_TOKENS, OUTPUT_TOKENS, 1, 0)
+    wanted = AdmitRequest(params, token_ids, 0.0, None)
     await owner.apply(lambda m, now: m.admit(wanted, now))
 
 
-async def _release(owner: InstanceOwner, request_id: str) -> None:
-    await owner.apply(lambda m, now: m.end(TENANT, request_id, EndReason.RELEASED, now))
+async def _release(owner: InstanceOwner, request_id: str, tenant: str = TENANT) -> None:
+    await owner.apply(lambda m, now: m.end(tenant, request_id, EndReason.RELEASED, now))
 
 
 def _backend_cpu(url: str) -> dict[int, float]:
@@ -93,26 +93,28 @@ async def commit_point(
     pairs = 0
     stop_at = 0.0
 
-    async def client(owner: InstanceOwner) -> None:
+    async def client(owner: InstanceOwner, tenant: str) -> None:
         nonlocal pairs
         while time.monotonic() < stop_at:
             request_id = f"p{next(_SEQUENCE)}"
-            await _admit(owner, request_id)
-            await _release(owner, request_id)
+            await _admit(owner, request_id, tenant=tenant)
+            await _release(owner, request_id, tenant)
             pairs += 1
 
     # Warm the write connections (and their prepared statements) first.
     for owner in owners:
         warm = f"w{next(_SEQUENCE)}"
-        await _admit(owner, warm)
-        await _release(owner, warm)
+        await _admit(owner, warm, tenant=TENANTS[0])
+        await _release(owner, warm, TENANTS[0])
     stop_at = time.monotonic() + seconds
     pairs = 0
     operations_before = sum(o.stats.operations for o in owners)
     commits_before = journal.stats.commits
     before_cpu = _backend_cpu(url)
     started = time.monotonic()
-    await asyncio.gather(*(client(owners[i % len(owners)]) for i in range(clients)))
+    await asyncio.gather(
+        *(client(owners[i % len(owners)], TENANTS[i % len(TENANTS)]) for i in range(clients))
+    )
     elapsed = time.monotonic() - started
     after_cpu = _backend_cpu(url)
     postgres = sum(cpu - before_cpu.get(pid, 0.0) for pid, cpu in after_cpu.items())
@@ -123,6 +125,7 @@ async def commit_point(
         "instances": len(owners),
         "pairs_per_s": pairs / elapsed,
         "operations_per_commit": operations / max(commits, 1),
+        "commits_split": journal.stats.split,
         "postgres_cpu_ms_per_pair": postgres * 1000 / max(pairs, 1),
     }
 
@@ -132,7 +135,8 @@ async def commits(
 ) -> list[dict[str, float]]:
     engine = database.connect(url)
     cat = Catalog(engine)
-    await cat.create_tenant(TENANT, "Bench", 1, UNLIMITED)
+    for tenant in TENANTS:
+        await cat.create_tenant(tenant, tenant, 1, UNLIMITED)
     points = []
     for count in instances:
         names = [f"commits-{count}-{i}" for i in range(count)]

@@ -22,11 +22,11 @@ from typing import Any
 
 import psycopg
 from sqlalchemy import text
-from sqlalchemy.engine import RowMapping
+from sqlalchemy.engine import Row, RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core.admission import AdmitRequest
-from quota_service.core.block_pool import ContentColumns, SlotContents, record_slot_changes
+from quota_service.core.block_pool import ContentColumns
 from quota_service.core.hashing import DIGEST_BYTES
 from quota_service.core.instance_machine import (
     Changes,
@@ -552,8 +552,8 @@ _PIN = text("SELECT * FROM pins WHERE owner = :owner AND pin_id = :pin_id")
 _NAMESPACE_SALT = text("SELECT cache_salt FROM namespaces WHERE namespace = :namespace")
 _OWNER = text("SELECT epoch, batch, clocks FROM instance_owners WHERE instance = :instance")
 _CHECKPOINT = text(
-    "SELECT batch, scopes, slots, generations, digests, scope_ids, engine_copies, lru_seqs "
-    "FROM pool_checkpoints WHERE instance = :instance"
+    "SELECT batch, scopes, slots, generations, digests, scope_ids, engine_copies, lru_seqs, "
+    "CAST('{}' AS int[]) AS dropped FROM pool_checkpoints WHERE instance = :instance"
 )
 _DELTAS = text(
     "SELECT batch, scopes, slots, generations, digests, scope_ids, engine_copies, lru_seqs, "
@@ -640,6 +640,8 @@ class CommitStats:
 
     commits: int = 0
     batches: int = 0
+    # Transactions of several batches that one of them failed, tried again one batch each.
+    split: int = 0
 
 
 @dataclass(slots=True)
@@ -707,6 +709,7 @@ class Journal:
                 batches = [b for b in self._waiting if not b.committed.done()]
                 self._waiting = []
                 if batches and not await self._commit_or_fail(batches):
+                    self.stats.split += 1
                     for batch in batches:
                         await self._commit_or_fail([batch])
         finally:
@@ -959,25 +962,17 @@ def _held(instance: str, row: RowMapping) -> InstanceHeld:
 async def _recorded(
     conn: AsyncConnection, instance: str, owner: Mapping[str, Any]
 ) -> RecordedInstance:
-    recorded: dict[int, SlotContents] = {}
-    scopes: list[str] = []
-    after = -1
-    for row in (await conn.execute(_CHECKPOINT, {"instance": instance})).mappings():
-        scopes = list(row["scopes"])
-        record_slot_changes(recorded, _slots_from_row(row), ())
-        after = row["batch"]
-    deltas = await conn.execute(_DELTAS, {"instance": instance, "after": after})
-    for row in deltas.mappings():
-        scopes = list(row["scopes"])
-        record_slot_changes(recorded, _slots_from_row(row), row["dropped"])
+    rows = list((await conn.execute(_CHECKPOINT, {"instance": instance})).all())
+    after = rows[0].batch if rows else -1
+    rows += (await conn.execute(_DELTAS, {"instance": instance, "after": after})).all()
     live = await conn.execute(_LIVE_RESERVATIONS, {"instance": instance})
     reservations = tuple(_record_from_row(r) for r in live.mappings())
     pins = await conn.execute(_ACTIVE_PINS, {"instance": instance})
     pin_records = tuple(_pin_from_row(r) for r in pins.mappings())
     clocks = owner["clocks"]
     image = InstanceImage(
-        tuple(recorded.values()),
-        tuple(scopes),
+        _slot_contents(rows),
+        tuple(rows[-1].scopes if rows else ()),
         reservations,
         pin_records,
         {int(p): t for p, t in clocks.get("virtual_time", {}).items()},
@@ -998,20 +993,38 @@ def _json(rows: list[dict[str, Any]]) -> str | None:
     return json.dumps(rows, separators=(",", ":")) if rows else None
 
 
-def _slots_from_row(row: RowMapping) -> Iterable[SlotContents]:
-    digests = bytes(row["digests"])
-    for i, (block, generation, scope, copies, lru_seq) in enumerate(
-        zip(
-            row["slots"],
-            row["generations"],
-            row["scope_ids"],
-            row["engine_copies"],
-            row["lru_seqs"],
-            strict=True,
-        )
-    ):
-        digest = digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]
-        yield SlotContents(block, generation, digest, scope, copies, lru_seq)
+# Where a slot's contents are in the rows `_slot_contents` reads: the row's number in the high
+# bits, the slot's place in that row's arrays in the low ones.
+_PLACE_BITS = 32
+
+
+def _slot_contents(rows: Sequence[Row[Any]]) -> ContentColumns:
+    """The slots' contents a checkpoint's chunks and the deltas after it record, as columns:
+    each slot as the last row naming it has it, none for those a later delta dropped. Columns
+    in, columns out: a large pool's recovery makes no object per slot."""
+    latest: dict[int, int] = {}
+    for number, row in enumerate(rows):
+        start = number << _PLACE_BITS
+        latest.update(zip(row.slots, range(start, start + len(row.slots)), strict=True))
+        for block in row.dropped:
+            latest.pop(block, None)
+    blocks = sorted(latest)
+    places = [(latest[b] >> _PLACE_BITS, latest[b] & ((1 << _PLACE_BITS) - 1)) for b in blocks]
+    digests = [bytes(row.digests) for row in rows]
+    width = DIGEST_BYTES
+
+    def column(name: str) -> list[int]:
+        values = [getattr(row, name) for row in rows]
+        return [values[r][i] for r, i in places]
+
+    return ContentColumns(
+        blocks,
+        column("generations"),
+        b"".join([digests[r][i * width : (i + 1) * width] for r, i in places]),
+        column("scope_ids"),
+        column("engine_copies"),
+        column("lru_seqs"),
+    )
 
 
 def _record_from_row(row: RowMapping) -> ReservationRecord:
