@@ -114,6 +114,8 @@ def totals_of(machine: InstanceMachine, tenant: str) -> TenantTotals:
     return TenantTotals(len(here.held), here.tokens, len(here.pinned), here.queued)
 
 
+# Transactions a replica has in flight at once (each on a connection of its own).
+WRITE_CONNECTIONS = 4
 # Slots per row of a checkpoint: a statement of a few MB, however large the pool.
 CHECKPOINT_CHUNK_SLOTS = 65_536
 
@@ -442,6 +444,13 @@ _MOVE_TOTALS = (
 )
 # What journal_move_totals fails with.
 OVER_QUOTA_SQLSTATE = "KQ003"
+# A transaction that moves several tenants' totals (once per batch it holds) locks their rows
+# first, in one order every commit of every replica follows, so that no two transactions wait
+# on each other's (a deadlock PostgreSQL would break only after a second).
+_LOCK_TENANTS = (
+    "SELECT count(*) FROM (SELECT 1 FROM tenants WHERE tenant = ANY(%(tenants)s::text[]) "
+    "ORDER BY tenant FOR NO KEY UPDATE) AS locked"
+)
 
 # A pin, and what the instance's CPU tier must pin too, as it is now (salt, coordinator): an
 # unpin later reaches the same pins there whatever changed meanwhile.
@@ -677,15 +686,17 @@ class _Batch:
 
 class Journal:
     """Reads and writes of the instance journal. Writes are the owners' alone: a replica commits
-    the batches its owners gave it meanwhile in one transaction (group commit across instances),
-    on one connection."""
+    the batches its owners hand it while its commits are in flight together, in one transaction
+    (group commit across instances)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        self._writer: _Writer | None = None
+        # Write connections: every one open, and those no commit uses now.
+        self._writers: set[_Writer] = set()
+        self._idle: list[_Writer] = []
         self._waiting: list[_Batch] = []
-        self._committer: asyncio.Task[None] | None = None
+        self._committers: set[asyncio.Task[None]] = set()
         self._closed = False
         self.stats = CommitStats()
 
@@ -695,25 +706,27 @@ class Journal:
         another owner's failure does not fail this batch."""
         batch = _Batch(instance, epoch, rows, asyncio.get_running_loop().create_future())
         self._waiting.append(batch)
-        if self._committer is None:
-            self._committer = asyncio.create_task(self._commit_waiting())
+        if len(self._committers) < WRITE_CONNECTIONS:
+            committer = asyncio.create_task(self._commit_waiting())
+            self._committers.add(committer)
+            committer.add_done_callback(self._committers.discard)
         await batch.committed
 
     async def _commit_waiting(self) -> None:
-        """Commit what waits, as one transaction, until nothing does: the batches that arrive
-        while one commits go in the next. When a batch's statement failed the transaction, it
-        is tried again one batch per transaction: the one that failed fails alone, and the
-        others commit."""
-        try:
-            while self._waiting:
-                batches = [b for b in self._waiting if not b.committed.done()]
-                self._waiting = []
-                if batches and not await self._commit_or_fail(batches):
-                    self.stats.split += 1
-                    for batch in batches:
-                        await self._commit_or_fail([batch])
-        finally:
-            self._committer = None
+        """One of the replica's committers: commit what waits, as one transaction, until
+        nothing does. Up to WRITE_CONNECTIONS commit at once, and the batches that arrive
+        while all of them are in flight go together in the next that ends: a replica's commits
+        overlap as its instances' did when each had its own, and under load each carries the
+        batches of many instances. When a batch's statement failed the transaction, the batches
+        are tried again one per transaction: the one that failed fails alone, and the others
+        commit."""
+        while self._waiting:
+            batches = [b for b in self._waiting if not b.committed.done()]
+            self._waiting = []
+            if batches and not await self._commit_or_fail(batches):
+                self.stats.split += 1
+                for batch in batches:
+                    await self._commit_or_fail([batch])
 
     async def _commit_or_fail(self, batches: list[_Batch]) -> bool:
         try:
@@ -726,11 +739,11 @@ class Journal:
         """One transaction in one round trip: the batches' statements, bound here, go as one
         query between BEGIN and COMMIT (a checkpoint's chunks follow, one round trip each). The
         journal's own statements run prepared (`_Writer`), the record's that ride along
-        (`BatchRows.statements`) as they are. A statement that
-        fails fails the rest, and the transaction is rolled back: the batch fails (Deposed when
-        it was its fence), or, in a transaction of several batches, False says to try them
-        again apart. Any other failure (the connection lost, a COMMIT cut short that may have
-        taken) fails them all, and the connection is not trusted again."""
+        (`BatchRows.statements`) as they are. A statement that fails fails the rest, and the
+        transaction is rolled back: the batch fails (Deposed when it was its fence), or, in a
+        transaction of several batches, False says to try them again apart. Any other failure
+        (the connection lost, a COMMIT cut short that may have taken) fails them all, and the
+        connection is not trusted again."""
         try:
             writer = await self._connected()
         except psycopg.Error as exc:
@@ -738,6 +751,9 @@ class Journal:
             return True
         cursor = psycopg.AsyncClientCursor(writer.connection)
         statements = [(b.statements(), b.rows.statements) for b in batches]
+        tenants = sorted({moved["tenant"] for b in batches for moved in b.rows.totals})
+        if len(tenants) > 1:
+            statements.insert(0, ([(_LOCK_TENANTS, {"tenants": tenants})], []))
         chunks = [chunk for b in batches for chunk in b.checkpoint_chunks()]
         prepares = writer.prepare(sql for own, _ in [*statements, (chunks, ())] for sql, _ in own)
         query = ";".join(
@@ -757,20 +773,24 @@ class Journal:
         )
         try:
             await cursor.execute(query)
-            # A checkpoint's chunks go one statement each, built as it is sent: the text of a
-            # large pool's checkpoint is never in memory whole.
+            # A checkpoint's chunks go one statement each, bound as it is sent: the query text
+            # of a large pool's checkpoint is never in memory whole.
             for sql, params in chunks:
                 await cursor.execute(cursor.mogrify(writer.executes[sql], params))
             if chunks:
                 await cursor.execute("COMMIT")
         except psycopg.Error as exc:
             if not await _rolled_back(writer.connection):
-                self._writer = None
+                self._writers.discard(writer)
                 await writer.connection.close()
-            elif len(batches) > 1:
+                _fail(batches, exc)
+                return True
+            self._idle.append(writer)
+            if len(batches) > 1:
                 return False
             _fail(batches, exc)
             return True
+        self._idle.append(writer)
         self.stats.commits += 1
         self.stats.batches += len(batches)
         for batch in batches:
@@ -779,15 +799,20 @@ class Journal:
         return True
 
     async def _connected(self) -> _Writer:
-        writer = self._writer
-        if writer is None or writer.connection.closed:
+        """A write connection no commit uses now, opened when none is."""
+        self._raise_if_closed()
+        while self._idle:
+            writer = self._idle.pop()
+            if not writer.connection.closed:
+                return writer
+            self._writers.discard(writer)
+        # Autocommit: the driver adds no BEGIN of its own (a round trip).
+        connection = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
+        if self._closed:  # closed while this one connected: nothing else would close it
+            await connection.close()
             self._raise_if_closed()
-            # Autocommit: the driver adds no BEGIN of its own (a round trip).
-            connection = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
-            if self._closed:  # closed while this one connected: nothing else would close it
-                await connection.close()
-                self._raise_if_closed()
-            writer = self._writer = _Writer(connection)
+        writer = _Writer(connection)
+        self._writers.add(writer)
         return writer
 
     def _raise_if_closed(self) -> None:
@@ -795,10 +820,10 @@ class Journal:
             raise psycopg.OperationalError("the journal is closed: this replica is stopping")
 
     async def close(self) -> None:
-        """Close the write connection; no batch is written after."""
+        """Close the write connections; no batch is written after."""
         self._closed = True
-        writer, self._writer = self._writer, None
-        if writer is not None:
+        writers, self._writers, self._idle = self._writers, set(), []
+        for writer in writers:
             await writer.connection.close()
 
     async def instances_of(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
