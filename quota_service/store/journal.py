@@ -445,8 +445,8 @@ _MOVE_TOTALS = (
 # What journal_move_totals fails with.
 OVER_QUOTA_SQLSTATE = "KQ003"
 # A transaction that moves several tenants' totals (once per batch it holds) locks their rows
-# first, in one order every commit of every replica follows, so that no two transactions wait
-# on each other's (a deadlock PostgreSQL would break only after a second).
+# before the first move, in one order every commit of every replica follows, so that no two
+# transactions wait on each other's (a deadlock PostgreSQL would break only after a second).
 _LOCK_TENANTS = (
     "SELECT count(*) FROM (SELECT 1 FROM tenants WHERE tenant = ANY(%(tenants)s::text[]) "
     "ORDER BY tenant FOR NO KEY UPDATE) AS locked"
@@ -675,9 +675,15 @@ class _Batch:
             statements.append((_DROP_COVERED, fenced))
         elif rows.delta is not None:
             statements.append((_INSERT_DELTA, {**rows.delta, **fenced}))
-        moved = {**rows.pool, "totals": _json(rows.totals), "usage": _json(rows.usage)}
-        statements.append((_MOVE_TOTALS, moved))
         return statements
+
+    def totals_moved(self) -> Statement:
+        """The batch's tenants' totals, usage and instance counters: last in its transaction,
+        after every batch's other statements, so that the tenants' rows stay locked only from
+        there to the commit."""
+        rows = self.rows
+        moved = {**rows.pool, "totals": _json(rows.totals), "usage": _json(rows.usage)}
+        return (_MOVE_TOTALS, moved)
 
     def checkpoint_chunks(self) -> list[Statement]:
         fenced = {"instance": self.instance, "epoch": self.epoch}
@@ -752,8 +758,8 @@ class Journal:
         cursor = psycopg.AsyncClientCursor(writer.connection)
         statements = [(b.statements(), b.rows.statements) for b in batches]
         tenants = sorted({moved["tenant"] for b in batches for moved in b.rows.totals})
-        if len(tenants) > 1:
-            statements.insert(0, ([(_LOCK_TENANTS, {"tenants": tenants})], []))
+        lock = [(_LOCK_TENANTS, {"tenants": tenants})] if len(tenants) > 1 else []
+        statements.append(([*lock, *(b.totals_moved() for b in batches)], []))
         chunks = [chunk for b in batches for chunk in b.checkpoint_chunks()]
         prepares = writer.prepare(sql for own, _ in [*statements, (chunks, ())] for sql, _ in own)
         query = ";".join(
