@@ -196,7 +196,8 @@ def render(result: dict[str, object]) -> str:
         f"{float(str(result['offboard_100k_cached_s'])):.3f} s.",
         "- Rebuilding a 1,000,000-slot instance from its image (100,000 cached blocks, 400 live",
         f"  reservations of 96 blocks): {float(str(result['recover_1m_slots_s'])):.3f} s.",
-        "  In memory only; reading the record is measured with the journal.",
+        "  In memory only; `python -m bench.journal` measures the whole way, reading the record",
+        "  from PostgreSQL included.",
         "",
     ]
     return "\n".join(lines)

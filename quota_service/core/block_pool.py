@@ -18,7 +18,7 @@ Order, as the ledger has always had it (and the reference model states it):
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
@@ -381,7 +381,7 @@ class BlockPool:
         cls,
         capacity: int,
         generation_floor: int,
-        contents: Iterable[SlotContents],
+        contents: ContentColumns,
         references: Iterable[tuple[int, int, bool]],
     ) -> BlockPool:
         """Recovery: the pool a record describes. `contents` are the slots holding a hash, in
@@ -390,16 +390,24 @@ class BlockPool:
         takes its generation from them. Every other slot is free, with a generation of
         `generation_floor`: above any handle issued before, so all of those are stale."""
         pool = cls(capacity, generation_floor)
-        hashed = []
-        for slot in contents:
-            block = slot.block
+        hashed = contents.blocks
+        width = DIGEST_BYTES
+        digests = contents.digests
+        for block, generation, scope, copies, lru_seq, start in zip(
+            hashed,
+            contents.generations,
+            contents.scopes,
+            contents.engine_copies,
+            contents.lru_seqs,
+            range(0, len(digests), width),
+            strict=True,
+        ):
             pool._pop_free_slot(block)
-            pool._generation[block] = slot.generation
-            pool._copies[block] = slot.engine_copies
-            pool._lru_seq[block] = slot.lru_seq
-            pool._scope[block] = slot.scope
-            pool._index(block, slot.digest)
-            hashed.append(block)
+            pool._generation[block] = generation
+            pool._copies[block] = copies
+            pool._lru_seq[block] = lru_seq
+            pool._scope[block] = scope
+            pool._index(block, digests[start : start + width])
         refs, pins, scopes = pool._refs, pool._pins, pool._scope
         referenced = set()
         for block, generation, pinned in references:
@@ -420,29 +428,32 @@ class BlockPool:
         return pool
 
     def contents_columns(self) -> ContentColumns:
-        """`contents`, field by field (a checkpoint of a large pool makes no object per slot)."""
+        """What `rebuild` needs of the slots besides the tables: every slot holding a hash, in
+        slot order, field by field (no object per slot). Costs what is hashed, not the pool's
+        size."""
+        return next(self.contents_chunks(self.capacity), ContentColumns([], [], b"", [], [], []))
+
+    def contents_chunks(self, per_chunk: int) -> Iterator[ContentColumns]:
+        """`contents_columns` in chunks of at most `per_chunk` slots, in slot order: a caller
+        that turns each into something compact before taking the next never holds the
+        columns of a large pool whole. Each chunk is read as it is taken: take them all before
+        the pool changes."""
         hashed = sorted(
             [*self._by_key.values(), *(b for more in self._more_by_key.values() for b in more)]
         )
-        if not hashed:
-            return ContentColumns([], [], b"", [], [], [])
-        pick = itemgetter(*hashed)
         width = DIGEST_BYTES
         digests = self._digests
-        return ContentColumns(
-            hashed,
-            _picked(pick, self._generation, len(hashed)),
-            b"".join([digests[b * width : (b + 1) * width] for b in hashed]),
-            _picked(pick, self._scope, len(hashed)),
-            _picked(pick, self._copies, len(hashed)),
-            _picked(pick, self._lru_seq, len(hashed)),
-        )
-
-    def contents(self) -> list[SlotContents]:
-        """What `rebuild` needs of the slots besides the tables: every slot holding a hash, in
-        slot order. Costs what is hashed, not the pool's size."""
-        hashed = [*self._by_key.values(), *(b for more in self._more_by_key.values() for b in more)]
-        return [self._contents(b) for b in sorted(hashed)]
+        for start in range(0, len(hashed), per_chunk):
+            chunk = hashed[start : start + per_chunk]
+            pick = itemgetter(*chunk)
+            yield ContentColumns(
+                chunk,
+                _picked(pick, self._generation, len(chunk)),
+                b"".join([digests[b * width : (b + 1) * width] for b in chunk]),
+                _picked(pick, self._scope, len(chunk)),
+                _picked(pick, self._copies, len(chunk)),
+                _picked(pick, self._lru_seq, len(chunk)),
+            )
 
     def _contents(self, block: int) -> SlotContents:
         start = block * DIGEST_BYTES
@@ -532,14 +543,3 @@ class BlockPool:
         if not bits:
             self._free_nonempty ^= 1 << chunk
         self.free_count -= 1
-
-
-def record_slot_changes(
-    recorded: dict[int, SlotContents], held: Iterable[SlotContents], dropped: Iterable[int]
-) -> None:
-    """Bring a record of slot contents (slot: contents) up to date with what `drain_dirty`
-    gave, in order: a checkpoint followed by its deltas is the pool's contents now."""
-    for slot in held:
-        recorded[slot.block] = slot
-    for block in dropped:
-        recorded.pop(block, None)

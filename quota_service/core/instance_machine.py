@@ -34,7 +34,7 @@ from quota_service.core.admission import (
     PrefixHits,
     Shortfall,
 )
-from quota_service.core.block_pool import BlockPool, SlotContents
+from quota_service.core.block_pool import BlockPool, ContentColumns, SlotContents
 from quota_service.core.block_table import BlockHandle, CachedBlock, EntryLookup
 from quota_service.core.errors import KvQuotaError, invalid_request, not_found, refuse_invalid
 from quota_service.core.hashing import block_hashes
@@ -328,7 +328,7 @@ class InstanceImage:
     """An instance's live state as the record keeps it: everything a new owner needs to rebuild
     the machine (history is not part of it, so recovery costs what is live)."""
 
-    slots: tuple[SlotContents, ...]
+    slots: ContentColumns
     scopes: tuple[str, ...]
     # Live reservations (admitted, offloaded and queued) and pins, copied.
     reservations: tuple[ReservationRecord, ...]
@@ -419,7 +419,7 @@ class InstanceMachine:
 
     def image(self) -> InstanceImage:
         return InstanceImage(
-            tuple(self.pool.contents()),
+            self.pool.contents_columns(),
             tuple(self.scopes),
             tuple(r.copy() for r in self.reservations.values()),
             tuple(p.copy() for p in self.pins.values()),

@@ -188,7 +188,7 @@ class InstanceOwner:
         rows = batch_rows(self.machine, changes, self._written, checkpoint)
         if rows.checkpoint is not None:
             # The next one once the deltas after it record twice as many slots as it did.
-            hashed = len(rows.checkpoint["digests"]) // DIGEST_BYTES
+            hashed = sum(len(chunk["digests"]) for chunk in rows.checkpoint) // DIGEST_BYTES
             self._checkpoint_after = max(self._checkpoint_min_slots, 2 * hashed)
             self._recorded_since_checkpoint = 0
         rows.statements, self._statements = self._statements, []

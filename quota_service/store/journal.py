@@ -12,6 +12,7 @@ the lease has lapsed (`InstanceHeld`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,11 +22,11 @@ from typing import Any
 
 import psycopg
 from sqlalchemy import text
-from sqlalchemy.engine import RowMapping
+from sqlalchemy.engine import Row, RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.core.admission import AdmitRequest
-from quota_service.core.block_pool import ContentColumns, SlotContents, record_slot_changes
+from quota_service.core.block_pool import ContentColumns
 from quota_service.core.hashing import DIGEST_BYTES
 from quota_service.core.instance_machine import (
     Changes,
@@ -113,6 +114,11 @@ def totals_of(machine: InstanceMachine, tenant: str) -> TenantTotals:
     return TenantTotals(len(here.held), here.tokens, len(here.pinned), here.queued)
 
 
+# Transactions a replica has in flight at once (each on a connection of its own).
+WRITE_CONNECTIONS = 4
+# Slots per row of a checkpoint: a statement of a few MB, however large the pool.
+CHECKPOINT_CHUNK_SLOTS = 65_536
+
 # A statement in the driver's placeholders (%(name)s) with its parameters.
 Statement = tuple[str, Mapping[str, Any]]
 
@@ -135,8 +141,9 @@ class BatchRows:
     # The record's own statements that commit with the batch (InstanceOwner.apply).
     statements: list[Statement] = field(default_factory=list)
     # Every slot's contents as of this batch, written whole in place of its delta (the deltas
-    # before it are then dropped): recovery reads what is live, not all history.
-    checkpoint: dict[str, Any] | None = None
+    # before it are then dropped): recovery reads what is live, not all history. In chunks of
+    # CHECKPOINT_CHUNK_SLOTS slots, each sent as a statement of its own.
+    checkpoint: list[dict[str, Any]] | None = None
 
     @property
     def operations(self) -> int:
@@ -169,7 +176,11 @@ def batch_rows(
         if collection == "tenants":
             touched.add(owner_id)
     if checkpoint:
-        rows.checkpoint = _slot_arrays(machine.scopes, machine.pool.contents_columns())
+        chunks = machine.pool.contents_chunks(CHECKPOINT_CHUNK_SLOTS)
+        rows.checkpoint = [
+            {**_slot_arrays(machine.scopes, chunk), "chunk": number}
+            for number, chunk in enumerate(chunks)
+        ]
     elif changes.slots or changes.dropped_slots:
         changed = ContentColumns.of(changes.slots)
         rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changed)}
@@ -385,38 +396,64 @@ def _from_json(name: str, converted: str | None) -> str:
     return f"r.{name}"
 
 
-# A batch is written through the driver in one pipeline (one round trip for all of it), so
-# these statements use its placeholders; each kind of row goes as one JSON parameter (one
-# statement however many rows). The first statement moves the owner's row on under its epoch or
-# fails the transaction; the ones after take the batch number from that row.
+_COLUMN_NAMES = ", ".join(c for c, _, _ in _RESERVATION_COLUMNS)
+_COLUMN_VALUES = ", ".join(_from_json(c, f) for c, _, f in _RESERVATION_COLUMNS)
+_JSON_RECORD = ", ".join(f"{c} {t}" for c, t, _ in _RESERVATION_COLUMNS)
+
+# A batch is written through the driver in one query (one round trip for all of it, whatever
+# instances it holds batches of), so these statements use its placeholders; each kind of row goes
+# as one JSON parameter (one statement however many rows), and statements whose order does not
+# matter are one statement of several parts: each statement costs PostgreSQL about as much to
+# parse, plan and start as its rows cost to write. The first statement moves the owner's row on
+# under its epoch or fails the transaction; the ones after take the batch number from that row.
 _NEXT_BATCH = "SELECT journal_next_batch(%(instance)s, %(epoch)s, %(clocks)s::jsonb)"
 # What journal_next_batch (migration 0021) fails with when the epoch is not the owner's.
 DEPOSED_SQLSTATE = "KQ001"
-_UPSERT_RESERVATIONS = (
-    f"INSERT INTO reservations ({', '.join(c for c, _, _ in _RESERVATION_COLUMNS)}) "
-    f"SELECT {', '.join(_from_json(c, f) for c, _, f in _RESERVATION_COLUMNS)} "
-    "FROM jsonb_to_recordset(%(rows)s::jsonb) AS r("
-    + ", ".join(f"{c} {t}" for c, t, _ in _RESERVATION_COLUMNS)
-    + ") ON CONFLICT (tenant, request_id) DO UPDATE SET "
+# New reservations are inserted unless the request id is recorded already, and then the batch
+# fails with those ids (journal_fresh, migration 0021); the changed ones replace their rows.
+_WRITE_RESERVATIONS = (
+    f"WITH r AS (SELECT * FROM jsonb_to_recordset(%(new)s::jsonb) AS r({_JSON_RECORD})), "
+    f"inserted AS (INSERT INTO reservations ({_COLUMN_NAMES}) SELECT {_COLUMN_VALUES} FROM r "
+    "ON CONFLICT (tenant, request_id) DO NOTHING RETURNING tenant, request_id), "
+    f"changed AS (INSERT INTO reservations ({_COLUMN_NAMES}) SELECT {_COLUMN_VALUES} "
+    f"FROM jsonb_to_recordset(%(changed)s::jsonb) AS r({_JSON_RECORD}) "
+    "ON CONFLICT (tenant, request_id) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c, _, _ in _RESERVATION_COLUMNS[2:])
-)
-# A pin, and what the instance's CPU tier must pin too, as it is now (salt, coordinator): an
-# unpin later reaches the same pins there whatever changed meanwhile.
-# New reservations: inserted unless the request id is recorded already, and then the batch
-# fails with those ids (journal_fresh, migration 0021).
-_INSERT_NEW_RESERVATIONS = (
-    "WITH r AS (SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS r("
-    + ", ".join(f"{c} {t}" for c, t, _ in _RESERVATION_COLUMNS)
-    + ")), inserted AS ("
-    f"INSERT INTO reservations ({', '.join(c for c, _, _ in _RESERVATION_COLUMNS)}) "
-    f"SELECT {', '.join(_from_json(c, f) for c, _, f in _RESERVATION_COLUMNS)} FROM r "
-    "ON CONFLICT (tenant, request_id) DO NOTHING RETURNING tenant, request_id) "
-    "SELECT journal_fresh(ARRAY(SELECT r.tenant || '/' || r.request_id FROM r "
+    + ") SELECT journal_fresh(ARRAY(SELECT r.tenant || '/' || r.request_id FROM r "
     "WHERE NOT EXISTS (SELECT 1 FROM inserted i "
     "WHERE i.tenant = r.tenant AND i.request_id = r.request_id)))"
 )
 # What journal_fresh fails with.
 REUSED_SQLSTATE = "KQ002"
+# Tenants' fleet-wide totals move (journal_move_totals, migration 0022, fails the batch (KQ003)
+# past a quota), with the batch's usage events and the instance's counters as the catalog shows
+# them.
+_MOVE_TOTALS = (
+    "WITH usage AS (INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, "
+    "compressed_bytes, tokens_reserved, output_tokens, admitted, queued, refused, shadow_refused) "
+    "SELECT u.tenant, %(instance)s, u.blocks, u.pinned, u.cpu_bytes, u.compressed_bytes, "
+    "u.tokens_reserved, u.output_tokens, u.admitted, u.queued, u.refused, u.shadow_refused "
+    "FROM jsonb_to_recordset(%(usage)s::jsonb) AS u(tenant text, blocks jsonb, pinned int, "
+    "cpu_bytes bigint, compressed_bytes bigint, tokens_reserved bigint, output_tokens bigint, "
+    "admitted int, queued int, refused jsonb, shadow_refused jsonb)), "
+    "counters AS (UPDATE instances SET free_blocks = %(free)s, cached_blocks = %(cached)s, "
+    "blocks_in_use = %(in_use)s, pinned_blocks = %(pinned)s, queued_requests = %(queued)s, "
+    "queued_prompt_tokens = %(queued_tokens)s, mean_hold_seconds = %(mean_hold)s, "
+    "drift_blocks = %(drift)s WHERE instance = %(instance)s) "
+    "SELECT journal_move_totals(%(instance)s, %(totals)s::jsonb)"
+)
+# What journal_move_totals fails with.
+OVER_QUOTA_SQLSTATE = "KQ003"
+# A transaction that moves several tenants' totals (once per batch it holds) locks their rows
+# before the first move, in one order every commit of every replica follows, so that no two
+# transactions wait on each other's (a deadlock PostgreSQL would break only after a second).
+_LOCK_TENANTS = (
+    "SELECT count(*) FROM (SELECT 1 FROM tenants WHERE tenant = ANY(%(tenants)s::text[]) "
+    "ORDER BY tenant FOR NO KEY UPDATE) AS locked"
+)
+
+# A pin, and what the instance's CPU tier must pin too, as it is now (salt, coordinator): an
+# unpin later reaches the same pins there whatever changed meanwhile.
 _UPSERT_PIN = (
     "WITH pin AS (INSERT INTO pins (owner, pin_id, tenant, instance, prompt_tokens, "
     "pinned_blocks, prefix_hash, created_at, block_ids, block_generations, state, removed_at) "
@@ -454,38 +491,16 @@ _INSERT_DELTA = (
     f"engine_copies, lru_seqs, dropped) SELECT instance, batch, {_SLOT_ARRAYS}, "
     "%(dropped)s::int[] FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s"
 )
-# Moves the tenants' fleet-wide totals, and fails the batch (KQ003) past a quota.
-_MOVE_TOTALS = "SELECT journal_move_totals(%(instance)s, %(rows)s::jsonb)"
-# What journal_move_totals fails with.
-OVER_QUOTA_SQLSTATE = "KQ003"
-_INSERT_USAGE = (
-    "INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, compressed_bytes, "
-    "tokens_reserved, output_tokens, admitted, queued, refused, shadow_refused) "
-    "SELECT u.tenant, %(instance)s, u.blocks, u.pinned, u.cpu_bytes, u.compressed_bytes, "
-    "u.tokens_reserved, u.output_tokens, u.admitted, u.queued, u.refused, u.shadow_refused "
-    "FROM jsonb_to_recordset(%(rows)s::jsonb) AS u(tenant text, blocks jsonb, pinned int, "
-    "cpu_bytes bigint, compressed_bytes bigint, tokens_reserved bigint, output_tokens bigint, "
-    "admitted int, queued int, refused jsonb, shadow_refused jsonb)"
-)
-# The instance's counters as the catalog shows them, kept with each batch (one row).
-_POOL_COUNTERS = (
-    "UPDATE instances SET free_blocks = %(free)s, cached_blocks = %(cached)s, "
-    "blocks_in_use = %(in_use)s, pinned_blocks = %(pinned)s, queued_requests = %(queued)s, "
-    "queued_prompt_tokens = %(queued_tokens)s, mean_hold_seconds = %(mean_hold)s, "
-    "drift_blocks = %(drift)s WHERE instance = %(instance)s"
-)
-_WRITE_CHECKPOINT = (
-    "INSERT INTO pool_checkpoints (instance, batch, scopes, slots, generations, digests, "
-    f"scope_ids, engine_copies, lru_seqs) SELECT instance, batch, {_SLOT_ARRAYS} "
-    "FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s "
-    "ON CONFLICT (instance) DO UPDATE SET batch = EXCLUDED.batch, scopes = EXCLUDED.scopes, "
-    "slots = EXCLUDED.slots, generations = EXCLUDED.generations, digests = EXCLUDED.digests, "
-    "scope_ids = EXCLUDED.scope_ids, engine_copies = EXCLUDED.engine_copies, "
-    "lru_seqs = EXCLUDED.lru_seqs, written_at = now()"
-)
-_DELETE_COVERED_DELTAS = (
+# A new checkpoint replaces the last one and the deltas it covers.
+_DROP_COVERED = (
+    "WITH checkpoint AS (DELETE FROM pool_checkpoints WHERE instance = %(instance)s) "
     "DELETE FROM pool_deltas d USING instance_owners o WHERE d.instance = %(instance)s "
     "AND o.instance = d.instance AND o.epoch = %(epoch)s AND d.batch <= o.batch"
+)
+_WRITE_CHECKPOINT_CHUNK = (
+    "INSERT INTO pool_checkpoints (instance, chunk, batch, scopes, slots, generations, digests, "
+    f"scope_ids, engine_copies, lru_seqs) SELECT instance, %(chunk)s, batch, {_SLOT_ARRAYS} "
+    "FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s"
 )
 _INSTANCES_OF = text(
     "SELECT r.tenant, r.request_id, r.instance FROM reservations r "
@@ -546,8 +561,8 @@ _PIN = text("SELECT * FROM pins WHERE owner = :owner AND pin_id = :pin_id")
 _NAMESPACE_SALT = text("SELECT cache_salt FROM namespaces WHERE namespace = :namespace")
 _OWNER = text("SELECT epoch, batch, clocks FROM instance_owners WHERE instance = :instance")
 _CHECKPOINT = text(
-    "SELECT batch, scopes, slots, generations, digests, scope_ids, engine_copies, lru_seqs "
-    "FROM pool_checkpoints WHERE instance = :instance"
+    "SELECT batch, scopes, slots, generations, digests, scope_ids, engine_copies, lru_seqs, "
+    "CAST('{}' AS int[]) AS dropped FROM pool_checkpoints WHERE instance = :instance"
 )
 _DELTAS = text(
     "SELECT batch, scopes, slots, generations, digests, scope_ids, engine_copies, lru_seqs, "
@@ -628,88 +643,193 @@ class _Writer:
         return prepares
 
 
+@dataclass(slots=True)
+class CommitStats:
+    """How a replica's commits are doing: transactions, and the owners' batches they held."""
+
+    commits: int = 0
+    batches: int = 0
+    # Transactions of several batches that one of them failed, tried again one batch each.
+    split: int = 0
+
+
+@dataclass(slots=True)
+class _Batch:
+    """An owner's batch waiting for the replica's next commit."""
+
+    instance: str
+    epoch: int
+    rows: BatchRows
+    committed: asyncio.Future[None]
+
+    def statements(self) -> list[Statement]:
+        rows = self.rows
+        fenced = {"instance": self.instance, "epoch": self.epoch}
+        statements: list[Statement] = [(_NEXT_BATCH, {**fenced, "clocks": json.dumps(rows.clocks)})]
+        if rows.new_reservations or rows.reservations:
+            written = {"new": _json(rows.new_reservations), "changed": _json(rows.reservations)}
+            statements.append((_WRITE_RESERVATIONS, written))
+        statements += [(_UPSERT_PIN, pin) for pin in rows.pins]
+        statements += [(_REMOVE_PIN, pin) for pin in rows.removed_pins]
+        if rows.checkpoint is not None:
+            statements.append((_DROP_COVERED, fenced))
+        elif rows.delta is not None:
+            statements.append((_INSERT_DELTA, {**rows.delta, **fenced}))
+        return statements
+
+    def totals_moved(self) -> Statement:
+        """The batch's tenants' totals, usage and instance counters: last in its transaction,
+        after every batch's other statements, so that the tenants' rows stay locked only from
+        there to the commit."""
+        rows = self.rows
+        moved = {**rows.pool, "totals": _json(rows.totals), "usage": _json(rows.usage)}
+        return (_MOVE_TOTALS, moved)
+
+    def checkpoint_chunks(self) -> list[Statement]:
+        fenced = {"instance": self.instance, "epoch": self.epoch}
+        return [(_WRITE_CHECKPOINT_CHUNK, {**c, **fenced}) for c in self.rows.checkpoint or ()]
+
+
 class Journal:
-    """Reads and writes of the instance journal. Writes are the owner's alone."""
+    """Reads and writes of the instance journal. Writes are the owners' alone: a replica commits
+    the batches its owners hand it while its commits are in flight together, in one transaction
+    (group commit across instances)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        self._writers: dict[str, _Writer] = {}
+        # Write connections: every one open, and those no commit uses now.
+        self._writers: set[_Writer] = set()
+        self._idle: list[_Writer] = []
+        self._waiting: list[_Batch] = []
+        self._committers: set[asyncio.Task[None]] = set()
         self._closed = False
+        self.stats = CommitStats()
 
     async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
-        """Commit one batch. Raises Deposed when a newer owner exists."""
-        fenced = {"instance": instance, "epoch": epoch}
-        statements: list[Statement] = [(_NEXT_BATCH, {**fenced, "clocks": json.dumps(rows.clocks)})]
-        if rows.new_reservations:
-            statements.append((_INSERT_NEW_RESERVATIONS, _rows(rows.new_reservations)))
-        if rows.reservations:
-            statements.append((_UPSERT_RESERVATIONS, _rows(rows.reservations)))
-        statements += [(_UPSERT_PIN, pin) for pin in rows.pins]
-        statements += [(_REMOVE_PIN, pin) for pin in rows.removed_pins]
-        if rows.checkpoint is not None:
-            statements.append((_WRITE_CHECKPOINT, {**rows.checkpoint, **fenced}))
-            statements.append((_DELETE_COVERED_DELTAS, fenced))
-        elif rows.delta is not None:
-            statements.append((_INSERT_DELTA, {**rows.delta, **fenced}))
-        if rows.totals:
-            statements.append((_MOVE_TOTALS, {**_rows(rows.totals), **fenced}))
-        if rows.usage:
-            statements.append((_INSERT_USAGE, {**_rows(rows.usage), **fenced}))
-        statements.append((_POOL_COUNTERS, rows.pool))
-        await self._commit(instance, statements, rows.statements)
+        """Commit one batch of an owner's, with whatever batches of other owners wait too.
+        Raises Deposed when a newer owner exists (RequestIdsReused, QuotaRaced as they say);
+        another owner's failure does not fail this batch."""
+        batch = _Batch(instance, epoch, rows, asyncio.get_running_loop().create_future())
+        self._waiting.append(batch)
+        if len(self._committers) < WRITE_CONNECTIONS:
+            committer = asyncio.create_task(self._commit_waiting())
+            self._committers.add(committer)
+            committer.add_done_callback(self._committers.discard)
+        await batch.committed
 
-    async def _commit(
-        self, instance: str, statements: Sequence[Statement], unprepared: Sequence[Statement]
-    ) -> None:
-        """One transaction in one round trip: the statements, bound here, go as one query
-        between BEGIN and COMMIT, on the instance's own connection (an owner writes one batch
-        at a time). The journal's own statements run prepared (`_Writer`), the record's that
-        ride along (`unprepared`) as they are. A statement that fails (the fence, when a newer
-        owner took the instance) fails the rest, and the transaction is rolled back."""
-        writer = self._writers.get(instance)
-        if writer is None or writer.connection.closed:
-            self._raise_if_closed()
-            # Autocommit: the driver adds no BEGIN of its own (a round trip).
-            connection = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
-            if self._closed:  # closed while this one connected: nothing else would close it
-                await connection.close()
-                self._raise_if_closed()
-            writer = self._writers[instance] = _Writer(connection)
+    async def _commit_waiting(self) -> None:
+        """One of the replica's committers: commit what waits, as one transaction, until
+        nothing does. Up to WRITE_CONNECTIONS commit at once, and the batches that arrive
+        while all of them are in flight go together in the next that ends: a replica's commits
+        overlap as its instances' did when each had its own, and under load each carries the
+        batches of many instances. When a batch's statement failed the transaction, the batches
+        are tried again one per transaction: the one that failed fails alone, and the others
+        commit."""
+        while self._waiting:
+            batches = [b for b in self._waiting if not b.committed.done()]
+            self._waiting = []
+            if batches and not await self._commit_or_fail(batches):
+                self.stats.split += 1
+                for batch in batches:
+                    await self._commit_or_fail([batch])
+
+    async def _commit_or_fail(self, batches: list[_Batch]) -> bool:
+        try:
+            return await self._commit(batches)
+        except Exception as exc:  # whatever it was, no caller waits forever
+            _fail(batches, exc)
+            return True
+
+    async def _commit(self, batches: list[_Batch]) -> bool:
+        """One transaction in one round trip: the batches' statements, bound here, go as one
+        query between BEGIN and COMMIT (a checkpoint's chunks follow, one round trip each). The
+        journal's own statements run prepared (`_Writer`), the record's that ride along
+        (`BatchRows.statements`) as they are. A statement that fails fails the rest, and the
+        transaction is rolled back: the batch fails (Deposed when it was its fence), or, in a
+        transaction of several batches, False says to try them again apart. Any other failure
+        (the connection lost, a COMMIT cut short that may have taken) fails them all, and the
+        connection is not trusted again."""
+        try:
+            writer = await self._connected()
+        except psycopg.Error as exc:
+            _fail(batches, exc)
+            return True
         cursor = psycopg.AsyncClientCursor(writer.connection)
+        statements = [(b.statements(), b.rows.statements) for b in batches]
+        tenants = sorted({moved["tenant"] for b in batches for moved in b.rows.totals})
+        lock = [(_LOCK_TENANTS, {"tenants": tenants})] if len(tenants) > 1 else []
+        statements.append(([*lock, *(b.totals_moved() for b in batches)], []))
+        chunks = [chunk for b in batches for chunk in b.checkpoint_chunks()]
+        prepares = writer.prepare(sql for own, _ in [*statements, (chunks, ())] for sql, _ in own)
         query = ";".join(
             [
-                *writer.prepare(sql for sql, _ in statements),
+                *prepares,
                 "BEGIN",
-                *(cursor.mogrify(writer.executes[sql], params) for sql, params in statements),
-                *(cursor.mogrify(sql, params) for sql, params in unprepared),
-                "COMMIT",
+                *(
+                    text
+                    for own, unprepared in statements
+                    for text in (
+                        *(cursor.mogrify(writer.executes[sql], params) for sql, params in own),
+                        *(cursor.mogrify(sql, params) for sql, params in unprepared),
+                    )
+                ),
+                *(() if chunks else ("COMMIT",)),
             ]
         )
         try:
             await cursor.execute(query)
+            # A checkpoint's chunks go one statement each, bound as it is sent: the query text
+            # of a large pool's checkpoint is never in memory whole.
+            for sql, params in chunks:
+                await cursor.execute(cursor.mogrify(writer.executes[sql], params))
+            if chunks:
+                await cursor.execute("COMMIT")
         except psycopg.Error as exc:
-            # Whatever failed, this connection is not trusted again.
-            del self._writers[instance]
-            await writer.connection.close()
-            if exc.sqlstate == DEPOSED_SQLSTATE:
-                raise Deposed(instance) from exc
-            if exc.sqlstate == REUSED_SQLSTATE and exc.diag.message_primary:
-                keys = [key.split("/", 1) for key in exc.diag.message_primary.split(" ")]
-                raise RequestIdsReused([(t, r) for t, r in keys]) from exc
-            if exc.sqlstate == OVER_QUOTA_SQLSTATE:
-                raise QuotaRaced(exc.diag.message_primary or "") from exc
-            raise
+            if not await _rolled_back(writer.connection):
+                self._writers.discard(writer)
+                await writer.connection.close()
+                _fail(batches, exc)
+                return True
+            self._idle.append(writer)
+            if len(batches) > 1:
+                return False
+            _fail(batches, exc)
+            return True
+        self._idle.append(writer)
+        self.stats.commits += 1
+        self.stats.batches += len(batches)
+        for batch in batches:
+            if not batch.committed.done():
+                batch.committed.set_result(None)
+        return True
+
+    async def _connected(self) -> _Writer:
+        """A write connection no commit uses now, opened when none is."""
+        self._raise_if_closed()
+        while self._idle:
+            writer = self._idle.pop()
+            if not writer.connection.closed:
+                return writer
+            self._writers.discard(writer)
+        # Autocommit: the driver adds no BEGIN of its own (a round trip).
+        connection = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
+        if self._closed:  # closed while this one connected: nothing else would close it
+            await connection.close()
+            self._raise_if_closed()
+        writer = _Writer(connection)
+        self._writers.add(writer)
+        return writer
 
     def _raise_if_closed(self) -> None:
         if self._closed:
             raise psycopg.OperationalError("the journal is closed: this replica is stopping")
 
     async def close(self) -> None:
-        """Close the owners' write connections; no batch is written after."""
+        """Close the write connections; no batch is written after."""
         self._closed = True
-        writers, self._writers = self._writers, {}
-        for writer in writers.values():
+        writers, self._writers, self._idle = self._writers, set(), []
+        for writer in writers:
             await writer.connection.close()
 
     async def instances_of(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
@@ -825,6 +945,47 @@ class Journal:
             return await _recorded(conn, instance, found)
 
 
+_IN_ERROR = psycopg.pq.TransactionStatus.INERROR
+
+
+async def _rolled_back(connection: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether a failed transaction surely committed nothing: a statement failed it (so its
+    COMMIT never ran), and it is rolled back now."""
+    if connection.info.transaction_status is not _IN_ERROR:
+        return False
+    try:
+        await connection.execute("ROLLBACK")
+    except psycopg.Error:
+        return False
+    return True
+
+
+def _fail(batches: Sequence[_Batch], exc: Exception) -> None:
+    error = exc
+    if len(batches) == 1 and isinstance(exc, psycopg.Error):
+        error = _error_of(batches[0].instance, exc)
+    for batch in batches:
+        if not batch.committed.done():
+            batch.committed.set_exception(error)
+
+
+def _error_of(instance: str, exc: psycopg.Error) -> Exception:
+    """What a failed transaction of one batch means for it."""
+    message = exc.diag.message_primary or ""
+    error: Exception
+    if exc.sqlstate == DEPOSED_SQLSTATE:
+        error = Deposed(instance)
+    elif exc.sqlstate == REUSED_SQLSTATE and message:
+        keys = [key.split("/", 1) for key in message.split(" ")]
+        error = RequestIdsReused([(t, r) for t, r in keys])
+    elif exc.sqlstate == OVER_QUOTA_SQLSTATE:
+        error = QuotaRaced(message)
+    else:
+        return exc
+    error.__cause__ = exc
+    return error
+
+
 def _held(instance: str, row: RowMapping) -> InstanceHeld:
     return InstanceHeld(instance, row["owner"], row["address"], float(row["seconds_left"]))
 
@@ -832,25 +993,17 @@ def _held(instance: str, row: RowMapping) -> InstanceHeld:
 async def _recorded(
     conn: AsyncConnection, instance: str, owner: Mapping[str, Any]
 ) -> RecordedInstance:
-    recorded: dict[int, SlotContents] = {}
-    scopes: list[str] = []
-    after = -1
-    for row in (await conn.execute(_CHECKPOINT, {"instance": instance})).mappings():
-        scopes = list(row["scopes"])
-        record_slot_changes(recorded, _slots_from_row(row), ())
-        after = row["batch"]
-    deltas = await conn.execute(_DELTAS, {"instance": instance, "after": after})
-    for row in deltas.mappings():
-        scopes = list(row["scopes"])
-        record_slot_changes(recorded, _slots_from_row(row), row["dropped"])
+    rows = list((await conn.execute(_CHECKPOINT, {"instance": instance})).all())
+    after = rows[0].batch if rows else -1
+    rows += (await conn.execute(_DELTAS, {"instance": instance, "after": after})).all()
     live = await conn.execute(_LIVE_RESERVATIONS, {"instance": instance})
     reservations = tuple(_record_from_row(r) for r in live.mappings())
     pins = await conn.execute(_ACTIVE_PINS, {"instance": instance})
     pin_records = tuple(_pin_from_row(r) for r in pins.mappings())
     clocks = owner["clocks"]
     image = InstanceImage(
-        tuple(recorded.values()),
-        tuple(scopes),
+        _slot_contents(rows),
+        tuple(rows[-1].scopes if rows else ()),
         reservations,
         pin_records,
         {int(p): t for p, t in clocks.get("virtual_time", {}).items()},
@@ -867,24 +1020,42 @@ async def _recorded(
     return RecordedInstance(int(owner["epoch"]), int(owner["batch"]), image)
 
 
-def _rows(rows: list[dict[str, Any]]) -> dict[str, str]:
-    return {"rows": json.dumps(rows, separators=(",", ":"))}
+def _json(rows: list[dict[str, Any]]) -> str | None:
+    return json.dumps(rows, separators=(",", ":")) if rows else None
 
 
-def _slots_from_row(row: RowMapping) -> Iterable[SlotContents]:
-    digests = bytes(row["digests"])
-    for i, (block, generation, scope, copies, lru_seq) in enumerate(
-        zip(
-            row["slots"],
-            row["generations"],
-            row["scope_ids"],
-            row["engine_copies"],
-            row["lru_seqs"],
-            strict=True,
-        )
-    ):
-        digest = digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]
-        yield SlotContents(block, generation, digest, scope, copies, lru_seq)
+# Where a slot's contents are in the rows `_slot_contents` reads: the row's number in the high
+# bits, the slot's place in that row's arrays in the low ones.
+_PLACE_BITS = 32
+
+
+def _slot_contents(rows: Sequence[Row[Any]]) -> ContentColumns:
+    """The slots' contents a checkpoint's chunks and the deltas after it record, as columns:
+    each slot as the last row naming it has it, none for those a later delta dropped. Columns
+    in, columns out: a large pool's recovery makes no object per slot."""
+    latest: dict[int, int] = {}
+    for number, row in enumerate(rows):
+        start = number << _PLACE_BITS
+        latest.update(zip(row.slots, range(start, start + len(row.slots)), strict=True))
+        for block in row.dropped:
+            latest.pop(block, None)
+    blocks = sorted(latest)
+    places = [(latest[b] >> _PLACE_BITS, latest[b] & ((1 << _PLACE_BITS) - 1)) for b in blocks]
+    digests = [bytes(row.digests) for row in rows]
+    width = DIGEST_BYTES
+
+    def column(name: str) -> list[int]:
+        values = [getattr(row, name) for row in rows]
+        return [values[r][i] for r, i in places]
+
+    return ContentColumns(
+        blocks,
+        column("generations"),
+        b"".join([digests[r][i * width : (i + 1) * width] for r, i in places]),
+        column("scope_ids"),
+        column("engine_copies"),
+        column("lru_seqs"),
+    )
 
 
 def _record_from_row(row: RowMapping) -> ReservationRecord:

@@ -496,11 +496,12 @@ class InstanceTenantTotalsRow(Base):
 
 class PoolCheckpointRow(Base):
     """An instance's slot contents (the slots holding a hash) as of a batch, one array per
-    field; the deltas after it complete the picture."""
+    field, in chunks of a bounded number of slots; the deltas after it complete the picture."""
 
     __tablename__ = "pool_checkpoints"
 
     instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
+    chunk: Mapped[int] = mapped_column(Integer, primary_key=True, server_default="0")
     batch: Mapped[int] = mapped_column(BigInteger)
     scopes: Mapped[list[str]] = mapped_column(ARRAY(Text))
     slots: Mapped[list[int]] = mapped_column(ARRAY(Integer))

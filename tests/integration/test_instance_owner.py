@@ -20,6 +20,7 @@ from quota_service.core.model import EndReason, ReservationState
 from quota_service.core.queueing import QueuePolicy
 from quota_service.core.reasons import Reason
 from quota_service.owner.instance_owner import InstanceOwner, take_over
+from quota_service.store import journal as journal_module
 from quota_service.store.catalog import Catalog
 from quota_service.store.journal import BatchRows, Journal
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
@@ -187,9 +188,12 @@ async def test_a_new_owner_rebuilds_the_pool_and_stales_old_handles(
     )
 
 
+@pytest.mark.parametrize("chunk_slots", [journal_module.CHECKPOINT_CHUNK_SLOTS, 7])
 async def test_checkpoints_keep_recovery_to_what_is_live(
-    engine: AsyncEngine, journal: Journal
+    engine: AsyncEngine, journal: Journal, chunk_slots: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # With small chunks, a checkpoint is many rows.
+    monkeypatch.setattr(journal_module, "CHECKPOINT_CHUNK_SLOTS", chunk_slots)
     recorded = await journal.load("gpu-0", "replica-a", "", 0.0)
     tenants = await journal.tenants()
     found = await Catalog(engine).get_instance("gpu-0")
@@ -202,8 +206,12 @@ async def test_checkpoints_keep_recovery_to_what_is_live(
         await admit_prompt(owner, f"r{i}", tuple(range(i, i + 160)))
         await release(owner, f"r{i}")
     async with engine.connect() as conn:
-        checkpoint = (await conn.execute(text("SELECT batch FROM pool_checkpoints"))).scalar_one()
+        chunks = await conn.execute(text("SELECT chunk, batch FROM pool_checkpoints ORDER BY 1"))
+        numbers, batches = zip(*chunks, strict=True)
+        checkpoint = batches[0]
         deltas = (await conn.execute(text("SELECT batch FROM pool_deltas"))).scalars().all()
-    # Only the deltas after the last checkpoint are kept.
+    # Only the last checkpoint's chunks, and the deltas after it, are kept.
+    assert set(batches) == {checkpoint}
+    assert numbers == tuple(range(len(numbers))) and (len(numbers) > 1) == (chunk_slots == 7)
     assert deltas and all(batch > checkpoint for batch in deltas)
     await rebuilt(engine, journal, owner.machine)

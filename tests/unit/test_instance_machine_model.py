@@ -10,14 +10,14 @@ after the steps tests/examples.py says, and after the last)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from quota_service.core.admission import AdmitRequest
-from quota_service.core.block_pool import SlotContents, record_slot_changes
+from quota_service.core.block_pool import SlotContents
 from quota_service.core.block_table import BlockHandle
 from quota_service.core.instance_machine import Elsewhere, InstanceMachine, TenantSettings
 from quota_service.core.model import AdmitParams, EndReason, InstanceSpec, TenantState
@@ -36,6 +36,17 @@ from tests.model.rules import (
 from tests.unit.machine_fixtures import check_recovery, recount, shares_held, slot_rows
 
 NOW = 1_700_000_000.0
+
+
+def record_slot_changes(
+    recorded: dict[int, SlotContents], held: Iterable[SlotContents], dropped: Iterable[int]
+) -> None:
+    """Bring a record of slot contents (slot: contents) up to date with what `drain_dirty`
+    gave, in order: a checkpoint followed by its deltas is the pool's contents now."""
+    for slot in held:
+        recorded[slot.block] = slot
+    for block in dropped:
+        recorded.pop(block, None)
 
 
 class MachinesVersusModel(LedgerRules):

@@ -1,0 +1,196 @@
+"""A replica commits the batches of all the instances it owns together, one transaction for all:
+each batch still passes its own fence, a stale instance's batch fails alone while the others
+commit, and PostgreSQL dying in the middle of a shared commit acknowledges nothing of it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from quota_service.config import Settings
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.model import EndReason, ReservationState
+from quota_service.core.queueing import QueuePolicy
+from quota_service.core.reasons import Reason
+from quota_service.owner.instance_owner import InstanceOwner, take_over
+from quota_service.store.catalog import Catalog
+from quota_service.store.journal import BatchRows, Journal, Statement, _Batch
+from tests.integration.ledger_fixtures import add_instance, add_tenant, request
+from tests.unit.machine_fixtures import assert_same_machine, recount
+
+LIMITS = Settings().admission_limits
+INSTANCES = ("gpu-0", "gpu-1", "gpu-2", "gpu-3")
+
+
+class GatedJournal(Journal):
+    """A journal that starts committing only when the test lets it, and tells which instances
+    each transaction held."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(engine)
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.transactions: list[list[str]] = []
+        self._expected = 0
+        self.all_waiting = asyncio.Event()
+
+    def hold(self, batches: int) -> None:
+        """Commit nothing until `batches` batches wait (and the gate is set again)."""
+        self.gate.clear()
+        self.transactions.clear()
+        self._expected = batches
+        self.all_waiting.clear()
+
+    async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
+        self._expected -= 1
+        if self._expected <= 0:
+            self.all_waiting.set()
+        await super().write(instance, epoch, rows)
+
+    async def _commit_waiting(self) -> None:
+        await self.gate.wait()
+        await super()._commit_waiting()
+
+    async def _commit(self, batches: list[_Batch]) -> bool:
+        self.transactions.append(sorted(b.instance for b in batches))
+        return await super()._commit(batches)
+
+
+@pytest.fixture
+async def journal(engine: AsyncEngine) -> AsyncIterator[GatedJournal]:
+    for name in INSTANCES:
+        await add_instance(engine, name, blocks=256)
+    await add_tenant(engine, "acme")
+    journal = GatedJournal(engine)
+    yield journal
+    await journal.close()
+
+
+async def owner_of(
+    engine: AsyncEngine, journal: Journal, instance: str, name: str = "replica-a"
+) -> InstanceOwner:
+    return await take_over(journal, Catalog(engine), instance, LIMITS, QueuePolicy(), name)
+
+
+async def admit(owner: InstanceOwner, request_id: str) -> ReservationState:
+    wanted = request(request_id, 100, 20, instance=owner.instance)
+    return await owner.apply(lambda m, now: m.admit(wanted, now).state)
+
+
+async def recorded(engine: AsyncEngine) -> list[tuple[str, str, str]]:
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text("SELECT instance, request_id, state FROM reservations ORDER BY 1, 2")
+        )
+        return [(instance, request_id, state) for instance, request_id, state in rows]
+
+
+def assert_moving(outcome: object) -> None:
+    assert isinstance(outcome, KvQuotaError), outcome
+    assert outcome.reason is Reason.INSTANCE_MOVING
+
+
+async def test_the_batches_of_several_instances_share_commits(
+    engine: AsyncEngine, journal: GatedJournal
+) -> None:
+    owners = [await owner_of(engine, journal, name) for name in INSTANCES]
+    # Batches that wait while the commits are held go in one transaction.
+    journal.hold(len(owners))
+    first = [asyncio.create_task(admit(o, f"{o.instance}-first")) for o in owners]
+    await journal.all_waiting.wait()
+    journal.gate.set()
+    assert set(await asyncio.gather(*first)) == {ReservationState.ADMITTED}
+    assert journal.transactions[0] == list(INSTANCES)
+
+    async def pair(owner: InstanceOwner, i: int) -> None:
+        assert await admit(owner, f"{owner.instance}-r{i}") is ReservationState.ADMITTED
+        ended = await owner.apply(
+            lambda m, now: m.end("acme", f"{owner.instance}-r{i}", EndReason.RELEASED, now)
+        )
+        assert ended.state is ReservationState.ENDED
+
+    await asyncio.gather(*(pair(owner, i) for owner in owners for i in range(8)))
+    batches = sum(owner.stats.batches for owner in owners)
+    assert journal.stats.batches == batches
+    assert journal.stats.commits < batches
+    for owner in owners:
+        fresh = await owner_of(engine, journal, owner.instance, "replica-b")
+        recount(fresh.machine)
+        assert_same_machine(owner.machine, fresh.machine)
+
+
+async def test_a_stale_instance_fails_alone_in_a_shared_commit(
+    engine: AsyncEngine, journal: GatedJournal
+) -> None:
+    stale = await owner_of(engine, journal, "gpu-0")
+    kept = await owner_of(engine, journal, "gpu-1")
+    # Another replica takes gpu-0 over: the epoch this replica holds for it is stale now.
+    elsewhere = Journal(engine)
+    newer = await owner_of(engine, elsewhere, "gpu-0", "replica-b")
+    journal.hold(2)
+    admitting = [asyncio.create_task(admit(o, f"{o.instance}-after")) for o in (stale, kept)]
+    await journal.all_waiting.wait()
+    journal.gate.set()
+    lost, admitted = await asyncio.gather(*admitting, return_exceptions=True)
+    assert_moving(lost)
+    assert admitted is ReservationState.ADMITTED
+    # Tried together, then apart: the stale batch failed its fence alone.
+    assert journal.transactions == [["gpu-0", "gpu-1"], ["gpu-0"], ["gpu-1"]]
+    assert stale.failure is not None and kept.failure is None
+    assert await admit(kept, "gpu-1-later") is ReservationState.ADMITTED
+    assert await recorded(engine) == [
+        ("gpu-1", "gpu-1-after", "ADMITTED"),
+        ("gpu-1", "gpu-1-later", "ADMITTED"),
+    ]
+    with pytest.raises(KvQuotaError) as missing:
+        await newer.apply(lambda m, now: m.get("acme", "gpu-0-after"))
+    assert missing.value.reason is Reason.RESERVATION_NOT_FOUND
+    await elsewhere.close()
+
+
+async def test_postgresql_dying_mid_commit_acknowledges_none_of_it(
+    engine: AsyncEngine, journal: GatedJournal
+) -> None:
+    owners = [await owner_of(engine, journal, name) for name in ("gpu-0", "gpu-1")]
+    for owner in owners:
+        assert await admit(owner, f"{owner.instance}-kept") is ReservationState.ADMITTED
+    journal.hold(2)
+    # The shared commit takes a while (a statement of the record's rides along): its
+    # connection is cut in the middle, as a PostgreSQL that dies would.
+    slow: list[Statement] = [("SELECT pg_sleep(5)", {})]
+    lost = request("gpu-0-lost", 100, 20)
+    admitting = [
+        asyncio.create_task(owners[0].apply(lambda m, now: m.admit(lost, now), lambda _: slow)),
+        asyncio.create_task(admit(owners[1], "gpu-1-lost")),
+    ]
+    await journal.all_waiting.wait()
+    journal.gate.set()
+    async with engine.connect() as conn:
+        # Each look a statement of its own: a transaction would see one snapshot of the activity.
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        for _ in range(200):
+            cut = await conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE wait_event = 'PgSleep' AND datname = current_database()"
+                )
+            )
+            if cut.first() is not None:
+                break
+            await asyncio.sleep(0.02)
+    for outcome in await asyncio.gather(*admitting, return_exceptions=True):
+        assert_moving(outcome)
+    assert journal.transactions == [["gpu-0", "gpu-1"]]
+    assert all(owner.failure is not None for owner in owners)
+    assert await recorded(engine) == [
+        ("gpu-0", "gpu-0-kept", "ADMITTED"),
+        ("gpu-1", "gpu-1-kept", "ADMITTED"),
+    ]
+    # The next owners rebuild what was acknowledged, and commit again.
+    for owner in owners:
+        fresh = await owner_of(engine, journal, owner.instance, "replica-b")
+        assert await admit(fresh, f"{owner.instance}-again") is ReservationState.ADMITTED
