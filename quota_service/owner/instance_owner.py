@@ -38,6 +38,7 @@ from quota_service.store.journal import (
     BatchRows,
     Deposed,
     Journal,
+    PinIdTaken,
     QuotaRaced,
     RequestIdsReused,
     Statement,
@@ -203,6 +204,8 @@ class InstanceOwner:
                 self.on_reused(exc.keys)
         elif isinstance(exc, QuotaRaced):
             why = f"other replicas took the quota of tenants {exc} meanwhile"
+        elif isinstance(exc, PinIdTaken):
+            why = f"pin {exc} was made on another instance meanwhile"
         else:
             why = "its journal failed"
         log.warning("instances/%s: %s (%s)", self.instance, why, exc)

@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.core import pins
 from quota_service.core.admission import AdmissionLimits
-from quota_service.core.errors import not_found
+from quota_service.core.errors import KvQuotaError, not_found
 from quota_service.core.instance_machine import NOWHERE_ELSE, InstanceMachine, PinRecord
 from quota_service.core.model import Pin, PinState
 from quota_service.core.reasons import Reason
@@ -44,12 +44,7 @@ class OwnedPins(Pins):
         active on another instance, is refused."""
         collection, owner_id = owner.split("/", 1)
         tenant = owner_id if collection == "tenants" else None
-        recorded = await self._journal.recorded_pin(owner, pin_id)
-        if (
-            recorded is not None
-            and recorded.state is PinState.ACTIVE
-            and recorded.instance != instance
-        ):
+        if await self._active_elsewhere(owner, pin_id, instance):
             raise pins.pin_id_reused(owner, pin_id)
         namespace_salt = None
         if tenant is None:
@@ -72,7 +67,24 @@ class OwnedPins(Pins):
             made = machine.pin(owner, pin_id, token_ids, salt, scope, tenant, now, elsewhere)
             return _pin(made, instance, PinState.ACTIVE)
 
-        return await owners.run(instance, pin)
+        try:
+            return await owners.run(instance, pin)
+        except KvQuotaError as failed:
+            # Its batch failed: because the id was pinned on another instance meanwhile (the
+            # journal refuses to replace an active pin there), when the record says so now.
+            if failed.reason is Reason.INSTANCE_MOVING and await self._active_elsewhere(
+                owner, pin_id, instance
+            ):
+                raise pins.pin_id_reused(owner, pin_id) from failed
+            raise
+
+    async def _active_elsewhere(self, owner: str, pin_id: str, instance: str) -> bool:
+        recorded = await self._journal.recorded_pin(owner, pin_id)
+        return (
+            recorded is not None
+            and recorded.state is PinState.ACTIVE
+            and recorded.instance != instance
+        )
 
     async def unpin(self, owner: str, pin_id: str) -> Pin:
         """Release a pin's blocks (they stay cached until evicted). Idempotent."""

@@ -70,6 +70,11 @@ class RequestIdsReused(Exception):
         self.keys = keys
 
 
+class PinIdTaken(Exception):
+    """A pin of the batch has an id the record holds active on another instance (pinned there
+    meanwhile): the batch was not committed."""
+
+
 class QuotaRaced(Exception):
     """The batch would have taken tenants past their fleet-wide quota: other owners admitted
     for them meanwhile. It was not committed."""
@@ -444,6 +449,8 @@ _MOVE_TOTALS = (
 )
 # What journal_move_totals fails with.
 OVER_QUOTA_SQLSTATE = "KQ003"
+# What journal_pin_taken fails with.
+PIN_TAKEN_SQLSTATE = "KQ004"
 # A transaction that moves several tenants' totals (once per batch it holds) locks their rows
 # before the first move, in one order every commit of every replica follows, so that no two
 # transactions wait on each other's (a deadlock PostgreSQL would break only after a second).
@@ -453,7 +460,10 @@ _LOCK_TENANTS = (
 )
 
 # A pin, and what the instance's CPU tier must pin too, as it is now (salt, coordinator): an
-# unpin later reaches the same pins there whatever changed meanwhile.
+# unpin later reaches the same pins there whatever changed meanwhile. It replaces a recorded pin
+# of its id only when that one was removed or is on the same instance; one active on another
+# instance (pinned there meanwhile by its owner) fails the batch (journal_pin_taken, migration
+# 0025).
 _UPSERT_PIN = (
     "WITH pin AS (INSERT INTO pins (owner, pin_id, tenant, instance, prompt_tokens, "
     "pinned_blocks, prefix_hash, created_at, block_ids, block_generations, state, removed_at) "
@@ -465,16 +475,19 @@ _UPSERT_PIN = (
     "pinned_blocks = EXCLUDED.pinned_blocks, prefix_hash = EXCLUDED.prefix_hash, "
     "created_at = EXCLUDED.created_at, block_ids = EXCLUDED.block_ids, "
     "block_generations = EXCLUDED.block_generations, state = 'ACTIVE', removed_at = NULL "
-    "RETURNING holder_id) "
-    "INSERT INTO cpu_tier_pins (holder_id, coordinator_url, model_name, world_size, "
-    "cache_salt, token_ids) "
+    "WHERE pins.state = 'REMOVED' OR pins.instance = EXCLUDED.instance "
+    "RETURNING holder_id), "
+    "mirrored AS (INSERT INTO cpu_tier_pins (holder_id, coordinator_url, model_name, "
+    "world_size, cache_salt, token_ids) "
     "SELECT pin.holder_id, i.lmcache_coordinator_url, i.lmcache_model_name, "
     "i.lmcache_world_size, %(salt)s, %(token_ids)s::int[] FROM pin, instances i "
     "WHERE i.instance = %(instance)s AND i.lmcache_coordinator_url IS NOT NULL "
     "ON CONFLICT (holder_id) DO UPDATE SET coordinator_url = EXCLUDED.coordinator_url, "
     "model_name = EXCLUDED.model_name, world_size = EXCLUDED.world_size, "
     "cache_salt = EXCLUDED.cache_salt, token_ids = EXCLUDED.token_ids, chunk_keys = NULL, "
-    "wanted = true"
+    "wanted = true) "
+    "SELECT journal_pin_taken(ARRAY(SELECT %(owner)s || '/pins/' || %(pin_id)s "
+    "WHERE NOT EXISTS (SELECT 1 FROM pin)))"
 )
 _REMOVE_PIN = (
     "WITH removed AS (UPDATE pins SET state = 'REMOVED', removed_at = now(), block_ids = NULL, "
@@ -980,6 +993,8 @@ def _error_of(instance: str, exc: psycopg.Error) -> Exception:
         error = RequestIdsReused([(t, r) for t, r in keys])
     elif exc.sqlstate == OVER_QUOTA_SQLSTATE:
         error = QuotaRaced(message)
+    elif exc.sqlstate == PIN_TAKEN_SQLSTATE:
+        error = PinIdTaken(message)
     else:
         return exc
     error.__cause__ = exc

@@ -250,13 +250,6 @@ async def test_an_offboarded_tenant_cannot_come_back(
     assert (await catalog.get_tenant("crashed")).state is TenantState.DELETED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="OwnedPins.pin checks the record for the id before the instance's owner applies the "
-    "pin, and the journal upserts pin rows on (owner, pin_id): two owners pinning one id on two "
-    "instances at once both succeed, the later batch's row replaces the earlier's, and that "
-    "owner's machine holds a pin the record no longer has",
-)
 async def test_racing_namespace_pins_with_one_id(engine: AsyncEngine, owned: HotPath) -> None:
     pins, catalog = owned.pins, owned.catalog
     await add_instance(engine, blocks=20)
