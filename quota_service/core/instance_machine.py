@@ -121,6 +121,8 @@ class HeldTable:
         ]
 
     def handles(self) -> tuple[BlockHandle, ...]:
+        if not self.live_entries:  # all released (an ended reservation's)
+            return ()
         if self.live_entries == len(self.blocks):  # nothing released: no filtering
             return tuple(map(BlockHandle, self.blocks, self.generations))
         return tuple(BlockHandle(b, g) for b, g in self.live_handles())
