@@ -28,7 +28,7 @@ from quota_service.api.error_status import (
     answered_with,
 )
 from quota_service.core import access, names
-from quota_service.core.access import ANONYMOUS, ApiKey, AuditEvent, Principal, Role
+from quota_service.core.access import ANONYMOUS, AuditEvent, Principal, Role
 from quota_service.core.errors import ServedElsewhere
 from quota_service.store.access import ApiKeys, AuditLog
 
@@ -149,7 +149,8 @@ class Authenticator:
         self._keys = keys
         self._required = required
         self._cache_seconds = cache_seconds
-        self._cache: dict[str, tuple[float, ApiKey, bytes]] = {}
+        # Key id: when it was verified, its principal, and its secret's digest.
+        self._cache: dict[str, tuple[float, Principal, bytes]] = {}
 
     async def principal(self, metadata: Sequence[tuple[str, str | bytes]]) -> Principal:
         if not self._required:
@@ -172,12 +173,13 @@ class Authenticator:
                 self._cache.pop(key_id, None)
                 log.warning("refused a call: apiKeys/%s is unknown or revoked", key_id)
                 raise access.unauthenticated("unknown or revoked API key")
-            cached = (now, *found)
+            key, digest = found
+            cached = (now, key.principal, digest)
             self._cache[key_id] = cached
         if not access.matches(secret, cached[2]):
             log.warning("refused a call: wrong secret for apiKeys/%s", key_id)
             raise access.unauthenticated("unknown or revoked API key")
-        return cached[1].principal
+        return cached[1]
 
 
 def _request_id(metadata: Sequence[tuple[str, str | bytes]]) -> str:
