@@ -75,7 +75,9 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                 if not self._waiters.closed and not forwarded_call.get():
                     await asyncio.shield(self._abandon(reservation))
                 raise
-        return pb.AdmitResponse(reservation=convert.reservation(reservation), cache_salt=salt)
+        response = pb.AdmitResponse(cache_salt=salt)
+        convert.fill_reservation(response.reservation, reservation)
+        return response
 
     async def _queue_wait(self, reservation: Reservation, budget_seconds: float) -> Reservation:
         """`_until_admitted`, measured: the one place a caller waits in a queue (a queued Admit,

@@ -8,6 +8,7 @@ stay open, for load balancers and grpcurl."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -149,7 +150,10 @@ class Authenticator:
         self._keys = keys
         self._required = required
         self._cache_seconds = cache_seconds
-        self._cache: dict[str, tuple[float, ApiKey, bytes]] = {}
+        # Key id: when it was verified, its principal, and its secret's digest.
+        self._cache: dict[str, tuple[float, Principal, bytes]] = {}
+        # Keys being read from the database now, by id.
+        self._reading: dict[str, asyncio.Future[tuple[ApiKey, bytes] | None]] = {}
 
     async def principal(self, metadata: Sequence[tuple[str, str | bytes]]) -> Principal:
         if not self._required:
@@ -167,17 +171,33 @@ class Authenticator:
         now = time.monotonic()
         cached = self._cache.get(key_id)
         if cached is None or now - cached[0] > self._cache_seconds:
-            found = await self._keys.verified(key_id)
+            found = await self._verified(key_id)
             if found is None:
                 self._cache.pop(key_id, None)
                 log.warning("refused a call: apiKeys/%s is unknown or revoked", key_id)
                 raise access.unauthenticated("unknown or revoked API key")
-            cached = (now, *found)
+            key, digest = found
+            cached = (now, key.principal, digest)
             self._cache[key_id] = cached
         if not access.matches(secret, cached[2]):
             log.warning("refused a call: wrong secret for apiKeys/%s", key_id)
             raise access.unauthenticated("unknown or revoked API key")
-        return cached[1].principal
+        return cached[1]
+
+    async def _verified(self, key_id: str) -> tuple[ApiKey, bytes] | None:
+        """The key as the database has it now. The calls that find its cache entry lapsed
+        together (every caller of a busy gateway, each time it lapses) share one read, rather
+        than each taking a pooled connection."""
+        reading = self._reading.get(key_id)
+        if reading is None:
+            reading = self._reading[key_id] = asyncio.ensure_future(self._keys.verified(key_id))
+            reading.add_done_callback(lambda done: self._read(key_id, done))
+        return await asyncio.shield(reading)
+
+    def _read(self, key_id: str, done: asyncio.Future[tuple[ApiKey, bytes] | None]) -> None:
+        del self._reading[key_id]
+        if not done.cancelled():
+            done.exception()  # its callers may all have gone away: then no one reads it
 
 
 def _request_id(metadata: Sequence[tuple[str, str | bytes]]) -> str:

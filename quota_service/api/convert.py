@@ -81,8 +81,14 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 def timestamp(value: datetime) -> Timestamp:
     """As Timestamp.FromDatetime has it (a naive value is UTC), by exact timedelta arithmetic:
     a twentieth of its cost, and every answer carries several."""
+    seconds, nanos = _since_epoch(value)
+    return Timestamp(seconds=seconds, nanos=nanos)
+
+
+def _since_epoch(value: datetime) -> tuple[int, int]:
+    """A Timestamp's seconds and nanos for `value`."""
     since = value.replace(tzinfo=UTC) - EPOCH if value.tzinfo is None else value - EPOCH
-    return Timestamp(seconds=since.days * 86_400 + since.seconds, nanos=since.microseconds * 1000)
+    return since.days * 86_400 + since.seconds, since.microseconds * 1000
 
 
 # Protobuf's own bounds: Durations of at most 10,000 years, Timestamps in years 1 to 9999.
@@ -113,9 +119,13 @@ def instant(value: Timestamp, field: str, violations: list[FieldViolation]) -> d
 
 
 def duration(seconds: float) -> Duration:
-    value = Duration()
-    value.FromTimedelta(timedelta(seconds=seconds))
-    return value
+    """As Duration.FromTimedelta has it (microsecond precision, nanos of the seconds' sign), by
+    arithmetic: every reservation carries one."""
+    since = timedelta(seconds=seconds)
+    whole, nanos = since.days * 86_400 + since.seconds, since.microseconds * 1000
+    if whole < 0 and nanos > 0:
+        whole, nanos = whole + 1, nanos - NANOS
+    return Duration(seconds=whole, nanos=nanos)
 
 
 def _resource_id(name: str, collection: str, field: str, violations: list[FieldViolation]) -> str:
@@ -174,22 +184,32 @@ def lease_ttl(
 
 
 def reservation(value: Reservation) -> pb.Reservation:
-    message = pb.Reservation(
-        name=names.reservation_name(value.tenant, value.request_id),
-        tenant=names.tenant_name(value.tenant),
-        request_id=value.request_id,
-        instance=names.instance_name(value.instance),
-        prompt_tokens=value.prompt_tokens,
-        max_output_tokens=value.max_output_tokens,
-        n=value.n,
-        priority=value.priority,
-        state=_RESERVATION_STATES[value.state],
-        reserved_blocks=value.reserved_blocks,
-        reserved_tokens=value.reserved_tokens,
-        prefix_hit_blocks=value.prefix_hit_blocks,
-        lease_ttl=duration(value.lease_ttl_seconds),
-        output_tokens=value.output_tokens or 0,
-        shadow_refusal=value.shadow_refusal or "",
+    message = pb.Reservation()
+    fill_reservation(message, value)
+    return message
+
+
+def fill_reservation(message: pb.Reservation, value: Reservation) -> None:
+    """Write a reservation into an empty message: into the one a response holds, so that its
+    block table is not copied again."""
+    message.MergeFrom(
+        pb.Reservation(
+            name=names.reservation_name(value.tenant, value.request_id),
+            tenant=names.tenant_name(value.tenant),
+            request_id=value.request_id,
+            instance=names.instance_name(value.instance),
+            prompt_tokens=value.prompt_tokens,
+            max_output_tokens=value.max_output_tokens,
+            n=value.n,
+            priority=value.priority,
+            state=_RESERVATION_STATES[value.state],
+            reserved_blocks=value.reserved_blocks,
+            reserved_tokens=value.reserved_tokens,
+            prefix_hit_blocks=value.prefix_hit_blocks,
+            lease_ttl=duration(value.lease_ttl_seconds),
+            output_tokens=value.output_tokens or 0,
+            shadow_refusal=value.shadow_refusal or "",
+        )
     )
     for field, when in (
         ("lease_expire_time", value.lease_expires_at),
@@ -200,7 +220,8 @@ def reservation(value: Reservation) -> pb.Reservation:
         ("suspend_time", value.suspended_at),
     ):
         if when is not None:
-            getattr(message, field).CopyFrom(timestamp(when))
+            stamp = getattr(message, field)
+            stamp.seconds, stamp.nanos = _since_epoch(when)
     add_block_handles(message.block_table, value.block_table)
     if value.queue_position is not None:
         message.queue_position = value.queue_position
@@ -210,7 +231,6 @@ def reservation(value: Reservation) -> pb.Reservation:
     message.compression_ratio = value.compression_ratio or 0.0
     if value.end_reason is not None:
         message.end_reason = _END_REASONS[value.end_reason]
-    return message
 
 
 def block_handle(value: BlockHandle) -> pb.BlockHandle:

@@ -47,6 +47,13 @@ ABANDONED = "abandoned"  # the caller went away before its answer
 SHADOW_ADMITTED = "shadow_admitted"
 
 
+# Each reservation state's outcome label: its name, unprefixed, in lower case.
+_OUTCOMES = {
+    value: name.removeprefix("RESERVATION_STATE_").lower()
+    for name, value in resources_pb2.ReservationState.items()
+}
+
+
 @dataclass
 class CallNotes:
     """What the servicer tells the interceptor about the call it is answering."""
@@ -72,8 +79,7 @@ def admission_outcome(response: object, call: CallNotes) -> tuple[str, str]:
     )
     if not isinstance(reservation, resources_pb2.Reservation):
         return "unknown", ""
-    state = resources_pb2.ReservationState.Name(reservation.state)
-    outcome = state.removeprefix("RESERVATION_STATE_").lower()
+    outcome = _OUTCOMES[reservation.state]
     if outcome == ADMITTED and reservation.shadow_refusal:
         return SHADOW_ADMITTED, reservation.shadow_refusal
     return (QUEUED if outcome == ADMITTED and call.queued else outcome), ""

@@ -241,6 +241,8 @@ class BlockPool:
         refs, pins, scopes = self._refs, self._pins, self._scope
         nxt, prev, sentinel = self._next, self._prev, self.capacity
         lru_seq, dirty = self._lru_seq, self._dirty
+        generations, free_chunks = self._generation, self._free_chunks
+        freed = 0
         for block in blocks:
             count = refs[block]
             if count > 1 and count != pins[block] and count - 1 != pins[block] - pinned:
@@ -250,9 +252,12 @@ class BlockPool:
             elif count == 1 and not pinned:
                 refs[block] = 0
                 if scopes[block] == NO_SCOPE:
-                    # A private tail block: freed at once.
-                    self._generation[block] += 1
-                    self._mark_free(block)
+                    # A private tail block: freed at once (`_mark_free`, without a call).
+                    generations[block] += 1
+                    chunk = block >> _CHUNK_SHIFT
+                    free_chunks[chunk] |= 1 << (block & _CHUNK_MASK)
+                    self._free_nonempty |= 1 << chunk
+                    freed += 1
                 else:
                     tail = prev[sentinel]
                     nxt[tail] = block
@@ -265,6 +270,7 @@ class BlockPool:
                     dirty.add(block)
             else:
                 self.unreference(block, pinned)
+        self.free_count += freed
 
     def reference(self, block: int, pinned: bool) -> None:
         """One more table entry (or pin) names the slot; a cached slot leaves the LRU list."""
@@ -307,26 +313,39 @@ class BlockPool:
     def allocate(self, digests: Sequence[bytes | None], scope: int, pinned: bool) -> list[int]:
         """Slots for new contents, referenced once each: free slots lowest id first, then cached
         ones evicted from the LRU head. The caller checked that enough are allocatable."""
-        chosen = []
-        refs, pins, scopes = self._refs, self._pins, self._scope
-        for digest in digests:
-            if self.free_count:
-                block = self._pop_free()
-            else:
-                block = self._next[self.capacity]
-                assert block != self.capacity, "allocate beyond what the pool holds"
-                self.drop_contents(block)
-                self._pop_free_slot(block)
+        free = min(len(digests), self.free_count)
+        chosen = self._pop_free_lowest(free)
+        refs, pins = self._refs, self._pins
+        pin = int(pinned)
+        for block in chosen:
             refs[block] = 1
-            pins[block] = int(pinned)
-            if pinned:
-                self.pinned_only_count += 1
+            pins[block] = pin
+        # Indexing a hash moves no slot in or out of the free set or the LRU list, so the free
+        # slots' hashes can go in before any eviction, as if taken one by one.
+        self._hold_contents(chosen, digests, scope)
+        for digest in digests[free:]:
+            block = self._next[self.capacity]
+            assert block != self.capacity, "allocate beyond what the pool holds"
+            self.drop_contents(block)
+            self._pop_free_slot(block)
+            refs[block] = 1
+            pins[block] = pin
+            self._hold_contents((block,), (digest,), scope)
+            chosen.append(block)
+        if pinned:
+            self.pinned_only_count += len(chosen)
+        return chosen
+
+    def _hold_contents(
+        self, blocks: Sequence[int], digests: Sequence[bytes | None], scope: int
+    ) -> None:
+        """New slots take the hashes they hold (None: a private block, holding none)."""
+        scopes = self._scope
+        for block, digest in zip(blocks, digests, strict=False):
             if digest is not None:
                 scopes[block] = scope
                 self._index(block, digest)
                 self._dirty.add(block)
-            chosen.append(block)
-        return chosen
 
     def drop_contents(self, block: int) -> None:
         """Forget a cached (unreferenced) slot's contents: it becomes free, its generation
@@ -519,18 +538,30 @@ class BlockPool:
         self._free_nonempty |= 1 << chunk
         self.free_count += 1
 
-    def _pop_free(self) -> int:
-        """The lowest free slot, taken out of the free set."""
+    def _pop_free_lowest(self, count: int) -> list[int]:
+        """The `count` lowest free slots, taken out of the free set. Free slots lie in runs
+        (a released table's private blocks are consecutive), taken a run at a time."""
+        chosen: list[int] = []
+        chunks = self._free_chunks
         nonempty = self._free_nonempty
-        chunk = (nonempty & -nonempty).bit_length() - 1
-        bits = self._free_chunks[chunk]
-        lowest = bits & -bits
-        bits ^= lowest
-        self._free_chunks[chunk] = bits
-        if not bits:
-            self._free_nonempty = nonempty ^ (1 << chunk)
-        self.free_count -= 1
-        return (chunk << _CHUNK_SHIFT) + lowest.bit_length() - 1
+        while len(chosen) < count:
+            chunk = (nonempty & -nonempty).bit_length() - 1
+            bits = chunks[chunk]
+            base = chunk << _CHUNK_SHIFT
+            while bits and len(chosen) < count:
+                start = (bits & -bits).bit_length() - 1
+                shifted = bits >> start
+                # The run of set bits from `start`: the lowest clear bit above it ends it.
+                run = (~shifted & (shifted + 1)).bit_length() - 1
+                taken = min(run, count - len(chosen))
+                chosen.extend(range(base + start, base + start + taken))
+                bits &= ~(((1 << taken) - 1) << start)
+            chunks[chunk] = bits
+            if not bits:
+                nonempty ^= 1 << chunk
+        self._free_nonempty = nonempty
+        self.free_count -= count
+        return chosen
 
     def _pop_free_slot(self, block: int) -> None:
         """Take one given free slot out of the free set."""

@@ -121,6 +121,8 @@ class HeldTable:
         ]
 
     def handles(self) -> tuple[BlockHandle, ...]:
+        if not self.live_entries:  # all released (an ended reservation's)
+            return ()
         if self.live_entries == len(self.blocks):  # nothing released: no filtering
             return tuple(map(BlockHandle, self.blocks, self.generations))
         return tuple(BlockHandle(b, g) for b, g in self.live_handles())
@@ -740,9 +742,13 @@ class InstanceMachine:
         """Give back the table's entries at `positions` (ascending), tail first, so that a
         table's tail is evicted before its head."""
         blocks, released = table.blocks, table.released
-        tail_first = [blocks[position] for position in reversed(positions)]
-        for position in positions:
-            released[position] = 1
+        if len(positions) == len(blocks):  # the whole table
+            tail_first = blocks[::-1].tolist()
+            released[:] = b"\x01" * len(released)
+        else:
+            tail_first = [blocks[position] for position in reversed(positions)]
+            for position in positions:
+                released[position] = 1
         table.live_entries -= len(positions)
         self.pool.unreference_all(tail_first, table.pinned)
         if here is not None:
@@ -1358,13 +1364,15 @@ class InstanceMachine:
             return
         counts, sole, sharers = self._holders, self._sole_holder, self._sharers
         shares = self.usage(tenant).blocks
+        alone = 0  # blocks no one held before: the common case, counted once
         for block in blocks:
             k = counts[block]
             counts[block] = k + 1
-            shares[k + 1] += 1
             if k == 0:
                 sole[block] = tenant
+                alone += 1
                 continue
+            shares[k + 1] += 1
             others = sharers.get(block)
             if others is None:
                 others = sharers[block] = {sole.pop(block)}
@@ -1373,6 +1381,8 @@ class InstanceMachine:
                 theirs[k] -= 1
                 theirs[k + 1] += 1
             others.add(tenant)
+        if alone:
+            shares[1] += alone
 
     def _left(self, tenant: str, blocks: Sequence[int]) -> None:
         """`tenant` stopped holding `blocks`: each is shared one way less by those left."""
@@ -1380,13 +1390,15 @@ class InstanceMachine:
             return
         counts, sole, sharers = self._holders, self._sole_holder, self._sharers
         shares = self.usage(tenant).blocks
+        alone = 0  # blocks it held alone: the common case, counted once
         for block in blocks:
             k = counts[block]
             counts[block] = k - 1
-            shares[k] -= 1
             if k == 1:
                 del sole[block]
+                alone += 1
                 continue
+            shares[k] -= 1
             others = sharers[block]
             others.discard(tenant)
             for other in others:
@@ -1396,6 +1408,8 @@ class InstanceMachine:
             if k == 2:
                 sole[block] = others.pop()
                 del sharers[block]
+        if alone:
+            shares[1] -= alone
 
     # Mechanics.
 
