@@ -119,8 +119,6 @@ def totals_of(machine: InstanceMachine, tenant: str) -> TenantTotals:
     return TenantTotals(len(here.held), here.tokens, len(here.pinned), here.queued)
 
 
-# Transactions a replica has in flight at once (each on a connection of its own).
-WRITE_CONNECTIONS = 4
 # Slots per row of a checkpoint: a statement of a few MB, however large the pool.
 CHECKPOINT_CHUNK_SLOTS = 65_536
 
@@ -704,9 +702,12 @@ class _Batch:
 
 
 class Journal:
-    """Reads and writes of the instance journal. Writes are the owners' alone: a replica commits
-    the batches its owners hand it while its commits are in flight together, in one transaction
-    (group commit across instances)."""
+    """Reads and writes of the instance journal. Writes are the owners' alone. Each instance's
+    batches commit in transactions of their own, on a write connection no other commit uses
+    meanwhile, so that the instances' commits overlap and each locks only its own tenants' rows
+    (PostgreSQL flushes the WAL of commits that end together once). Shared across instances, a
+    transaction held many tenants' rows to its commit and the others in flight waited on them:
+    eight instances served 0.53 of one instance's pairs."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
@@ -714,38 +715,35 @@ class Journal:
         # Write connections: every one open, and those no commit uses now.
         self._writers: set[_Writer] = set()
         self._idle: list[_Writer] = []
-        self._waiting: list[_Batch] = []
-        self._committers: set[asyncio.Task[None]] = set()
+        self._waiting: dict[str, list[_Batch]] = {}
+        self._committers: dict[str, asyncio.Task[None]] = {}
         self._closed = False
         self.stats = CommitStats()
 
     async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
-        """Commit one batch of an owner's, with whatever batches of other owners wait too.
-        Raises Deposed when a newer owner exists (RequestIdsReused, QuotaRaced as they say);
-        another owner's failure does not fail this batch."""
+        """Commit one batch of an owner's (the owner groups its operations into batches, and
+        writes one at a time). Raises Deposed when a newer owner exists (RequestIdsReused,
+        QuotaRaced, PinIdTaken as they say)."""
         batch = _Batch(instance, epoch, rows, asyncio.get_running_loop().create_future())
-        self._waiting.append(batch)
-        if len(self._committers) < WRITE_CONNECTIONS:
-            committer = asyncio.create_task(self._commit_waiting())
-            self._committers.add(committer)
-            committer.add_done_callback(self._committers.discard)
+        self._waiting.setdefault(instance, []).append(batch)
+        if instance not in self._committers:
+            self._committers[instance] = asyncio.create_task(self._commit_waiting(instance))
         await batch.committed
 
-    async def _commit_waiting(self) -> None:
-        """One of the replica's committers: commit what waits, as one transaction, until
-        nothing does. Up to WRITE_CONNECTIONS commit at once, and the batches that arrive
-        while all of them are in flight go together in the next that ends: a replica's commits
-        overlap as its instances' did when each had its own, and under load each carries the
-        batches of many instances. When a batch's statement failed the transaction, the batches
-        are tried again one per transaction: the one that failed fails alone, and the others
-        commit."""
-        while self._waiting:
-            batches = [b for b in self._waiting if not b.committed.done()]
-            self._waiting = []
-            if batches and not await self._commit_or_fail(batches):
-                self.stats.split += 1
-                for batch in batches:
-                    await self._commit_or_fail([batch])
+    async def _commit_waiting(self, instance: str) -> None:
+        """The instance's committer: commit what waits for it, as one transaction, until
+        nothing does. Should a transaction of several batches fail on one batch's statement,
+        they are tried again one per transaction: the one that failed fails alone."""
+        try:
+            while batches := [b for b in self._waiting.pop(instance, []) if not b.committed.done()]:
+                if not await self._commit_or_fail(batches):
+                    self.stats.split += 1
+                    for batch in batches:
+                        await self._commit_or_fail([batch])
+        finally:
+            # No await between the last look at what waits and this: a batch that arrives
+            # after it starts a committer of its own.
+            del self._committers[instance]
 
     async def _commit_or_fail(self, batches: list[_Batch]) -> bool:
         try:
