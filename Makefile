@@ -42,8 +42,9 @@ test: $(STAMP) ## Unit and integration tests against a real PostgreSQL, in TEST_
 test-ledger: $(STAMP) ## Integration tests on the per-block ledger (KVQUOTA_HOT_PATH=ledger)
 	KVQUOTA_HOT_PATH=ledger $(call PYTEST,-n $(TEST_WORKERS) --maxschedchunk 1 tests/integration)
 
-# The property-based tests (their example counts: tests/examples.py).
-PROPERTY_TESTS := tests/unit/test_instance_machine_model.py tests/integration/test_stateful.py \
+# The property-based tests (their example counts: tests/examples.py). The per-block ledger's
+# (tests/integration/test_stateful.py) runs in `make test` only, until that ledger is removed.
+PROPERTY_TESTS := tests/unit/test_instance_machine_model.py \
 	tests/integration/test_journal_model.py tests/integration/test_served_model.py
 test-long: $(STAMP) ## The property-based tests with ten times the examples `make test` gives them
 	KVQUOTA_EXAMPLES_SCALE=10 $(call PYTEST,-n $(TEST_WORKERS) --timeout 900 $(PROPERTY_TESTS))
