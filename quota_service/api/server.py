@@ -60,7 +60,7 @@ from quota_service.store.database import connect, unavailable_error
 from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
 from quota_service.store.notifications import Listener
-from quota_service.store.offboarding import Offboarding
+from quota_service.store.offboarding import RESERVATION_BATCH, Offboarding
 from quota_service.store.pins import Pins
 from quota_service.store.reclaim import ReclaimJobs
 from quota_service.store.reconcile import Reconciler
@@ -189,11 +189,18 @@ class HotPath:
             return Inspection(engine)
         return OwnedInspection(engine, self.owners)
 
-    def offboarding(self, engine: AsyncEngine, termination: Termination) -> Offboarding:
+    def offboarding(
+        self,
+        engine: AsyncEngine,
+        termination: Termination,
+        reservation_batch: int = RESERVATION_BATCH,
+    ) -> Offboarding:
         if self.owners is None:
-            return Offboarding(engine, self.ledger, self.pins, termination)
+            return Offboarding(engine, self.ledger, self.pins, termination, reservation_batch)
         assert isinstance(self.ledger, OwnedLedger)
-        return OwnedOffboarding(engine, self.ledger, self.pins, termination, self.owners)
+        return OwnedOffboarding(
+            engine, self.ledger, self.pins, termination, self.owners, reservation_batch
+        )
 
 
 def make_hot_path(

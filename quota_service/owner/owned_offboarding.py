@@ -14,6 +14,7 @@ from quota_service.core.model import EndReason
 from quota_service.owner.owners import OwnedLedger, Owners
 from quota_service.store.offboarding import (
     FINISH_COUNTED,
+    RESERVATION_BATCH,
     START_COUNTED,
     EngineAborts,
     Offboarding,
@@ -30,8 +31,9 @@ class OwnedOffboarding(Offboarding):
         pins: Pins,
         aborts: EngineAborts,
         owners: Owners,
+        reservation_batch: int = RESERVATION_BATCH,
     ) -> None:
-        super().__init__(engine, ledger, pins, aborts)
+        super().__init__(engine, ledger, pins, aborts, reservation_batch)
         self._owned = ledger
         self._owners = owners
 

@@ -206,11 +206,8 @@ def owned_offboarding(
     engine: AsyncEngine, hot: HotPath, reservation_batch: int = RESERVATION_BATCH
 ) -> Offboarding:
     """Offboarding on the memory hot path, as the server builds it, ending reservations
-    `reservation_batch` at a time (the server's factory keeps the default: a test that crashes
-    between batches makes them small)."""
-    offboarding = hot.offboarding(engine, termination(hot.ledger))
-    offboarding._reservation_batch = reservation_batch
-    return offboarding
+    `reservation_batch` at a time (a test that crashes between batches makes them small)."""
+    return hot.offboarding(engine, termination(hot.ledger), reservation_batch)
 
 
 def crash_after_batches(
