@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-ledger test-long test-unit test-engines test-gateways bench-fidelity stress stress-short stress-short-ledger lint format proto bench clean
+.PHONY: help venv run test test-long test-unit test-engines test-gateways bench-fidelity stress stress-short lint format proto bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -37,13 +37,7 @@ TEST_WORKERS ?= 4
 test: $(STAMP) ## Unit and integration tests against a real PostgreSQL, in TEST_WORKERS processes
 	$(call PYTEST,-n $(TEST_WORKERS) --maxschedchunk 1)
 
-# The integration tests again on the per-block ledger (KVQUOTA_HOT_PATH=ledger), until it is
-# removed; a test of one hot path's own mechanism skips itself in the other's run.
-test-ledger: $(STAMP) ## Integration tests on the per-block ledger (KVQUOTA_HOT_PATH=ledger)
-	KVQUOTA_HOT_PATH=ledger $(call PYTEST,-n $(TEST_WORKERS) --maxschedchunk 1 tests/integration)
-
-# The property-based tests (their example counts: tests/examples.py). The per-block ledger's
-# (tests/integration/test_stateful.py) runs in `make test` only, until that ledger is removed.
+# The property-based tests (their example counts: tests/examples.py).
 PROPERTY_TESTS := tests/unit/test_instance_machine_model.py \
 	tests/integration/test_journal_model.py tests/integration/test_served_model.py
 test-long: $(STAMP) ## The property-based tests with ten times the examples `make test` gives them
@@ -124,8 +118,6 @@ stress-short: $(STAMP) ## The one-minute form of `make stress` that CI runs (a f
 	$(STRESS_ENV) $(BIN)/python -m stress --duration 60 --fault-interval 12
 	KVQUOTA_FUZZ_EXAMPLES=60 $(call PYTEST,tests/integration/test_fuzz.py)
 
-stress-short-ledger: $(STAMP) ## stress-short on the per-block ledger (KVQUOTA_HOT_PATH=ledger), until it is removed
-	KVQUOTA_HOT_PATH=ledger $(BIN)/python -m stress --duration 60 --fault-interval 12
 
 lint: $(STAMP) ## ruff (lint and format check), mypy --strict, and buf lint on the protos
 	$(BIN)/ruff check .

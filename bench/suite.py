@@ -932,18 +932,6 @@ async def measure(suite: Suite, database_url: str, servers: list[harness.Server]
             suite.extra["server_vmhwm_mib"] = round(watch.hwm(), 1)
             suite.extra["rss_by_phase_mib"] = {k: round(v, 1) for k, v in watch.peaks.items()}
             suite.once["server_peak_rss_mib"] = [watch.hwm()]
-    if args.profile and args.hot_path == "ledger":
-        say("profile: round trips, statement costs and EXPLAIN ANALYZE of Admit and Release")
-        iterations = 10 if args.quick else 50
-        suite.extra["hot_path"] = await profile.hot_path(database_url, "tput", "t0", iterations)
-        say("profile: Admit and Release on the big pool, 90% in use")
-        suite.extra["hot_path_big_pool"] = await profile.hot_path(
-            database_url, "pool-big", "t0", iterations
-        )
-        say("profile: the reclaim plan's snapshot and planner")
-        suite.extra["reclaim_split"] = await profile.reclaim_split(
-            database_url, "pool-big", int(suite.sizes.big_pool * 0.9)
-        )
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -959,12 +947,6 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=["on", "off", "both"],
         help="API keys required by the servers; both: also the best point without (default "
         "both; on with --quick)",
-    )
-    parser.add_argument(
-        "--hot-path",
-        choices=["memory", "ledger"],
-        default="memory",
-        help="what the servers decide reservations with (KVQUOTA_HOT_PATH; default memory)",
     )
     parser.add_argument("--quick", action="store_true", help="smoke form: short, small, one run")
     parser.add_argument(
@@ -1006,7 +988,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     root = harness.server_url()
     env = {
         "KVQUOTA_AUTH_REQUIRED": "false" if args.auth == "off" else "true",
-        "KVQUOTA_HOT_PATH": args.hot_path,
     }
     suite.server_env = env
     with harness.throwaway_database(root) as database_url:
@@ -1028,7 +1009,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             "concurrency": args.concurrency,
             "servers": args.servers,
             "auth": args.auth,
-            "hot_path": args.hot_path,
             "quick": args.quick,
             "sizes": asdict(sizes),
             "db_pool_size": os.environ.get("KVQUOTA_DB_POOL_SIZE", "10 (default)"),

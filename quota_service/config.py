@@ -21,9 +21,6 @@ from quota_service.logs import FORMATS
 ENV_PREFIX = "KVQUOTA_"
 
 
-HOT_PATHS = ("ledger", "memory")
-
-
 class SettingsError(ValueError):
     """A setting is missing, unknown or out of range; the message names it."""
 
@@ -81,20 +78,10 @@ class Settings:
     # on every replica within it.
     auth_required: bool = True
     auth_cache_seconds: float = 5.0
-    # Tombstones answer late releases through freed handles; after this they are purged.
-    tombstone_retention_seconds: float = 86400.0
-    # The maintenance sweep vacuums a block table once it has this many dead rows (and a fifth
-    # of its live ones); 0 leaves it to autovacuum alone. See store/vacuum.py.
-    vacuum_min_dead_rows: int = 50_000
     shutdown_grace_seconds: float = 10.0
     log_level: str = "INFO"
     # "json" (one object per line, with the request id) or "text".
     log_format: str = "json"
-    # Where reservations are decided: "memory" (each instance's state machine in its owner
-    # replica, journaled in group commits) or "ledger" (the per-block tables, every operation its
-    # own transaction; kept until those are removed). Each writes only its own record, so a
-    # database stays on one (migration 0023 says how to carry the ledger's over once).
-    hot_path: str = "memory"
     # Memory hot path: how long an instance's owner holds it without renewing (it renews every
     # third of that); another replica takes the instance over once the lease has lapsed.
     owner_lease_seconds: float = 5.0
@@ -115,7 +102,6 @@ class Settings:
             "min_retry_delay_seconds",
             "reaper_interval_seconds",
             "reaper_batch_size",
-            "tombstone_retention_seconds",
             "dispatch_batch",
             "queue_poll_seconds",
             "engine_abort_timeout_seconds",
@@ -130,8 +116,6 @@ class Settings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be positive")
-        if self.vacuum_min_dead_rows < 0:
-            raise SettingsError(f"{ENV_PREFIX}VACUUM_MIN_DEAD_ROWS must not be negative")
         if not (
             self.min_lease_ttl_seconds
             <= self.default_lease_ttl_seconds
@@ -172,8 +156,6 @@ class Settings:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()}: no such file: {path}")
-        if self.hot_path not in HOT_PATHS:
-            raise SettingsError(f"{ENV_PREFIX}HOT_PATH must be one of " + ", ".join(HOT_PATHS))
         if self.log_format not in FORMATS:
             raise SettingsError(f"{ENV_PREFIX}LOG_FORMAT must be one of " + ", ".join(FORMATS))
         if self.log_level.upper() not in logging.getLevelNamesMapping():

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Generator, Iterator
-from dataclasses import replace
 
 import psycopg
 import pytest
@@ -24,9 +23,6 @@ from tests import processes
 from tests.databases import Databases
 
 LOCAL_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
-# The hot path the suite's servers use: memory, as served by default, or the per-block ledger
-# (`make test-ledger`) until that is removed.
-IN_MEMORY = os.environ.get("KVQUOTA_HOT_PATH", "memory") == "memory"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -125,7 +121,6 @@ def settings() -> Settings:
         metrics_listen="127.0.0.1:0",
         reaper_interval_seconds=0.2,
         auth_required=False,
-        hot_path="memory" if IN_MEMORY else "ledger",
     )
 
 
@@ -134,10 +129,8 @@ async def owned(engine: AsyncEngine, settings: Settings) -> AsyncIterator[server
     """The memory hot path in this process, as a server builds it: instances are claimed by
     one replica ("test") on first use, its leases renewed as a server renews them (a third of
     a lease apart), and closed at the end."""
-    memory = replace(settings, hot_path="memory")
-    hot = server.make_hot_path(memory, engine, Waiters(0.05), "test")
+    hot = server.make_hot_path(settings, engine, Waiters(0.05), "test")
     owners = hot.owners
-    assert owners is not None
 
     done = asyncio.Event()
 
@@ -146,7 +139,7 @@ async def owned(engine: AsyncEngine, settings: Settings) -> AsyncIterator[server
         # connection in a transaction, for the garbage collector to find in a later test.
         while not done.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), memory.owner_lease_seconds / 3)
+                await asyncio.wait_for(done.wait(), settings.owner_lease_seconds / 3)
             if not done.is_set():
                 await owners.keep_leases()
 

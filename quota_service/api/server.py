@@ -54,16 +54,10 @@ from quota_service.owner.owned_reconcile import OwnedReconciler
 from quota_service.owner.owners import OwnedCatalog, OwnedLedger, Owners
 from quota_service.store import migrate
 from quota_service.store.access import ApiKeys, AuditLog
-from quota_service.store.catalog import Catalog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.database import connect, unavailable_error
-from quota_service.store.inspection import Inspection
-from quota_service.store.ledger import Ledger
 from quota_service.store.notifications import Listener
-from quota_service.store.offboarding import RESERVATION_BATCH, Offboarding
-from quota_service.store.pins import Pins
-from quota_service.store.reclaim import ReclaimJobs
-from quota_service.store.reconcile import Reconciler
+from quota_service.store.offboarding import RESERVATION_BATCH
 from quota_service.store.usage import UsageBook, UsageRollup
 
 log = logging.getLogger(__name__)
@@ -102,27 +96,25 @@ class RunningServer:
     _followers: Followers
     _metrics: WSGIServer | None
     _waiters: Waiters
-    _owners: Owners | None
-    _forwarding: ForwardingInterceptor | None
-    _leases: asyncio.Task[None] | None
+    _owners: Owners
+    _forwarding: ForwardingInterceptor
+    _leases: asyncio.Task[None]
 
     @property
     def metrics_port(self) -> int | None:
         return None if self._metrics is None else self._metrics.server_port
 
     @property
-    def owners(self) -> Owners | None:
-        """The instances this replica serves from memory (None: its hot path is the ledger)."""
+    def owners(self) -> Owners:
+        """The instances this replica serves from memory."""
         return self._owners
 
     async def _hand_over(self) -> None:
         """The instances served here go to other replicas: calls still in flight, and those of
         a queued Admit woken later, are forwarded to their new owners."""
-        assert self._owners is not None
-        if self._leases is not None:
-            self._leases.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._leases
+        self._leases.cancel()
+        with suppress(asyncio.CancelledError):
+            await self._leases
         await self._owners.hand_over()
 
     async def stop(self, grace_seconds: float) -> None:
@@ -138,25 +130,22 @@ class RunningServer:
         )
         # Begins once the server refuses new calls: a call sent after the drain began is
         # refused, never taken while the instances move.
-        handing_over = None if self._owners is None else asyncio.ensure_future(self._hand_over())
+        handing_over = asyncio.ensure_future(self._hand_over())
         try:
             # Refuses new calls before its first await, so before a health watcher can be
             # told NOT_SERVING.
             await self._server.stop(grace_seconds)
         finally:
             handback.cancel()
-        if handing_over is not None:
-            await handing_over
+        await handing_over
         await self._maintenance
         await self._listener.stop()
         await self._dispatcher.stop()
         await self._termination.close()
         await self._cpu_tier.close()
         await self._followers.stop()
-        if self._forwarding is not None:
-            await self._forwarding.close()
-        if self._owners is not None:
-            await self._owners.close()
+        await self._forwarding.close()
+        await self._owners.close()
         if self._metrics is not None:
             await asyncio.to_thread(self._metrics.shutdown)
             self._metrics.server_close()
@@ -165,28 +154,21 @@ class RunningServer:
 
 @dataclass(frozen=True)
 class HotPath:
-    """What decides reservations and pins (settings.hot_path), and the catalog that keeps it
-    told of tenants' changes."""
+    """What decides reservations and pins: the instances' owners in this replica, and the
+    services over them (the catalog keeps them told of tenants' changes)."""
 
-    ledger: Ledger
-    catalog: Catalog
-    pins: Pins
-    owners: Owners | None = None
+    ledger: OwnedLedger
+    catalog: OwnedCatalog
+    pins: OwnedPins
+    owners: Owners
 
-    def reconciler(self, engine: AsyncEngine) -> Reconciler:
-        if self.owners is None:
-            return Reconciler(engine, self.ledger)
-        assert isinstance(self.ledger, OwnedLedger)
+    def reconciler(self, engine: AsyncEngine) -> OwnedReconciler:
         return OwnedReconciler(engine, self.ledger, self.owners)
 
-    def reclaim(self, engine: AsyncEngine, watermarks: CpuWatermarks) -> ReclaimJobs:
-        if self.owners is None:
-            return ReclaimJobs(engine, watermarks)
+    def reclaim(self, engine: AsyncEngine, watermarks: CpuWatermarks) -> OwnedReclaimJobs:
         return OwnedReclaimJobs(engine, self.owners, watermarks)
 
-    def inspection(self, engine: AsyncEngine) -> Inspection:
-        if self.owners is None:
-            return Inspection(engine)
+    def inspection(self, engine: AsyncEngine) -> OwnedInspection:
         return OwnedInspection(engine, self.owners)
 
     def offboarding(
@@ -194,10 +176,7 @@ class HotPath:
         engine: AsyncEngine,
         termination: Termination,
         reservation_batch: int = RESERVATION_BATCH,
-    ) -> Offboarding:
-        if self.owners is None:
-            return Offboarding(engine, self.ledger, self.pins, termination, reservation_batch)
-        assert isinstance(self.ledger, OwnedLedger)
+    ) -> OwnedOffboarding:
         return OwnedOffboarding(
             engine, self.ledger, self.pins, termination, self.owners, reservation_batch
         )
@@ -208,9 +187,6 @@ def make_hot_path(
 ) -> HotPath:
     """What decides for this replica, named `name` among replicas (default: host and pid)."""
     limits = settings.admission_limits
-    if settings.hot_path == "ledger":
-        ledger = Ledger(engine, limits, settings.queue_policy)
-        return HotPath(ledger, Catalog(engine), Pins(engine, limits))
     owners = Owners(
         engine,
         limits,
@@ -318,26 +294,23 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     listener = Listener(database_url)
     listener.subscribe(waiters.on_notification)
     listener.subscribe(dispatcher.on_notification)
-    if hot_path.owners is not None:
-        listener.subscribe(hot_path.owners.on_notification)
+    listener.subscribe(hot_path.owners.on_notification)
     api_keys = ApiKeys(engine)
     audit = AuditLog(engine)
     authenticator = Authenticator(api_keys, settings.auth_required, settings.auth_cache_seconds)
     if not settings.auth_required:
         log.warning("authentication is off (KVQUOTA_AUTH_REQUIRED=false): every caller is admin")
-    forwarding = None
-    if hot_path.owners is not None:
-        forwarding = ForwardingInterceptor(
-            hot_path.owners,
-            peer_credentials(settings),
-            MAX_MESSAGE_BYTES,
-            waiters,
-            ledger.min_retry_delay_seconds,
-        )
+    forwarding = ForwardingInterceptor(
+        hot_path.owners,
+        peer_credentials(settings),
+        MAX_MESSAGE_BYTES,
+        waiters,
+        ledger.min_retry_delay_seconds,
+    )
     server = grpc.aio.server(
         interceptors=[
             ErrorInterceptor(),
-            *([forwarding] if forwarding is not None else []),
+            forwarding,
             MetricsInterceptor(observed),
             PayloadInterceptor(),
             AccessInterceptor(authenticator, audit),
@@ -378,16 +351,14 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     else:
         port = server.add_secure_port(settings.grpc_listen, credentials)
     await server.start()
-    if hot_path.owners is not None:
-        hot_path.owners.advertise(advertised_address(settings, port))
+    hot_path.owners.advertise(advertised_address(settings, port))
     await _until_ledger_ready(database_url)
     listener.start()
     await asyncio.wait_for(listener.connected.wait(), LISTEN_TIMEOUT_SECONDS)
     await _set_health(health_servicer, True)
     stop = asyncio.Event()
-    if hot_path.owners is not None:
-        # Instances whose owner died wait for no call: their engines are followed from now.
-        await hot_path.owners.keep_leases()
+    # Instances whose owner died wait for no call: their engines are followed from now.
+    await hot_path.owners.keep_leases()
     followers = Followers(database_url, hot_path.reconciler(engine), metrics=observed)
     await followers.scan()
     metrics = LedgerMetrics(catalog, inspection, reclaim, settings.metrics_refresh_seconds)
@@ -399,7 +370,6 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     jobs = maintenance.Maintenance(
         ledger,
         offboarding,
-        inspection,
         termination,
         followers,
         metrics,
@@ -417,10 +387,8 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         lambda up: _set_health(health_servicer, up),
     )
     running = asyncio.create_task(maintenance.run(jobs, stop))
-    leases = None
-    if hot_path.owners is not None:
-        every = settings.owner_lease_seconds / 3
-        leases = asyncio.create_task(_keep_leases(hot_path.owners, every))
+    every = settings.owner_lease_seconds / 3
+    leases = asyncio.create_task(_keep_leases(hot_path.owners, every))
     return RunningServer(
         port,
         server,

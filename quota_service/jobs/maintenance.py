@@ -1,9 +1,10 @@
-"""The background loop every replica runs: end lapsed leases, finish interrupted offboardings,
-purge old tombstones, vacuum the block tables. Each step is safe to run in several replicas at
-once (conditional updates, one transaction per item, SKIP LOCKED), and a failing step is retried
-on the next sweep. The steps that go over the same shared work in every replica run in one
-replica at a time (an advisory lock per step, tried): the others skip them that sweep instead
-of queueing on the same rows and, for engine aborts, calling the same engines again."""
+"""The background loop every replica runs: end lapsed leases and queue waits on the instances it
+owns, abort their engines' requests, dispatch their queues, finish interrupted offboardings, run
+reclaim steps, mirror the CPU tier, roll usage up. Each step is safe to run in several replicas
+at once (each owner does its own instances' work; the rest is conditional updates, one
+transaction per item, SKIP LOCKED), and a failing step is retried on the next sweep. The steps
+that go over the same shared rows in every replica run in one replica at a time (an advisory
+lock per step, tried): the others skip them that sweep instead of queueing on the same rows."""
 
 from __future__ import annotations
 
@@ -25,12 +26,10 @@ from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.jobs.reclaim_policy import ReclaimPolicy
 from quota_service.metrics import LedgerMetrics
 from quota_service.store.database import reachable
-from quota_service.store.inspection import Inspection
 from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import Offboarding
 from quota_service.store.ownership import exclusive
 from quota_service.store.usage import UsageRollup
-from quota_service.store.vacuum import vacuum_churned
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,6 @@ class Step(NamedTuple):
 class Maintenance:
     ledger: Ledger
     offboarding: Offboarding
-    inspection: Inspection
     termination: Termination
     followers: Followers
     metrics: LedgerMetrics
@@ -74,11 +72,6 @@ class Maintenance:
         grace = timedelta(seconds=self.settings.usage_close_grace_seconds)
         return await self.usage.close_due(datetime.now(UTC), grace)
 
-    async def vacuum(self) -> int:
-        if not self.settings.vacuum_min_dead_rows:
-            return 0
-        return await vacuum_churned(self.ledger_db, self.settings.vacuum_min_dead_rows)
-
     async def ledger_reachable(self) -> bool:
         """Check the ledger first: while it is down the sweep is skipped (every step would only
         fail), health says NOT_SERVING, and one warning is logged, not one per step."""
@@ -94,20 +87,15 @@ class Maintenance:
 
     def steps(self) -> tuple[Step, ...]:
         """The sweep's steps, by name, in order."""
-        # Served from memory, each replica does this work for the instances it owns.
-        shared = self.settings.hot_path == "ledger"
         return (
-            Step("lease reaper", self.reap_leases, one_replica=shared),
-            Step(
-                "engine aborts",
-                lambda: self.termination.sweep(self.settings.reaper_batch_size),
-                one_replica=shared,
-            ),
+            # Each replica does this work for the instances it owns.
+            Step("lease reaper", self.reap_leases),
+            Step("engine aborts", lambda: self.termination.sweep(self.settings.reaper_batch_size)),
             # Instances registered since the last sweep get their engine followed.
             Step("engine followers", self.followers.scan),
             # Dispatch also on a timer: a notification may have been lost.
-            Step("dispatch sweep", self.ledger.dispatch_all, one_replica=shared),
-            Step("offboarding", self.offboarding.resume_all, one_replica=shared),
+            Step("dispatch sweep", self.ledger.dispatch_all),
+            Step("offboarding", self.offboarding.resume_all),
             Step("reclaim policy", self.policy.sweep),
             Step("reclaim steps", lambda: self.reclaim.run_open(self.settings.reaper_batch_size)),
             # LMCache coordinators follow the ledger's quotas and pins; L1 fill is read.
@@ -121,14 +109,6 @@ class Maintenance:
                 one_replica=True,
             ),
             Step("metrics refresh", self.metrics.refresh),
-            Step("block table vacuum", self.vacuum),
-            Step(
-                "tombstone purge",
-                lambda: self.inspection.purge_tombstones(
-                    self.settings.tombstone_retention_seconds, self.settings.reaper_batch_size
-                ),
-                one_replica=True,
-            ),
         )
 
     async def sweep(self) -> None:

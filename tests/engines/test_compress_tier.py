@@ -348,8 +348,7 @@ async def test_a_compress_step_survives_a_kill_of_the_server_running_it(
     assert await session_bytes(engine, "crasher") == (0, offloaded // 2)
     assert await compressed_events(engine, "crasher") == [(-offloaded, offloaded // 2)]
     # The last server handed gpu-0 over as it stopped: a new owner, recovered from the record.
-    memory = replace(settings, hot_path="memory")
-    successor = make_hot_path(memory, engine, Waiters(0.05), "successor")
+    successor = make_hot_path(settings, engine, Waiters(0.05), "successor")
     assert successor.owners is not None
     try:
         session = await successor.ledger.get("crasher", "chat")

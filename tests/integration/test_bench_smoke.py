@@ -75,11 +75,6 @@ def test_quick_suite_measures_every_scenario(server_url: str, tmp_path: Path) ->
     assert figures["offboard_blocks"]["median"] >= 1_920
     assert all(p["refused"] == 0 for run in result["runs"] for p in run["points"])
 
-    # The servers decided in memory; the per-block ledger's statement profile is for
-    # `--hot-path ledger` runs only.
-    assert result["settings"]["hot_path"] == "memory"
-    assert "hot_path" not in result["extra"]
-
     report = docs.read_text()
     assert "## Targets" in report and "pgbench -N -c 1" in report
     assert "<!-- BEGIN ANALYSIS -->" in report

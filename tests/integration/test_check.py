@@ -1,5 +1,4 @@
-"""`kvquota check` over a real record, whichever hot path wrote it (the run's: the per-block
-tables in `make test-ledger`, or the journal in `make test`): it passes after traffic through
+"""`kvquota check` over a real record: it passes after traffic through
 the API (a queue, shared prefixes, a pin, ended and shrunk reservations), and finds a violation
 planted by direct SQL for each invariant it checks, naming that invariant alone. With --server,
 each owner's memory is compared with the record, and a difference planted in memory is found."""
@@ -10,7 +9,6 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import suppress
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -25,7 +23,6 @@ from quota_service.api import server
 from quota_service.cli import main as cli_main
 from quota_service.config import Settings
 from quota_service.store.invariants import CHECKED
-from tests.conftest import IN_MEMORY
 from tests.integration.grpc_helpers import admit, quota, refused
 
 if TYPE_CHECKING:  # the async stubs exist only in the type stubs
@@ -35,9 +32,8 @@ if TYPE_CHECKING:  # the async stubs exist only in the type stubs
 SYSTEM = list(range(100, 164))  # 4 blocks of 16
 BLOCKS = 32
 
-# The SQL that breaks one invariant the record shows, and nothing else: some break either
-# layout, the others the layout the run's hot path writes (the per-block tables, or the journal).
-COMMON_PLANTS = {
+# The SQL that breaks one invariant the record shows, and nothing else.
+PLANTS = {
     "1": (
         1,
         "UPDATE instances SET blocks_in_use = blocks_in_use - 1, cached_blocks = cached_blocks + 1",
@@ -52,22 +48,7 @@ COMMON_PLANTS = {
     # An end without its reason passes the CHECK constraint `ended` (it asks for a time or a
     # reason), not the check.
     "7": (7, "UPDATE reservations SET end_reason = NULL WHERE state = 'ENDED'"),
-}
-LEDGER_PLANTS = {
-    "2-reference-count": (
-        2,
-        "UPDATE blocks SET ref_count = ref_count + 1 "
-        "WHERE block_id = (SELECT min(block_id) FROM blocks WHERE state = 'IN_USE')",
-    ),
-    "4-tombstoned-handle": (
-        4,
-        "INSERT INTO tombstones (instance, block_id, generation, content_hash, reason, "
-        "tenant, freed_at) SELECT instance, block_id, generation, content_hash, 'FREED', "
-        "'acme', now() FROM blocks WHERE state = 'IN_USE' ORDER BY block_id LIMIT 1",
-    ),
-}
-# b's first block is the pinned prefix's: shared, referenced and hashed already.
-JOURNAL_PLANTS = {
+    # b's first block is the pinned prefix's: shared, referenced and hashed already.
     "2-slot-twice-in-a-table": (
         2,
         "UPDATE reservations SET block_ids = block_ids || block_ids[1], "
@@ -85,10 +66,6 @@ JOURNAL_PLANTS = {
         "WHERE batch = (SELECT max(batch) FROM pool_deltas)",
     ),
 }
-PLANTS = {**COMMON_PLANTS, **(JOURNAL_PLANTS if IN_MEMORY else LEDGER_PLANTS)}
-# What the record shows of the invariants when the ledger wrote it: no owner's epoch.
-LEDGER_CHECKED = set(CHECKED) - {8}
-CHECKED_HERE = set(CHECKED) if IN_MEMORY else LEDGER_CHECKED
 
 
 def name(request_id: str, tenant: str = "acme") -> str:
@@ -189,10 +166,10 @@ async def test_a_healthy_record_passes(
     status, out = await check(monkeypatch, capsys, database_url)
     assert status == 0, out
     lines = out.splitlines()
-    checked = len(CHECKED_HERE)
+    checked = len(CHECKED)
     assert lines[-1] == f"OK: {checked} invariants hold, {8 - checked} not checked"
     assert [line.split("  ")[:2] for line in lines if line.startswith("invariant")] == [
-        [f"invariant {n}", verdict] for n, verdict in expected_verdicts(CHECKED_HERE).items()
+        [f"invariant {n}", verdict] for n, verdict in expected_verdicts(set(CHECKED)).items()
     ]
     assert "why: a property of repeated calls" in out
 
@@ -202,7 +179,7 @@ async def test_a_healthy_record_passes(
     assert admitted.reservation.state == pb.RESERVATION_STATE_ADMITTED
     status, found = await verdicts(monkeypatch, capsys, database_url)
     assert status == 0
-    assert {n: r["verdict"] for n, r in found.items()} == expected_verdicts(CHECKED_HERE)
+    assert {n: r["verdict"] for n, r in found.items()} == expected_verdicts(set(CHECKED))
 
 
 @pytest.mark.parametrize(("number", "plant"), PLANTS.values(), ids=PLANTS.keys())
@@ -226,29 +203,24 @@ async def test_a_planted_violation_is_found(
     status, out = await check(monkeypatch, capsys, database_url, "--limit", "1")
     assert status == 1
     assert f"invariant {number}  VIOLATED" in out
-    checked = len(CHECKED_HERE)
+    checked = len(CHECKED)
     assert out.splitlines()[-1] == (
         f"VIOLATED: {number} (of {checked} checked, {8 - checked} not checked)"
     )
 
 
 def test_a_plant_for_every_invariant_checked() -> None:
-    for plants, checked in (
-        ({**COMMON_PLANTS, **LEDGER_PLANTS}, LEDGER_CHECKED),
-        ({**COMMON_PLANTS, **JOURNAL_PLANTS}, set(CHECKED)),
-    ):
-        assert {number for number, _ in plants.values()} == checked
+    assert {number for number, _ in PLANTS.values()} == set(CHECKED)
 
 
-# Each owner's memory against the record (invariant 8): a replica serving from memory compares
-# its machines, whichever hot path the run's other tests take; a ledger replica has none.
+# Each owner's memory against the record (invariant 8).
 
 
 @pytest.fixture
 async def memory_server(
     database_url: str, settings: Settings
 ) -> AsyncIterator[server.RunningServer]:
-    running = await server.start(replace(settings, hot_path="memory"), database_url)
+    running = await server.start(settings, database_url)
     yield running
     await running.stop(0)
 
@@ -322,34 +294,3 @@ async def test_each_owner_s_memory_equals_the_record_until_it_is_changed(
             assert too_many.code is grpc.StatusCode.INVALID_ARGUMENT
         finally:
             await stop_waiting(queued)
-
-
-async def test_a_ledger_replica_has_no_memory_to_compare(
-    database_url: str,
-    settings: Settings,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    running = await server.start(replace(settings, hot_path="ledger"), database_url)
-    address = f"127.0.0.1:{running.port}"
-    try:
-        async with grpc.aio.insecure_channel(address) as channel:
-            admin = admin_pb2_grpc.AdminServiceStub(channel)
-            await admin.RegisterInstance(
-                admin_pb2.RegisterInstanceRequest(
-                    instance_id="gpu-0", block_size=16, max_model_len=4096, num_gpu_blocks=BLOCKS
-                )
-            )
-            answer = await refused(
-                admin.CheckInstance(admin_pb2.CheckInstanceRequest(name="instances/gpu-0"))
-            )
-            assert (answer.code, answer.reason) == (
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "INSTANCE_NOT_IN_MEMORY",
-            )
-        status, found = await verdicts(monkeypatch, capsys, database_url, "--server", address)
-        assert status == 0
-        assert found[8]["verdict"] == "NOT CHECKED"
-        assert "not compared: instances/gpu-0" in found[8]["scope"]
-    finally:
-        await running.stop(0)

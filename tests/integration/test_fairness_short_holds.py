@@ -31,7 +31,7 @@ PROMPT, OUTPUT = 1280, 256  # 96 blocks of 16
 async def test_weights_hold_when_holds_are_short(database_url: str) -> None:
     # The server in a process of its own, as a gateway meets it: the clients' own work does not
     # slow its event loop.
-    process, address = start_replica(database_url, hot_path="memory")
+    process, address = start_replica(database_url)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             admitted = await flood([channel])

@@ -1,5 +1,6 @@
-"""Sweep steps over work every replica shares (lapsed leases, engine aborts, dispatch,
-offboarding, purges) run in one replica at a time; the others skip them that sweep."""
+"""Sweep steps over rows every replica shares (the usage event purge) run in one replica at a
+time, under a lock that is always released; the work of an instance (lapsed leases, engine
+aborts, dispatch) is done by its owner alone, whichever replica holds a step's lock."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger
 from quota_service.store.ownership import exclusive
 from quota_service.store.usage import UsageRollup
-from tests.conftest import IN_MEMORY
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
 
@@ -35,7 +35,7 @@ INSTANCES = ("gpu-0", "gpu-1")
 def maintenance(
     engine: AsyncEngine, database_url: str, settings: Settings, path: HotPath | None = None
 ) -> Maintenance:
-    """A replica's maintenance loop, built as the server builds it (for settings.hot_path)."""
+    """A replica's maintenance loop, built as the server builds it."""
     if path is None:
         path = make_hot_path(settings, engine, Waiters(settings.queue_poll_seconds))
     ledger = path.ledger
@@ -50,7 +50,6 @@ def maintenance(
     return Maintenance(
         ledger,
         path.offboarding(engine, termination),
-        inspection,
         termination,
         Followers(database_url, path.reconciler(engine)),
         LedgerMetrics(path.catalog, inspection, reclaim, 60.0),
@@ -119,31 +118,6 @@ async def test_a_key_is_released_whatever_ends_the_work(engine: AsyncEngine) -> 
     assert await advisory_locks(engine) == 0
 
 
-@pytest.mark.skipif(IN_MEMORY, reason="the per-block ledger's shared step: see the next test")
-async def test_a_lapsed_lease_is_reaped_by_the_replica_that_holds_the_step(
-    engine: AsyncEngine, database_url: str, settings: Settings
-) -> None:
-    await add_instance(engine)
-    await add_tenant(engine, "acme")
-    replica = maintenance(engine, database_url, settings)
-    shared = {step.name for step in replica.steps() if step.one_replica}
-    assert {"lease reaper", "engine aborts", "dispatch sweep", "offboarding"} <= shared
-    ledger = Ledger(engine, settings.admission_limits)
-    await ledger.admit(request("short", 100, 100, lease_ttl=1.0))
-    await asyncio.sleep(1.2)
-
-    async with exclusive(engine, "kvquota-sweep:lease reaper") as other_replica:
-        assert other_replica
-        await replica.sweep()  # another replica reaps now: this one skips the step
-        assert (await ledger.get("acme", "short")).state is ReservationState.ADMITTED
-    await replica.sweep()
-    reaped = await ledger.get("acme", "short")
-    assert (reaped.state, reaped.end_reason) == (ReservationState.ENDED, EndReason.LEASE_EXPIRED)
-    await replica.followers.stop()
-    await assert_invariants(engine)
-
-
-@pytest.mark.skipif(not IN_MEMORY, reason="the memory hot path's: runs in make test")
 async def test_each_owner_reaps_the_lapsed_leases_of_its_own_instances(
     engine: AsyncEngine, database_url: str, settings: Settings
 ) -> None:
@@ -180,7 +154,5 @@ async def test_each_owner_reaps_the_lapsed_leases_of_its_own_instances(
     finally:
         for instance, replica in replicas.items():
             await replica.followers.stop()
-            owners = paths[instance].owners
-            assert owners is not None
-            await owners.close()
+            await paths[instance].owners.close()
     await assert_invariants(engine)

@@ -22,18 +22,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
 from tests import processes
-from tests.conftest import IN_MEMORY
 from tests.integration.grpc_helpers import STATUS_DETAILS_KEY, quota, rich_error
 from tests.integration.invariants import assert_invariants
 from tests.integration.test_fairness_short_holds import flood
 from tests.integration.test_replicas import serving_address, spawn_replica
 
-# Served from memory whatever the suite's hot path: run once, not again by `make test-ledger`.
 pytestmark = [
     pytest.mark.slow,
     # Three server processes start for each test: on a loaded machine that alone takes a while.
     pytest.mark.timeout(300),
-    pytest.mark.skipif(not IN_MEMORY, reason="runs with the memory hot path, in make test"),
 ]
 
 LEASE_SECONDS = 2.0
@@ -67,7 +64,6 @@ def servers(database_url: str) -> Iterator[list[tuple[subprocess.Popen[str], str
     spawned = [
         spawn_replica(
             database_url,
-            hot_path="memory",
             owner_lease_seconds=str(LEASE_SECONDS),
             shutdown_grace_seconds="1",
         )

@@ -205,7 +205,7 @@ from quota_service.store.database import connect
 
 async def main(url, job_id):
     engine = connect(url, pool_size=2)
-    settings = Settings(hot_path="memory", owner_lease_seconds=1.0)
+    settings = Settings(owner_lease_seconds=1.0)
     owned = make_hot_path(settings, engine, Waiters(0.05), "executor")
     jobs = OwnedReclaimJobs(engine, owned.owners, free_batch_blocks=1)
     while await jobs.run_step(job_id):
@@ -239,7 +239,7 @@ async def test_a_killed_owner_s_job_resumes_in_the_next_and_frees_each_block_onc
     assert interrupted.state is JobState.RUNNING and 3 <= interrupted.actual_blocks < 12
     assert interrupted.steps[0].state is StepState.PLANNED
 
-    short = replace(settings, hot_path="memory", owner_lease_seconds=1.0)
+    short = replace(settings, owner_lease_seconds=1.0)
     successor = make_hot_path(short, engine, Waiters(0.05), "successor")
     assert successor.owners is not None
     resumed = jobs_of(engine, successor, 1)

@@ -7,6 +7,8 @@ the live one (invariant 8; after the steps tests/examples.py says, and after the
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -15,34 +17,105 @@ from hypothesis.stateful import run_state_machine_as_test
 from sqlalchemy import text
 
 from quota_service.config import Settings
+from quota_service.core.admission import AdmitRequest
+from quota_service.core.block_table import BlockHandle
 from quota_service.core.instance_machine import InstanceMachine
+from quota_service.core.model import AdmitParams, EndReason
 from quota_service.core.queueing import QueuePolicy
 from quota_service.enforcement.termination import Termination
 from quota_service.owner.owned_offboarding import OwnedOffboarding
 from quota_service.owner.owned_pins import OwnedPins
 from quota_service.owner.owners import OwnedLedger, Owners
+from quota_service.store.catalog import Catalog
+from quota_service.store.database import connect
 from tests.databases import Databases
 from tests.examples import examples
-from tests.integration.test_stateful import LedgerMachine
-from tests.model.rules import INSTANCES, SlotRow, TenantRow
+from tests.integration.ledger_fixtures import add_instance
+from tests.model.rules import (
+    BS,
+    INSTANCES,
+    NAMESPACE,
+    SHARED,
+    TENANTS,
+    LedgerRules,
+    SlotRow,
+    TenantRow,
+)
 from tests.unit.machine_fixtures import assert_same_machine, next_generation, recount, slot_rows
 
 
-class ServedVersusModel(LedgerMachine):
+class ServedVersusModel(LedgerRules):
+    databases: Databases
+
     def __init__(self) -> None:
         super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.database = self.databases.take()
+        self.engine = connect(self.databases.url(self.database), pool_size=2)
         limits = Settings().admission_limits
         self.owners = Owners(self.engine, limits, QueuePolicy(), "model")
-        ledger = OwnedLedger(self.engine, self.owners, limits)
-        pins = OwnedPins(self.engine, limits, self.owners)
-        termination = Termination(ledger, abort_timeout_seconds=1.0, hard_timeout_seconds=5.0)
-        self.ledger = ledger
-        self.pins = pins
-        self.offboarding = OwnedOffboarding(self.engine, ledger, pins, termination, self.owners)
+        self.ledger = OwnedLedger(self.engine, self.owners, limits)
+        self.pins = OwnedPins(self.engine, limits, self.owners)
+        termination = Termination(self.ledger, abort_timeout_seconds=1.0, hard_timeout_seconds=5.0)
+        self.offboarding = OwnedOffboarding(
+            self.engine, self.ledger, self.pins, termination, self.owners
+        )
+
+    def run(self, work: Any) -> Any:
+        return self.loop.run_until_complete(work)
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            self.close()
 
     def close(self) -> None:
         self.run(self.owners.close())
-        super().close()
+        self.run(self.engine.dispose())
+        self.loop.close()
+        self.databases.drop(self.database)
+
+    def build_fleet(self) -> tuple[dict[str, str], str]:
+        catalog = Catalog(self.engine)
+
+        async def build() -> tuple[dict[str, str], str]:
+            for name, blocks in INSTANCES.items():
+                await add_instance(self.engine, name, blocks=blocks, block_size=BS)
+            await catalog.create_namespace(NAMESPACE)
+            for name, quota in TENANTS.items():
+                await catalog.create_tenant(name, name, 1, quota)
+            for name in SHARED:
+                await catalog.update_tenant(name, {"namespace": NAMESPACE})
+            async with self.engine.connect() as conn:
+                rows = await conn.execute(text("SELECT tenant, cache_salt FROM tenants"))
+                ns = await conn.execute(text("SELECT cache_salt FROM namespaces"))
+                return {t: salt for t, salt in rows.all()}, ns.scalar_one()
+
+        built: tuple[dict[str, str], str] = self.run(build())
+        return built
+
+    def apply_admit(self, params: AdmitParams, ids: Sequence[int]) -> Sequence[BlockHandle]:
+        reservation, _ = self.run(self.ledger.admit(AdmitRequest(params, tuple(ids), 0.0, None)))
+        return list(reservation.block_table)
+
+    def apply_end(self, tenant: str, request_id: str, reason: EndReason) -> None:
+        output = None if reason is EndReason.CANCELLED else 1
+        self.run(self.ledger.end(tenant, request_id, reason, output))
+
+    def apply_release_blocks(
+        self, tenant: str, request_id: str, handles: Sequence[BlockHandle]
+    ) -> None:
+        self.run(self.ledger.release_blocks(tenant, request_id, handles))
+
+    def apply_pin(self, owner: str, pin_id: str, instance: str, tokens: Sequence[int]) -> None:
+        self.run(self.pins.pin(owner, pin_id, instance, tokens))
+
+    def apply_unpin(self, owner: str, pin_id: str) -> None:
+        self.run(self.pins.unpin(owner, pin_id))
+
+    def apply_offboard(self, tenant: str) -> None:
+        self.run(self.offboarding.delete_tenant(tenant))
 
     def observed(self, thorough: bool) -> tuple[list[SlotRow], list[TenantRow]]:
         self.run(self.owners.take_over_unowned())

@@ -41,7 +41,6 @@ def test_environment_overrides_file(tmp_path: Path) -> None:
         ({"KVQUOTA_AUTH_CACHE_SECONDS": "0"}, "AUTH_CACHE_SECONDS"),
         ({"KVQUOTA_LOG_FORMAT": "xml"}, "LOG_FORMAT must be one of json, text"),
         ({"KVQUOTA_LOG_LEVEL": "LOUD"}, "LOG_LEVEL: unknown level"),
-        ({"KVQUOTA_VACUUM_MIN_DEAD_ROWS": "-1"}, "VACUUM_MIN_DEAD_ROWS must not be negative"),
     ],
 )
 def test_bad_settings_say_which(environ: dict[str, str], message: str) -> None:
