@@ -37,7 +37,7 @@ from quota_service.core.pagination import MAX_PAGE_SIZE, Page
 from quota_service.core.reclaim import ReclaimTally, StepState
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import pool_usage
-from quota_service.store.inspection import Inspection
+from quota_service.store.inspection import RecordedUsage
 from quota_service.store.reclaim import ReclaimJobs
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class LedgerMetrics(Collector):
     def __init__(
         self,
         catalog: Catalog,
-        inspection: Inspection,
+        inspection: RecordedUsage,
         reclaim: ReclaimJobs,
         refresh_seconds: float,
     ) -> None:

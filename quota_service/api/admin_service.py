@@ -24,12 +24,12 @@ from quota_service.core.names import instance_id, tenant_id
 from quota_service.core.reasons import Reason
 from quota_service.core.reclaim import ReclaimTarget, Tier
 from quota_service.engine.vllm.http import EngineDescription, MetricsError, VllmHttp
+from quota_service.owner.owned_inspection import OwnedInspection
+from quota_service.owner.owned_offboarding import OwnedOffboarding
+from quota_service.owner.owned_pins import OwnedPins
+from quota_service.owner.owned_reclaim import OwnedReclaimJobs
 from quota_service.store.access import ApiKeys, AuditLog
 from quota_service.store.catalog import Catalog
-from quota_service.store.inspection import Inspection
-from quota_service.store.offboarding import Offboarding
-from quota_service.store.pins import Pins
-from quota_service.store.reclaim import ReclaimJobs
 
 Context = grpc.aio.ServicerContext[Any, Any]
 # Principals and method names are far shorter; a longer filter can match nothing.
@@ -58,10 +58,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def __init__(
         self,
         catalog_store: Catalog,
-        pins: Pins,
-        offboarding: Offboarding,
-        inspection: Inspection,
-        reclaim: ReclaimJobs,
+        pins: OwnedPins,
+        offboarding: OwnedOffboarding,
+        inspection: OwnedInspection,
+        reclaim: OwnedReclaimJobs,
         api_keys: ApiKeys,
         audit: AuditLog,
     ) -> None:

@@ -13,10 +13,8 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from quota_service.core.errors import KvQuotaError
 from quota_service.core.instance_machine import InstanceMachine, PinRecord, TenantHere
 from quota_service.core.names import reservation_name
-from quota_service.core.reasons import Reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,12 +179,3 @@ def _differing(subject: str, mine: object, theirs: object) -> Iterator[Differenc
         mine = {k: mine.get(k) for k in keys}
         theirs = {k: theirs.get(k) for k in keys}
     yield Difference(subject, str(mine), str(theirs))
-
-
-def not_in_memory(instance: str, why: str) -> KvQuotaError:
-    name = f"instances/{instance}"
-    return KvQuotaError(
-        Reason.INSTANCE_NOT_IN_MEMORY,
-        f"{name} is not served from memory here ({why}): there is no machine to compare",
-        metadata={"name": name},
-    )

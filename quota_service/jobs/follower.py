@@ -1,5 +1,6 @@
 """Following the engines: for each instance with KV-event endpoints, exactly one replica
-subscribes to its events and applies them to the ledger (store/reconcile.py).
+subscribes to its events and has the instance's owner apply them to its machine
+(owner/owned_reconcile.py).
 
 Ownership is a PostgreSQL advisory lock held on a connection of its own: it is released the
 moment that replica dies, and another one takes over, resuming after the last batch applied (the
@@ -21,8 +22,8 @@ from quota_service.core.errors import KvQuotaError, ServedElsewhere
 from quota_service.engine.vllm.http import MetricsError, VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
 from quota_service.metrics import ServiceMetrics
+from quota_service.owner.owned_reconcile import OwnedReconciler
 from quota_service.store.ownership import owned
-from quota_service.store.reconcile import Reconciler
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class Followers:
     def __init__(
         self,
         database_url: str,
-        reconciler: Reconciler,
+        reconciler: OwnedReconciler,
         load_check_seconds: float = LOAD_CHECK_SECONDS,
         metrics: ServiceMetrics | None = None,
     ) -> None:

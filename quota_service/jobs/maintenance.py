@@ -25,9 +25,9 @@ from quota_service.jobs.follower import Followers
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.jobs.reclaim_policy import ReclaimPolicy
 from quota_service.metrics import LedgerMetrics
+from quota_service.owner.owned_offboarding import OwnedOffboarding
 from quota_service.store.database import reachable
 from quota_service.store.ledger import Ledger
-from quota_service.store.offboarding import Offboarding
 from quota_service.store.ownership import exclusive
 from quota_service.store.usage import UsageRollup
 
@@ -44,7 +44,7 @@ class Step(NamedTuple):
 @dataclass
 class Maintenance:
     ledger: Ledger
-    offboarding: Offboarding
+    offboarding: OwnedOffboarding
     termination: Termination
     followers: Followers
     metrics: LedgerMetrics

@@ -18,14 +18,14 @@ from quota_service.core.model import EndReason
 from quota_service.core.reclaim import Demotion, Preemption
 from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
 from quota_service.enforcement.termination import Termination
-from quota_service.store.reclaim import ReclaimJobs
+from quota_service.owner.owned_reclaim import OwnedReclaimJobs
 
 log = logging.getLogger(__name__)
 
 
 class ReclaimExecutor:
     def __init__(
-        self, jobs: ReclaimJobs, termination: Termination, cpu_tier: CpuTierMirror
+        self, jobs: OwnedReclaimJobs, termination: Termination, cpu_tier: CpuTierMirror
     ) -> None:
         self._jobs = jobs
         self._termination = termination

@@ -15,14 +15,18 @@ import time
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.reasons import Reason
 from quota_service.core.reclaim import Tier, policy_jobs
-from quota_service.store.reclaim import ReclaimJobs
+from quota_service.owner.owned_reclaim import OwnedReclaimJobs
 
 log = logging.getLogger(__name__)
 
 
 class ReclaimPolicy:
     def __init__(
-        self, jobs: ReclaimJobs, max_tier: Tier | None, watermark: float, cooldown_seconds: float
+        self,
+        jobs: OwnedReclaimJobs,
+        max_tier: Tier | None,
+        watermark: float,
+        cooldown_seconds: float,
     ) -> None:
         self._jobs = jobs
         self._max_tier = max_tier

@@ -11,10 +11,10 @@ from quota_service.core.model import Block, BlockState, InstanceUsage, Reservati
 from quota_service.core.pagination import Page
 from quota_service.owner.owned_check import differences_from_record
 from quota_service.owner.owners import Owners
-from quota_service.store.inspection import Inspection
+from quota_service.store.inspection import RecordedUsage
 
 
-class OwnedInspection(Inspection):
+class OwnedInspection(RecordedUsage):
     def __init__(self, engine: AsyncEngine, owners: Owners) -> None:
         super().__init__(engine)
         self._owners = owners

@@ -15,7 +15,7 @@ from quota_service.core.instance_machine import NOWHERE_ELSE, InstanceMachine, P
 from quota_service.core.model import Pin, PinState
 from quota_service.core.reasons import Reason
 from quota_service.owner.owners import Owners
-from quota_service.store.pins import Pins
+from quota_service.store.pins import RecordedPins
 
 
 def _pin(record: PinRecord, instance: str, state: PinState) -> Pin:
@@ -32,9 +32,9 @@ def _pin(record: PinRecord, instance: str, state: PinState) -> Pin:
     )
 
 
-class OwnedPins(Pins):
+class OwnedPins(RecordedPins):
     def __init__(self, engine: AsyncEngine, limits: AdmissionLimits, owners: Owners) -> None:
-        super().__init__(engine, limits)
+        super().__init__(engine)
         self._owners = owners
         self._journal = owners.journal
 

@@ -1,7 +1,9 @@
 """Reclaim jobs on instances served from memory: plans read the pool from its owner, and FREE,
 OFFLOAD and COMPRESS steps change the owner's machine in the same batch that marks them
 applied (a crash leaves a step planned with nothing done, or applied with all of it). EVICT
-steps need nothing of the machine but what ending a reservation does (store/reclaim.py)."""
+steps need nothing of the machine but what ending a reservation does, and COMPRESS steps first
+ask the CPU tier to demote their session: both are decided from the reservation's row
+(store/reclaim.py)."""
 
 from __future__ import annotations
 
@@ -18,14 +20,20 @@ from quota_service.core.reclaim import (
     CachedScope,
     CpuWatermarks,
     Demotion,
+    InstanceLoad,
     LiveReservation,
     Preemption,
     ReclaimJob,
+    ReclaimPlan,
+    ReclaimTarget,
     SharedEntry,
     TenantExcess,
     Tier,
+    check_target,
+    plan,
 )
 from quota_service.owner.owners import Owners
+from quota_service.store.catalog import Catalog
 from quota_service.store.journal import Statement
 from quota_service.store.reclaim import (
     CANCEL,
@@ -33,7 +41,6 @@ from quota_service.store.reclaim import (
     COMPRESSED_SINCE_PLAN,
     COMPRESSION_RATIO,
     FEWER_CACHED_SINCE_PLAN,
-    FREE_BATCH_BLOCKS,
     NOT_OFFLOADED_ANY_MORE,
     NOT_SUSPENDED_ANY_MORE,
     NOTHING_TO_DEMOTE,
@@ -42,8 +49,14 @@ from quota_service.store.reclaim import (
     STEP_PROGRESS,
     PoolBlocks,
     ReclaimJobs,
+    load_snapshot,
     step_done,
 )
+
+# Cached blocks a FREE step frees per batch of its instance's owner: the step's blocks leave
+# the machine while no other operation on the instance runs, so a large step gives way between
+# batches.
+FREE_BATCH_BLOCKS = 1024
 
 
 class OwnedReclaimJobs(ReclaimJobs):
@@ -54,17 +67,45 @@ class OwnedReclaimJobs(ReclaimJobs):
         watermarks: CpuWatermarks = DEFAULT_WATERMARKS,
         free_batch_blocks: int = FREE_BATCH_BLOCKS,
     ) -> None:
-        super().__init__(engine, watermarks, free_batch_blocks)
+        super().__init__(engine)
         self._owners = owners
+        self._watermarks = watermarks
+        self._free_batch_blocks = free_batch_blocks
         # A FREE or OFFLOAD step is read from the record before its batch is applied in
         # memory: two executors of a job (or a cancel) between the two would apply it twice
         # (or after the cancel returned). In the instance's owner, a job runs a step at a time.
         self._job_locks: dict[str, asyncio.Lock] = {}
 
-    async def _pool_blocks(self, instance: str) -> PoolBlocks:
-        return await self._owners.run(instance, lambda m, now: pool_blocks(m))
+    async def create(
+        self, request_id: str, instance: str, target: ReclaimTarget, dry_run: bool
+    ) -> ReclaimJob:
+        """Plan and store a job; a repeat of `request_id` returns the job it created."""
+        check_target(target)
+        existing = await self.created_by(request_id, instance, target, dry_run)
+        if existing is not None:
+            return existing
+        if target.tenant is not None:
+            await Catalog(self._engine).get_tenant(target.tenant)  # NOT_FOUND for no tenant
+        planned = await self.preview(instance, target)
+        return await self.add(request_id, instance, target, dry_run, planned)
+
+    async def preview(self, instance: str, target: ReclaimTarget) -> ReclaimPlan:
+        """The plan a job would get now, stored nowhere."""
+        check_target(target)
+        blocks = await self._owners.run(instance, lambda m, now: pool_blocks(m))
+        return plan(await load_snapshot(self._engine, instance, blocks, self._watermarks), target)
+
+    async def policy_inputs(
+        self,
+    ) -> tuple[list[InstanceLoad], list[TenantExcess], set[tuple[str, str | None]]]:
+        """Instances with work waiting, tenants over their block quota, and the (instance,
+        tenant) scopes that have a job open."""
+        loads, open_scopes = await self.loads_and_open_scopes()
+        return loads, await self.tenant_excesses(), open_scopes
 
     async def tenant_excesses(self) -> list[TenantExcess]:
+        """Tenants over their block quota, with what they hold on each instance (here from
+        the machines, elsewhere as the record has it)."""
         over = await self.tenants_over_quota()
         if not over:
             return []
@@ -84,6 +125,10 @@ class OwnedReclaimJobs(ReclaimJobs):
         return excesses
 
     async def run_step(self, job_id: str) -> bool | Preemption | Demotion:
+        """Apply the job's next planned step (a FREE step a batch of its blocks per call).
+        True: a step (or a batch) was applied, or skipped with its reason; False: none is left
+        and the job is finished; a Preemption or a Demotion: what must happen first
+        (`ReclaimJobs.run_reservation_step`)."""
         async with self._job_locks.setdefault(job_id, asyncio.Lock()):
             ran = await self._run_step(job_id)
         if ran is False:
@@ -112,7 +157,7 @@ class OwnedReclaimJobs(ReclaimJobs):
             await self._offload(job_id, step)
             return True
         # COMPRESS and EVICT read the reservation's row and change nothing here.
-        return await super().run_step(job_id)
+        return await self.run_reservation_step(job_id)
 
     async def _free(self, job_id: str, step: RowMapping) -> None:
         """FREE: the next batch of the step's cached blocks, least recently used first and
@@ -164,6 +209,10 @@ class OwnedReclaimJobs(ReclaimJobs):
         )
 
     async def compress(self, job_id: str, seq: int) -> bool:
+        """Apply a COMPRESS step whose session the CPU tier demoted: its bytes move to the
+        compressed tier by what was measured, in the batch that marks the step, so a step is
+        applied once however often it is retried. False: the step was no longer planned
+        (applied or skipped already, or its job cancelled)."""
         measured = await self.claimed_compression(job_id, seq)
         step = await self.next_step(job_id)
         if measured is None or step is None or step["seq"] != seq:
@@ -197,8 +246,7 @@ class OwnedReclaimJobs(ReclaimJobs):
 
 
 def pool_blocks(machine: InstanceMachine) -> PoolBlocks:
-    """What the planner needs of a machine's slots (store/reclaim.py reads the same from the
-    per-block tables)."""
+    """What the planner needs of a machine's slots."""
     pool = machine.pool
     scopes = machine.scopes
     cached = Counter(scopes[pool.scope_id(b)] for b in pool.lru_order())

@@ -41,9 +41,10 @@ from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
 from quota_service.enforcement.termination import Termination
 from quota_service.engine.lmcache import DeleteResult, LmcacheCoordinator
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
+from quota_service.owner.owned_reclaim import OwnedReclaimJobs
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.ledger import Ledger
-from quota_service.store.reclaim import NOT_OFFLOADED_ANY_MORE, ReclaimJobs
+from quota_service.store.reclaim import NOT_OFFLOADED_ANY_MORE
 from quota_service.store.usage import UsageBook, UsageRollup
 from tests.engines.conftest import ChunkWriter, Lmcache, lmcache_at
 from tests.engines.lmcache_proxy import LmcacheProxy
@@ -140,7 +141,9 @@ async def offloaded_session(
     return ledger, tier
 
 
-async def compress_job(engine: AsyncEngine, owned: HotPath, tenant: str) -> tuple[ReclaimJobs, str]:
+async def compress_job(
+    engine: AsyncEngine, owned: HotPath, tenant: str
+) -> tuple[OwnedReclaimJobs, str]:
     jobs = owned.reclaim(engine, TINY)
     target = ReclaimTarget(1, Tier.COMPRESS, tenant, COMPRESS_ONLY)
     job = await jobs.create(f"compress-{tenant}", "gpu-0", target, dry_run=False)
@@ -372,7 +375,7 @@ async def session_bytes(engine: AsyncEngine, tenant: str) -> tuple[int | None, i
     return row[0], row[1]
 
 
-async def job_state(jobs: ReclaimJobs, job_id: str) -> JobState:
+async def job_state(jobs: OwnedReclaimJobs, job_id: str) -> JobState:
     return (await jobs.get(job_id)).state
 
 

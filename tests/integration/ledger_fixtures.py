@@ -15,10 +15,10 @@ from quota_service.core import catalog
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.model import AdmitParams, TenantQuota
 from quota_service.enforcement.termination import Termination
+from quota_service.owner.owned_offboarding import OwnedOffboarding
 from quota_service.store.catalog import Catalog
 from quota_service.store.ledger import Ledger
-from quota_service.store.offboarding import RESERVATION_BATCH, Offboarding
-from quota_service.store.pins import Pins
+from quota_service.store.offboarding import RESERVATION_BATCH
 
 UNLIMITED = TenantQuota(10**9, 10**12, 1000, 1000, 10**12)
 
@@ -195,23 +195,16 @@ def termination(ledger: Ledger) -> Termination:
     return Termination(ledger, abort_timeout_seconds=1.0, hard_timeout_seconds=5.0)
 
 
-def offboarding_service(
-    engine: AsyncEngine, ledger: Ledger, pins: Pins, reservation_batch: int = RESERVATION_BATCH
-) -> Offboarding:
-    """Offboarding on the per-block ledger, as the server builds it."""
-    return Offboarding(engine, ledger, pins, termination(ledger), reservation_batch)
-
-
 def owned_offboarding(
     engine: AsyncEngine, hot: HotPath, reservation_batch: int = RESERVATION_BATCH
-) -> Offboarding:
+) -> OwnedOffboarding:
     """Offboarding on the memory hot path, as the server builds it, ending reservations
     `reservation_batch` at a time (a test that crashes between batches makes them small)."""
     return hot.offboarding(engine, termination(hot.ledger), reservation_batch)
 
 
 def crash_after_batches(
-    offboarding: Offboarding, monkeypatch: pytest.MonkeyPatch, batches: int
+    offboarding: OwnedOffboarding, monkeypatch: pytest.MonkeyPatch, batches: int
 ) -> None:
     """Make the offboarding's process die once `batches` batches of reservations committed."""
     real_batch = offboarding._end_batch

@@ -23,7 +23,7 @@ from quota_service.core.model import (
 )
 from quota_service.enforcement.termination import Termination
 from quota_service.engine.vllm.http import vllm_request_ids
-from quota_service.store.offboarding import FORWARDING_SECONDS
+from quota_service.owner.owned_offboarding import FORWARDING_SECONDS
 from tests.integration.engine_stubs import abort_endpoint, closed_port
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import (
@@ -190,8 +190,8 @@ async def test_blocks_cached_by_an_abort_confirmed_mid_pass_are_freed_before_it_
 
     free_own_cache = offboarding._free_own_cache
 
-    async def then_the_sweep_ends_it(tenant: str, scope: str) -> None:
-        await free_own_cache(tenant, scope)
+    async def then_the_sweep_ends_it(scope: str) -> None:
+        await free_own_cache(scope)
         await ledger.end("gone", "r0", EndReason.ENGINE_UNREACHABLE)
 
     monkeypatch.setattr(offboarding, "_free_own_cache", then_the_sweep_ends_it)

@@ -23,13 +23,9 @@ from quota_service.core.errors import Code, KvQuotaError, ServedElsewhere
 from quota_service.core.model import EndReason
 from quota_service.core.pagination import Page
 from quota_service.core.reclaim import JobState, ReclaimTarget, StepState, Tier
-from quota_service.owner.owned_reclaim import OwnedReclaimJobs
+from quota_service.owner.owned_reclaim import FREE_BATCH_BLOCKS, OwnedReclaimJobs
 from quota_service.owner.owners import OwnedLedger
-from quota_service.store.reclaim import (
-    CHANGED_SINCE_PLAN,
-    FEWER_CACHED_SINCE_PLAN,
-    FREE_BATCH_BLOCKS,
-)
+from quota_service.store.reclaim import CHANGED_SINCE_PLAN, FEWER_CACHED_SINCE_PLAN
 from tests import processes
 from tests.integration.grpc_helpers import admit
 from tests.integration.invariants import assert_invariants
@@ -200,7 +196,7 @@ import asyncio, sys
 from quota_service.api.server import make_hot_path
 from quota_service.api.waiting import Waiters
 from quota_service.config import Settings
-from quota_service.owner.owned_reclaim import OwnedReclaimJobs
+from quota_service.owner.owned_reclaim import FREE_BATCH_BLOCKS, OwnedReclaimJobs
 from quota_service.store.database import connect
 
 async def main(url, job_id):
