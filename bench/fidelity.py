@@ -51,11 +51,11 @@ from quota_service.enforcement.termination import Termination
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
+from quota_service.owner.owned_inspection import OwnedInspection
+from quota_service.owner.owned_reclaim import OwnedReclaimJobs
+from quota_service.owner.owned_reconcile import OwnedReconciler
+from quota_service.owner.owners import OwnedLedger
 from quota_service.store.catalog import Catalog
-from quota_service.store.inspection import Inspection
-from quota_service.store.ledger import Ledger
-from quota_service.store.reclaim import ReclaimJobs
-from quota_service.store.reconcile import Reconciler
 
 # Token ids inside the tiny model's vocabulary (512).
 VOCAB = 500
@@ -136,12 +136,12 @@ class FidelityRun:
         self,
         where: Endpoints,
         db: AsyncEngine,
-        ledger: Ledger,
-        reconciler: Reconciler,
-        inspection: Inspection,
+        ledger: OwnedLedger,
+        reconciler: OwnedReconciler,
+        inspection: OwnedInspection,
         termination: Termination,
         executor: ReclaimExecutor,
-        jobs: ReclaimJobs,
+        jobs: OwnedReclaimJobs,
         seed: int = 19,
     ) -> None:
         self._where = where

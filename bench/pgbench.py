@@ -104,42 +104,6 @@ class PgBench:
 # Admit+Release of a 96-block request, as pgbench's own transactions on the kvquota schema: each
 # of the 96 blocks' counts goes up and its table entry is written, in one transaction, and both
 # are undone in another. Each client uses its own 96 slots, so no two ever wait on each other.
-FLOOR_SCRIPT = """\\set base :client_id * {blocks}
-BEGIN;
-SELECT nextval('holder_ids') AS holder \\gset
-UPDATE blocks SET ref_count = ref_count + 1
-WHERE instance = '{instance}' AND block_id >= :base AND block_id < :base + {blocks};
-INSERT INTO block_refs (holder_id, position, instance, block_id, generation, tenant, pinned)
-SELECT :holder, g, '{instance}', :base + g, 0, '{tenant}', false
-FROM generate_series(0, {blocks} - 1) g;
-COMMIT;
-BEGIN;
-DELETE FROM block_refs WHERE holder_id = :holder;
-UPDATE blocks SET ref_count = ref_count - 1
-WHERE instance = '{instance}' AND block_id >= :base AND block_id < :base + {blocks};
-COMMIT;
-"""
-
-
-class PerBlockFloor:
-    """FLOOR_SCRIPT run by pgbench against the benchmark's own database, on an instance with
-    at least `blocks` slots per client (and a tenant) made for it."""
-
-    def __init__(self, url: str, instance: str, tenant: str, blocks: int, directory: Path) -> None:
-        self.url = url
-        self.text = FLOOR_SCRIPT.format(instance=instance, tenant=tenant, blocks=blocks)
-        self.script = directory / "per_block_floor.sql"
-        self.script.write_text(self.text)
-        self.binary = binary()
-
-    def run(self, clients: int, seconds: float) -> Reference:
-        threads = max(1, min(clients, os.cpu_count() or 1))
-        options = ["-n", "-f", str(self.script), "-c", str(clients), "-j", str(threads)]
-        command = [self.binary, *options, "-T", str(max(1, round(seconds))), *_connection(self.url)]
-        say(f"pgbench, per-block floor: {clients} clients, {seconds:g} s")
-        return _measured(command, self.url, clients)
-
-
 def _measured(command: list[str], url: str, clients: int) -> Reference:
     done = subprocess.run(command, env=_env(url), capture_output=True, text=True)
     if done.returncode:

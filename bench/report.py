@@ -17,19 +17,15 @@ _NO_ANALYSIS = (
 # figure key: (label, unit, decimals)
 LABELS: dict[str, tuple[str, str, int]] = {
     "pgbench_tps": ("pgbench -N, best of the client counts", "tps", 0),
-    "floor_pairs_per_second": ("per-block floor (pgbench script), best", "pairs/s", 1),
-    "floor_ratio": ("  ÷ pgbench -N tps", "", 3),
     "grpc_floor_pairs_per_second": ("bare gRPC floor (bench/grpc_floor.py), best", "pairs/s", 1),
     "grpc_floor_server_cpu_ms_per_pair": ("  its server CPU per pair", "ms", 2),
     "pairs_per_second_no_prefix": ("Admit+Release, no prefix, best", "pairs/s", 1),
     "best_concurrency_no_prefix": ("  at clients", "", 0),
     "ratio_no_prefix": ("  ÷ pgbench -N tps", "", 3),
-    "of_floor_no_prefix": ("  ÷ per-block floor", "", 3),
     "of_grpc_floor_no_prefix": ("  ÷ bare gRPC floor", "", 3),
     "pairs_per_second_prefix": ("Admit+Release, 1024-token prefix, best", "pairs/s", 1),
     "best_concurrency_prefix": ("  at clients", "", 0),
     "ratio_prefix": ("  ÷ pgbench -N tps", "", 3),
-    "of_floor_prefix": ("  ÷ per-block floor", "", 3),
     "of_grpc_floor_prefix": ("  ÷ bare gRPC floor", "", 3),
     "server_cpu_of_grpc_floor_no_prefix": ("server CPU per pair ÷ the floor's (no prefix)", "", 2),
     "server_cpu_of_grpc_floor_prefix": ("server CPU per pair ÷ the floor's (prefix)", "", 2),
@@ -251,9 +247,6 @@ def markdown(document: dict[str, Any], analysis: str) -> str:
         "blocks (10% released with token ids, so cached; 80% live, every fourth suspended), "
         f"then CreateReclaimJob (dry_run, target 90% of the pool, up to EVICT) timed; fill "
         f"took {extra.get('reclaim_fill_seconds', '?')} s; {_pool(extra.get('reclaim_pool'))}.",
-        "- After registering the pools the suite runs ANALYZE on `blocks`, and after filling "
-        "the big pool ANALYZE on everything, as autovacuum would within a minute; the tables "
-        "the load churns otherwise have the statistics autovacuum gives them.",
         "",
         "pgbench, on a throwaway database of the same PostgreSQL server:",
         "",
@@ -264,17 +257,6 @@ def markdown(document: dict[str, Any], analysis: str) -> str:
             for r in document["runs"]
             for p in sorted(r["pgbench"], key=lambda p: p["clients"])
         ),
-        "```",
-        "",
-        "The per-block floor: the least any ledger keeping a durable reference count per block "
-        "must write for one Admit+Release of 96 blocks (each count up and its table entry "
-        "written in one transaction, both undone in another), run by pgbench on the kvquota "
-        "database itself, each client on its own 96 slots so none ever waits for another. A "
-        "pair cannot cost less than this; kvquota's pairs do more (the tenant's holdings, the "
-        "pool's counters, eviction order, tombstones, metering, the reservation row):",
-        "",
-        "```sql",
-        extra.get("floor_script", "?").rstrip("\n"),
         "```",
         "",
         "## Targets",
@@ -390,34 +372,6 @@ def _short(state: str) -> str:
     return state.removeprefix("running a statement, waiting for ")
 
 
-def _operation(title: str, op: dict[str, Any]) -> list[str]:
-    accounted = sum(st["mean_ms"] * st["per_operation"] for st in op["statements"])
-    return [
-        f"**{title}**: {op['mean_ms']} ms per operation ({op.get('postgres_cpu_ms', 0)} ms of "
-        f"PostgreSQL CPU), {op['round_trips']} round trips, {op['transactions']} "
-        f"transaction(s); statements {accounted:.2f} ms, the rest (BEGIN, COMMIT, Python) "
-        f"{op['mean_ms'] - accounted:.2f} ms.",
-        "",
-        *_md_table(
-            ["statement", "per operation", "mean ms", "PostgreSQL CPU ms"],
-            [
-                [
-                    f"`{st['statement']}`",
-                    str(st["per_operation"]),
-                    str(st["mean_ms"]),
-                    str(st.get("postgres_cpu_ms", "")),
-                ]
-                for st in op["statements"]
-            ],
-        ),
-        "",
-        "```text",
-        *[f"{name}:\n  " + "\n  ".join(lines) for name, lines in op["explain"].items() if lines],
-        "```",
-        "",
-    ]
-
-
 def _spy(title: str, spy: dict[str, Any] | None) -> list[str]:
     if not spy:
         return []
@@ -458,47 +412,6 @@ def _zip_longest(a: list[Any], b: list[Any]) -> list[tuple[Any, Any]]:
 
 def _profile_section(extra: dict[str, Any]) -> list[str]:
     out = ["## Where the time goes", ""]
-    hot = extra.get("hot_path")
-    if hot:
-        out += [
-            "The ledger's own Admit and Release, run in the suite's process against the "
-            "benchmark database through a proxy that counts client sends after an answer "
-            "(round trips), each statement timed (client side) and run once under EXPLAIN "
-            "(ANALYZE, BUFFERS) in a savepoint rolled back (`bench/profile.py`).",
-            "",
-        ]
-        for kind in ("admit_no_prefix", "release_no_prefix", "admit_with_prefix"):
-            if hot.get(kind):
-                out += _operation(kind.replace("_", " "), hot[kind])
-    big = extra.get("hot_path_big_pool")
-    if big:
-        for kind in ("admit_no_prefix", "release_no_prefix", "admit_with_prefix"):
-            if big.get(kind):
-                out += _operation(f"{kind.replace('_', ' ')}, big pool 90% in use", big[kind])
-    ending = extra.get("offboard_end")
-    if ending:
-        out += _operation(
-            "Ending one reservation as offboarding does (TENANT_DELETED), the tenant holding "
-            "~100,000 blocks",
-            ending,
-        )
-    split = extra.get("reclaim_split")
-    if split:
-        out += [
-            f"**Reclaim plan** over {split['cached_blocks']:,} cached blocks and "
-            f"{split['reservations']:,} live reservations ({split['held_entries']:,} table "
-            f"entries): snapshot (SQL and rows into Python) {split['snapshot_seconds']} s, "
-            f"planner {split['plan_seconds']} s; {split['planned_steps']:,} steps for "
-            f"{split['planned_blocks']:,} blocks. ReclaimJobs.create as a whole (the same "
-            f"snapshot and plan, the job and its steps stored, the job read back) "
-            f"{split.get('create_seconds', '?')} s, of which reading the job back "
-            f"{split.get('get_seconds', '?')} s.",
-            "",
-            "```text",
-            *[f"{name}:\n  " + "\n  ".join(lines) for name, lines in split["explain"].items()],
-            "```",
-            "",
-        ]
     out += _spy("py-spy of server process 1 at the most clients, no prefix", extra.get("py_spy"))
     out += _spy("py-spy of server process 1 during DeleteTenant", extra.get("py_spy_offboarding"))
     phases = extra.get("rss_by_phase_mib")

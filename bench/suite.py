@@ -6,8 +6,6 @@ One throwaway database; --servers `kvquota serve` processes on it (API keys requ
 load generator. Each of --runs runs measures:
 
 - pgbench -N at each --concurrency on a throwaway database of the same server (best tps);
-- the per-block floor (bench/pgbench.py FLOOR_SCRIPT): what any ledger with a durable count per
-  block must write for one Admit+Release, run by pgbench on the kvquota database (best tps);
 - Admit+Release of 1536-token requests (96 blocks of 16), closed loop at each --concurrency,
   without a prefix and with a shared 1024-token prefix (best pairs/s of each);
 - Admit latency at half of that best, open loop (Poisson arrivals at the rate, each Admit timed
@@ -19,8 +17,8 @@ load generator. Each of --runs runs measures:
 - with --auth both: the best concurrency again against servers without authentication;
 - the servers' resident memory (VmRSS sampled, VmHWM at the end) and CPU per pair.
 Then, once: a reclaim plan (CreateReclaimJob dry_run) over the 1,000,000-slot pool filled to 90%,
-timed --runs times (at least 3); and, with --profile, round trips, statement costs and EXPLAIN
-ANALYZE of the hot path (bench/profile.py) and a py-spy profile of a server under load.
+timed --runs times (at least 3); and, with --profile, a py-spy profile of a server under load
+(bench/profile.py).
 
 Prints a table (min / median / max over runs, each target met or not), or JSON with --json, and
 writes --docs (docs/benchmarks.md). `--quick` is a smoke form: short, small, one run.
@@ -52,20 +50,17 @@ import psycopg
 
 from bench import harness, load, profile, report
 from bench.load import Gateway, LoadResult, Shape, percentile, say
-from bench.pgbench import PerBlockFloor, PgBench, pgbench_database
+from bench.pgbench import PgBench, pgbench_database
 from kvquota.v1 import admin_pb2, admission_pb2
 from kvquota.v1 import resources_pb2 as pb
 from quota_service.store.access import create_bootstrap_key
 
 TENANTS = ["t0", "t1", "t2", "t3"]
-FLOOR = "floor"  # the per-block floor's instance and tenant
 FLEET = 8
 FLEET_TENANTS = [f"f{i}" for i in range(16)]
 QUEUE_TENANTS = ["q0", "q1", "q2", "q3"]
 QUEUE_WEIGHTS = [1, 1, 2, 4]
 PREFIX_TOKENS = 1024
-# Reservations the profiler ends one by one before the last run's timed offboarding.
-OFFBOARD_PROFILED = 20
 # Filling the big pool for the reclaim plan: sessions of 32,768 tokens (2,048 blocks).
 FILL_PROMPT, FILL_OUTPUT = 32_752, 16
 
@@ -395,14 +390,13 @@ class Suite:
         self.extra: dict[str, Any] = {}
         self.token: str | None = None
         self.spied: harness.Server  # the server py-spy watches (the one admin calls go to)
-        self.floor: PerBlockFloor  # made by setup, once the database is
         self.grpc_floor: harness.Server | None = None  # started by measure
         self.scratch = tempfile.mkdtemp(prefix="kvq-bench-")
         self.server_env: dict[str, str] = {}  # how main starts the servers
 
     # -- setup -----------------------------------------------------------------------------
 
-    async def setup(self, gateway: Gateway, database_url: str) -> None:
+    async def setup(self, gateway: Gateway) -> None:
         biggest = max(self.args.concurrency)
         throughput_slots = max(self.sizes.throughput_pool, 2 * biggest * Shape().blocks)
         await load.register_instance(gateway, "tput", throughput_slots)
@@ -410,10 +404,8 @@ class Suite:
         seconds = await load.register_instance(gateway, "pool-big", self.sizes.big_pool)
         self.extra["register_big_pool_seconds"] = round(seconds, 1)
         await load.register_instance(gateway, "queue", 10 * Shape().blocks)
-        # pgbench numbers its clients from 0: the floor's client c uses slots 96c to 96c + 95.
-        await load.register_instance(gateway, FLOOR, biggest * Shape().blocks)
         offboard_requests = math.ceil(self.sizes.offboard_blocks / Shape().blocks)
-        offboard_slots = (offboard_requests + OFFBOARD_PROFILED + 1) * Shape().blocks
+        offboard_slots = (offboard_requests + 1) * Shape().blocks
         await load.register_instance(gateway, "offboard", offboard_slots)
         for i in range(FLEET):
             await load.register_instance(gateway, f"fleet-{i}", throughput_slots)
@@ -421,11 +413,6 @@ class Suite:
         await load.create_tenants(gateway, FLEET_TENANTS)
         await load.create_tenants(gateway, QUEUE_TENANTS, QUEUE_WEIGHTS)
         await load.create_tenants(gateway, [f"r{i}" for i in range(8)])
-        await load.create_tenants(gateway, [FLOOR])
-        self.floor = PerBlockFloor(database_url, FLOOR, FLOOR, Shape().blocks, Path(self.scratch))
-        self.extra["floor_script"] = self.floor.text
-        # Only the pools: the tables the load fills keep the statistics autovacuum gives them.
-        analyze(database_url, "blocks")
 
     # -- one run ---------------------------------------------------------------------------
 
@@ -450,10 +437,6 @@ class Suite:
             run.pgbench.append(asdict(reference))
             best_tps = max(best_tps, reference.tps)
         f["pgbench_tps"] = best_tps
-        watch.phase = f"run{number}-floor"
-        floor = max(self.floor.run(c, args.seconds).tps for c in args.concurrency)
-        f["floor_pairs_per_second"] = floor
-        f["floor_ratio"] = floor / best_tps if best_tps else math.nan
         watch.phase = f"run{number}-grpc-floor"
         grpc_floor = await self.grpc_floor_point(number)
         f["grpc_floor_pairs_per_second"] = grpc_floor.pairs_per_second
@@ -471,7 +454,6 @@ class Suite:
             f[f"pairs_per_second_{kind}"] = best.pairs_per_second
             f[f"best_concurrency_{kind}"] = best.concurrency
             f[f"ratio_{kind}"] = best.pairs_per_second / best_tps if best_tps else math.nan
-            f[f"of_floor_{kind}"] = best.pairs_per_second / floor if floor else math.nan
             f[f"of_grpc_floor_{kind}"] = best.pairs_per_second / grpc_floor.pairs_per_second
             f[f"server_cpu_of_grpc_floor_{kind}"] = (
                 best.server_cpu_ms_per_pair / grpc_floor.server_cpu_ms_per_pair
@@ -523,7 +505,7 @@ class Suite:
         await self.queue_mix(gateway, run, number)
 
         watch.phase = f"run{number}-offboard"
-        await self.offboarding(gateway, run, number, database_url, self.spied)
+        await self.offboarding(gateway, run, number, self.spied)
 
         if args.auth == "both":
             watch.phase = f"run{number}-auth-off"
@@ -678,22 +660,15 @@ class Suite:
             f[f"queue_share_{tenant}_percent"] = 100 * result.per_tenant[tenant] / total
 
     async def offboarding(
-        self, gateway: Gateway, run: Run, number: int, database_url: str, server: harness.Server
+        self, gateway: Gateway, run: Run, number: int, server: harness.Server
     ) -> None:
         shape = Shape()
         count = math.ceil(self.sizes.offboard_blocks / shape.blocks)
         tenant = f"off{number}"
         last = number == self.args.runs - 1
-        # The last run holds a few more, ended one by one under the profiler before the timing.
-        extra = OFFBOARD_PROFILED if last and self.args.profile else 0
         say(f"offboarding: {tenant} admits {count:,} requests ({count * shape.blocks:,} blocks)")
         await load.create_tenants(gateway, [tenant])
         await load.hold(gateway, "offboard", tenant, shape, count, label=f"{tenant}-hold")
-        if extra:
-            await load.hold(gateway, "offboard", tenant, shape, extra, label=f"{tenant}-more")
-            say(f"  profile: ending {extra} of its reservations one by one, as offboarding does")
-            ids = [f"{tenant}-more-{i}" for i in range(extra)]
-            self.extra["offboard_end"] = await profile.ending(database_url, tenant, ids)
         usage = await gateway.admin.GetTenantUsage(
             admin_pb2.GetTenantUsageRequest(name=f"tenants/{tenant}"), metadata=gateway.metadata
         )
@@ -739,7 +714,7 @@ class Suite:
 
     # -- once ------------------------------------------------------------------------------
 
-    async def reclaim_planning(self, gateway: Gateway, database_url: str, watch: Watch) -> None:
+    async def reclaim_planning(self, gateway: Gateway, watch: Watch) -> None:
         """Fill the big pool (10% cached, 80% in live sessions, a quarter of them suspended),
         then time dry-run reclaim plans over it."""
         watch.phase = "reclaim-fill"
@@ -779,7 +754,6 @@ class Suite:
             await gateway.admission(0).SuspendReservation(
                 admission_pb2.SuspendReservationRequest(name=name), metadata=gateway.metadata
             )
-        analyze(database_url)
         self.extra["reclaim_fill_seconds"] = round(time.perf_counter() - began, 1)
         instance = await gateway.admin.GetInstance(
             admin_pb2.GetInstanceRequest(name="instances/pool-big"), metadata=gateway.metadata
@@ -890,13 +864,6 @@ def _refusals(run: Run, what: str, result: LoadResult) -> None:
         run.notes.append(f"{what}: {result.dropped} arrivals dropped (too many unanswered)")
 
 
-def analyze(database_url: str, tables: str = "") -> None:
-    """ANALYZE after bulk set-up (of `tables`, else all), as autovacuum would within its next
-    minute: the planner must see the block pools as they are (see docs/benchmarks.md)."""
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(f"ANALYZE {tables}")
-
-
 @contextmanager
 def _watching(pids: Sequence[int]) -> Iterator[Watch]:
     watch = Watch(pids)
@@ -914,7 +881,7 @@ async def measure(suite: Suite, database_url: str, servers: list[harness.Server]
         with _watching([s.pid for s in servers]) as watch, harness.grpc_floor() as floor:
             suite.grpc_floor = floor
             watch.start()
-            await suite.setup(gateway, database_url)
+            await suite.setup(gateway)
             meter = CpuMeter(database_url, [s.pid for s in servers])
             with pgbench_database(root, suite.sizes.pgbench_scale) as pgbench:
                 suite.extra["pgbench_init"] = " ".join(
@@ -924,7 +891,7 @@ async def measure(suite: Suite, database_url: str, servers: list[harness.Server]
                     suite.runs.append(
                         await suite.run(number, gateway, pgbench, meter, watch, database_url)
                     )
-            await suite.reclaim_planning(gateway, database_url, watch)
+            await suite.reclaim_planning(gateway, watch)
             if args.py_spy:
                 watch.phase = "py-spy"
                 await suite.spy(gateway, servers[0], max(args.concurrency))

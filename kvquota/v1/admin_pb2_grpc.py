@@ -306,8 +306,8 @@ class AdminServiceServicer:
     def CheckInstance(self, request, context):
         """Compares the instance's state machine in this replica's memory with one rebuilt from the
         record, as a new owner would rebuild it (without claiming the instance), and lists what
-        differs: nothing, when the owner's memory equals what the record derives. Only a replica
-        that serves the instance from memory can answer (INSTANCE_NOT_IN_MEMORY otherwise).
+        differs: nothing, when the owner's memory equals what the record derives. A replica that
+        does not own the instance forwards the call to the one that does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

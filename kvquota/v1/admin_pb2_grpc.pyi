@@ -64,8 +64,8 @@ class AdminServiceStub:
     CheckInstance: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CheckInstanceRequest, _admin_pb2.CheckInstanceResponse]
     """Compares the instance's state machine in this replica's memory with one rebuilt from the
     record, as a new owner would rebuild it (without claiming the instance), and lists what
-    differs: nothing, when the owner's memory equals what the record derives. Only a replica
-    that serves the instance from memory can answer (INSTANCE_NOT_IN_MEMORY otherwise).
+    differs: nothing, when the owner's memory equals what the record derives. A replica that
+    does not own the instance forwards the call to the one that does.
     """
     CreateReclaimJob: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CreateReclaimJobRequest, _resources_pb2.ReclaimJob]
     """Reclaim: plan (dry_run) or run a job that takes KV memory back tier by tier."""
@@ -115,8 +115,8 @@ class AdminServiceAsyncStub(AdminServiceStub):
     CheckInstance: _aio.UnaryUnaryMultiCallable[_admin_pb2.CheckInstanceRequest, _admin_pb2.CheckInstanceResponse]  # type: ignore[assignment]
     """Compares the instance's state machine in this replica's memory with one rebuilt from the
     record, as a new owner would rebuild it (without claiming the instance), and lists what
-    differs: nothing, when the owner's memory equals what the record derives. Only a replica
-    that serves the instance from memory can answer (INSTANCE_NOT_IN_MEMORY otherwise).
+    differs: nothing, when the owner's memory equals what the record derives. A replica that
+    does not own the instance forwards the call to the one that does.
     """
     CreateReclaimJob: _aio.UnaryUnaryMultiCallable[_admin_pb2.CreateReclaimJobRequest, _resources_pb2.ReclaimJob]  # type: ignore[assignment]
     """Reclaim: plan (dry_run) or run a job that takes KV memory back tier by tier."""
@@ -283,8 +283,8 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_admin_pb2.CheckInstanceResponse, _abc.Awaitable[_admin_pb2.CheckInstanceResponse]]:
         """Compares the instance's state machine in this replica's memory with one rebuilt from the
         record, as a new owner would rebuild it (without claiming the instance), and lists what
-        differs: nothing, when the owner's memory equals what the record derives. Only a replica
-        that serves the instance from memory can answer (INSTANCE_NOT_IN_MEMORY otherwise).
+        differs: nothing, when the owner's memory equals what the record derives. A replica that
+        does not own the instance forwards the call to the one that does.
         """
 
     @_abc_1.abstractmethod

@@ -129,10 +129,6 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     newer owner took it, or its journal could not be written. Nothing unacknowledged was kept;
     retry shortly (any replica), with the same request id.
     """
-    INSTANCE_NOT_IN_MEMORY: _ErrorReason.ValueType  # 37
-    """CheckInstance asked a replica that holds no state machine of the instance in memory: its
-    hot path is the ledger, or another replica (or none yet) serves the instance.
-    """
     INSTANCE_BUSY: _ErrorReason.ValueType  # 38
     """CheckInstance found no moment between the owner's batches to compare its memory with the
     record (operations kept arriving); retry when the instance is less busy.
@@ -248,10 +244,6 @@ INSTANCE_MOVING: ErrorReason.ValueType  # 36
 """The instance is changing owners: the replica serving it from memory lost its lease, a
 newer owner took it, or its journal could not be written. Nothing unacknowledged was kept;
 retry shortly (any replica), with the same request id.
-"""
-INSTANCE_NOT_IN_MEMORY: ErrorReason.ValueType  # 37
-"""CheckInstance asked a replica that holds no state machine of the instance in memory: its
-hot path is the ledger, or another replica (or none yet) serves the instance.
 """
 INSTANCE_BUSY: ErrorReason.ValueType  # 38
 """CheckInstance found no moment between the owner's batches to compare its memory with the

@@ -24,9 +24,8 @@ from quota_service.core.reasons import Reason
 from quota_service.enforcement.cpu_tier_mirror import CpuTierMirror
 from quota_service.enforcement.termination import Termination
 from quota_service.metrics import ServiceMetrics
-from quota_service.owner.owners import forwarded_call
+from quota_service.owner.owners import OwnedLedger, forwarded_call
 from quota_service.store.catalog import Catalog
-from quota_service.store.ledger import Ledger
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -43,7 +42,7 @@ def checked_key(name: str, *violations: FieldViolation | None) -> tuple[str, str
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: OwnedLedger,
         waiters: Waiters,
         termination: Termination,
         cpu_tier: CpuTierMirror,

@@ -196,9 +196,9 @@ def make_hot_path(
         lease_seconds=settings.owner_lease_seconds,
     )
     return HotPath(
-        OwnedLedger(engine, owners, limits, settings.queue_policy),
+        OwnedLedger(engine, owners, limits),
         OwnedCatalog(engine, owners),
-        OwnedPins(engine, limits, owners),
+        OwnedPins(engine, owners),
         owners,
     )
 

@@ -24,7 +24,7 @@ import httpx
 from quota_service.core.backoff import Backoff
 from quota_service.core.model import EndReason, Reservation, ReservationState
 from quota_service.engine.vllm.http import VllmHttp
-from quota_service.store.ledger import Ledger
+from quota_service.owner.owners import OwnedLedger
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ ABORT_BACKOFF_MAX_SECONDS = 8.0
 
 class Termination:
     def __init__(
-        self, ledger: Ledger, abort_timeout_seconds: float, hard_timeout_seconds: float
+        self, ledger: OwnedLedger, abort_timeout_seconds: float, hard_timeout_seconds: float
     ) -> None:
         self._ledger = ledger
         self._abort_timeout = abort_timeout_seconds

@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from quota_service.store.ledger import Ledger
+from quota_service.owner.owners import OwnedLedger
 
 log = logging.getLogger(__name__)
 
 
 class Dispatcher:
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: OwnedLedger) -> None:
         self._ledger = ledger
         self._running: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()

@@ -26,8 +26,8 @@ from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.jobs.reclaim_policy import ReclaimPolicy
 from quota_service.metrics import LedgerMetrics
 from quota_service.owner.owned_offboarding import OwnedOffboarding
+from quota_service.owner.owners import OwnedLedger
 from quota_service.store.database import reachable
-from quota_service.store.ledger import Ledger
 from quota_service.store.ownership import exclusive
 from quota_service.store.usage import UsageRollup
 
@@ -43,7 +43,7 @@ class Step(NamedTuple):
 
 @dataclass
 class Maintenance:
-    ledger: Ledger
+    ledger: OwnedLedger
     offboarding: OwnedOffboarding
     termination: Termination
     followers: Followers

@@ -9,7 +9,6 @@ from datetime import UTC, datetime
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from quota_service.core import pins
-from quota_service.core.admission import AdmissionLimits
 from quota_service.core.errors import KvQuotaError, not_found
 from quota_service.core.instance_machine import NOWHERE_ELSE, InstanceMachine, PinRecord
 from quota_service.core.model import Pin, PinState
@@ -33,7 +32,7 @@ def _pin(record: PinRecord, instance: str, state: PinState) -> Pin:
 
 
 class OwnedPins(RecordedPins):
-    def __init__(self, engine: AsyncEngine, limits: AdmissionLimits, owners: Owners) -> None:
+    def __init__(self, engine: AsyncEngine, owners: Owners) -> None:
         super().__init__(engine)
         self._owners = owners
         self._journal = owners.journal

@@ -60,7 +60,7 @@ from quota_service.store.journal import (
     Statement,
     TenantTotals,
 )
-from quota_service.store.ledger import LapsedOnEngine, Ledger, PendingAbort
+from quota_service.store.reservations import LapsedOnEngine, PendingAbort, RecordedReservations
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +417,7 @@ def _answer(machine: InstanceMachine, record: ReservationRecord) -> Reservation:
     return record.snapshot(machine.queue_position(record))
 
 
-class OwnedLedger(Ledger):
+class OwnedLedger:
     """The ledger's reservation calls, served by the instances' owners."""
 
     def __init__(
@@ -425,10 +425,30 @@ class OwnedLedger(Ledger):
         engine: AsyncEngine,
         owners: Owners,
         limits: AdmissionLimits,
-        queue: QueuePolicy | None = None,
     ) -> None:
-        super().__init__(engine, limits, queue)
         self._owners = owners
+        self._limits = limits
+        self._recorded = RecordedReservations(engine)
+
+    @property
+    def limits(self) -> AdmissionLimits:
+        """The server's bounds, for checking a request whole before it reaches an owner."""
+        return self._limits
+
+    @property
+    def min_retry_delay_seconds(self) -> float:
+        return self._limits.min_retry_delay_seconds
+
+    async def engine_url(self, tenant: str, request_id: str) -> str | None:
+        """The engine that runs this reservation's request, if kvquota follows one."""
+        return await self._recorded.engine_url(tenant, request_id)
+
+    async def request_aborts(
+        self, tenant: str, request_ids: Sequence[str], reason: EndReason
+    ) -> None:
+        """Remember that these reservations must end with `reason` once their engine confirms
+        the abort (they keep their blocks until then)."""
+        await self._recorded.request_aborts(tenant, request_ids, reason)
 
     async def _on_reservation(
         self,
@@ -463,7 +483,7 @@ class OwnedLedger(Ledger):
         instance = owners.holding(p.tenant, p.request_id)
         if instance is None and (p.tenant, p.request_id) in owners.reused:
             # Its request id names a reservation that ended before any machine here knew it.
-            recorded = await super().get(p.tenant, p.request_id)
+            recorded = await self._recorded.get(p.tenant, p.request_id)
             salt = (await owners.tenant_settings(p.tenant)).salt
             return admission.check_replay(request, recorded), salt
         # An id no machine here knows is new, or the batch finds it recorded (RequestIdsReused).
@@ -500,7 +520,7 @@ class OwnedLedger(Ledger):
         except (ServedElsewhere, KvQuotaError) as error:
             if not _moved(error):
                 raise
-        return await super().get(tenant, request_id)
+        return await self._recorded.get(tenant, request_id)
 
     async def end(
         self,
@@ -535,7 +555,7 @@ class OwnedLedger(Ledger):
                 raise
         # Its owner is elsewhere now, and ends the request at its wait deadline (or admits it
         # first): it may still be queued.
-        return await super().get(tenant, request_id), self.min_retry_delay_seconds
+        return await self._recorded.get(tenant, request_id), self.min_retry_delay_seconds
 
     async def renew(self, tenant: str, request_id: str, ttl_seconds: float | None) -> Reservation:
         return await self._on_reservation(
@@ -588,12 +608,12 @@ class OwnedLedger(Ledger):
 
     async def lapsed_on_engines(self, batch: int) -> list[LapsedOnEngine]:
         """Those of the instances served here (their owner asks their engine to abort)."""
-        found = await super().lapsed_on_engines(batch)
+        found = await self._recorded.lapsed_on_engines(batch)
         return [r for r in found if self._owners.holding(r.tenant, r.request_id)]
 
     async def pending_aborts(self, batch: int) -> list[PendingAbort]:
         """Those of the instances served here."""
-        found = await super().pending_aborts(batch)
+        found = await self._recorded.pending_aborts(batch)
         return [p for p in found if self._owners.holding(p.tenant, p.request_id)]
 
     async def dispatch(self, instance: str) -> int:

@@ -6,7 +6,7 @@ import logging
 import secrets
 from datetime import datetime
 
-from sqlalchemy import BigInteger, RowMapping, func, select, text, update
+from sqlalchemy import BigInteger, RowMapping, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -70,13 +70,6 @@ _tenant_cpu_tier = [
 ]
 _TENANT_VIEW = select(TenantRow.__table__, _tenant_live, *_tenant_cpu_tier)
 _INSTANCE_VIEW = select(InstanceRow.__table__, _instance_live)
-
-
-SLOT_CHUNK = 100_000
-_CREATE_SLOTS = text(
-    "INSERT INTO blocks (instance, block_id) "
-    "SELECT :instance, g FROM generate_series(CAST(:first AS int), CAST(:last AS int)) AS g"
-)
 
 
 def tenant_from_row(row: RowMapping) -> Tenant:
@@ -315,24 +308,9 @@ class Catalog:
             )
             if (await conn.execute(statement)).first() is None:
                 raise already_exists(Reason.INSTANCE_ALREADY_EXISTS, instance_name(spec.instance))
-            await self._create_slots(conn, spec.instance, spec.capacity_blocks)
             return await self._instance(conn, spec.instance)
 
-        instance = await in_transaction(self._engine, work)
-        # The hot path's plans join an instance's slots: planned before statistics know them
-        # (autovacuum gets there within a minute), they scan the whole pool, ~8x slower.
-        async with self._engine.connect() as conn:
-            await conn.execute(text("ANALYZE blocks"))
-            await conn.commit()
-        return instance
-
-    async def _create_slots(self, conn: AsyncConnection, instance: str, capacity: int) -> None:
-        """One FREE row per block slot, in chunks so a pool of millions shows progress."""
-        for first in range(0, capacity, SLOT_CHUNK):
-            last = min(first + SLOT_CHUNK, capacity) - 1
-            await conn.execute(_CREATE_SLOTS, {"instance": instance, "first": first, "last": last})
-            if capacity > SLOT_CHUNK:
-                log.info("instance %s: %d of %d block slots created", instance, last + 1, capacity)
+        return await in_transaction(self._engine, work)
 
     async def set_engine(self, instance: str, engine: EngineEndpoints) -> Instance:
         """Point an instance at where its engine is now (a new address or event sockets)."""

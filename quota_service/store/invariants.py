@@ -1,13 +1,9 @@
-"""The invariants (core/invariants.py numbers them) checked over the record, whichever hot path
-wrote it. An instance an owner serves from memory (it has a row in `instance_owners`) is
-recorded by the journal: reservation and pin rows with block arrays, pool checkpoints and
-deltas, read through the views of migration 0021. Every other instance is recorded by the
-per-block tables (blocks, block_refs, tenant_blocks). Each check reads both layouts into one
-shape: the live entries of every table and pin, the current generation of every slot that has
-one, counters beside what they count; counters are judged in core/invariants.py, and each
-other check is a query selecting the rows that break it, so an empty result everywhere means
-the record is consistent. A check that only one layout can fail (the per-block rows' stored
-reference counts, the journal's arrays) reads that layout alone.
+"""The invariants (core/invariants.py numbers them) checked over the record: reservation and pin
+rows with block arrays, pool checkpoints and deltas, read through the journal's views (migration
+0021) into one shape: the live entries of every table and pin, the current generation of every
+slot holding contents, counters beside what they count. Counters are judged in
+core/invariants.py; each other check is a query selecting the rows that break it, so an empty
+result everywhere means the record is consistent.
 
 One read-only, repeatable-read transaction covers every check, so a check run under traffic
 compares rows of one moment; its queries go in one round trip."""
@@ -37,58 +33,23 @@ from quota_service.core.invariants import (
     tally_offences,
 )
 
-# The instances the journal records; the per-block tables say nothing of them.
-_JOURNALED = "SELECT instance FROM instance_owners"
-
-# Every live entry of a block table or a pin, whichever layout records it. The per-block rows
-# name their holder by id; the journal's view, which holds admitted reservations' and active
-# pins' entries only, by name. (Entries of ended holders in the per-block rows are counted,
-# and found by their own check.)
-_LIVE_ENTRIES = f"""
-    SELECT r.instance, r.block_id, r.generation, r.tenant, r.pinned,
-           coalesce('tenants/' || v.tenant || '/reservations/' || v.request_id,
-                    p.owner || '/pins/' || p.pin_id, 'holder ' || r.holder_id) AS holder
-    FROM block_refs r
-    LEFT JOIN reservations v ON v.holder_id = r.holder_id
-    LEFT JOIN pins p ON p.holder_id = r.holder_id
-    WHERE NOT r.released AND r.instance NOT IN ({_JOURNALED})
-    UNION ALL
+# Every live entry of a block table or a pin (the view holds admitted reservations' and active
+# pins' entries only), its holder by name.
+_LIVE_ENTRIES = """
     SELECT instance, block_id, generation, tenant, pinned, holder FROM journal_slot_references
-    WHERE instance IN ({_JOURNALED})
-"""
-
-# Each slot's current generation where the record keeps one: every slot's row in the per-block
-# layout, each slot holding contents in the journal's (a slot only referenced takes its
-# generation from the entries naming it, which must then agree).
-_CURRENT_GENERATIONS = f"""
-    SELECT instance, block_id, generation FROM blocks WHERE instance NOT IN ({_JOURNALED})
-    UNION ALL
-    SELECT instance, block_id, generation FROM journal_slot_contents
-    WHERE instance IN ({_JOURNALED})
 """
 
 WITH_ENTRIES = f"WITH live_entries AS ({_LIVE_ENTRIES}) "
 
-JOURNALED_INSTANCES = text(f"SELECT count(*) FROM ({_JOURNALED}) AS journaled")
+JOURNALED_INSTANCES = text("SELECT count(*) FROM instance_owners")
 
 # Each instance's counters (free, cached, in use, pinned only), then those states counted from
 # its slots.
-POOL_TALLIES = text(f"""
+POOL_TALLIES = text("""
     SELECT i.instance, i.capacity_blocks,
            i.free_blocks, i.cached_blocks, i.blocks_in_use, i.pinned_blocks,
-           coalesce(c.free, 0), coalesce(c.cached, 0), coalesce(c.in_use, 0),
-           coalesce(c.pinned, 0)
-    FROM instances i
-    LEFT JOIN (
-        SELECT instance, count(*) FILTER (WHERE state = 'FREE') AS free,
-               count(*) FILTER (WHERE state = 'CACHED') AS cached,
-               count(*) FILTER (WHERE state = 'IN_USE') AS in_use,
-               count(*) FILTER (WHERE state = 'PINNED') AS pinned
-        FROM blocks WHERE instance NOT IN ({_JOURNALED}) GROUP BY instance
-        UNION ALL
-        SELECT instance, free_blocks, cached_blocks, blocks_in_use, pinned_blocks
-        FROM journal_pool_counts WHERE instance IN ({_JOURNALED})
-    ) c USING (instance)
+           c.free_blocks, c.cached_blocks, c.blocks_in_use, c.pinned_blocks
+    FROM instances i JOIN journal_pool_counts c USING (instance)
     ORDER BY i.instance
 """)
 
@@ -102,48 +63,20 @@ SLOTS_OUT_OF_RANGE = text(f"""
         SELECT c.instance, c.block_id, 'contents recorded' FROM journal_slot_contents c
         JOIN instances i USING (instance)
         WHERE c.block_id NOT BETWEEN 0 AND i.capacity_blocks - 1
-          AND c.instance IN ({_JOURNALED})
     ) outside
     ORDER BY instance, block_id LIMIT :limit
 """)
 
-REFERENCE_COUNTS = text(f"""
-    SELECT b.instance, b.block_id, b.generation, b.ref_count, coalesce(r.entries, 0) AS entries,
-           b.pin_count, coalesce(r.pins, 0) AS pin_entries
-    FROM blocks b
-    LEFT JOIN (
-        SELECT instance, block_id, generation, count(*) AS entries,
-               count(*) FILTER (WHERE pinned) AS pins
-        FROM block_refs WHERE NOT released GROUP BY instance, block_id, generation
-    ) r ON r.instance = b.instance AND r.block_id = b.block_id AND r.generation = b.generation
-    WHERE (b.ref_count <> coalesce(r.entries, 0) OR b.pin_count <> coalesce(r.pins, 0)
-           OR b.pin_count < 0 OR b.ref_count < b.pin_count)
-      AND b.instance NOT IN ({_JOURNALED})
-    ORDER BY b.instance, b.block_id LIMIT :limit
-""")
-
-# Per-block entries whose holder is not live, and the journal's rows that keep block arrays
-# without being live (ending a reservation or a pin clears them).
-ENTRIES_OF_ENDED_HOLDERS = text(f"""
+# The rows that keep block arrays without being live (ending a reservation or a pin clears them).
+ENTRIES_OF_ENDED_HOLDERS = text("""
     SELECT * FROM (
-        SELECT coalesce('tenants/' || v.tenant || '/reservations/' || v.request_id,
-                        p.owner || '/pins/' || p.pin_id, 'holder ' || r.holder_id) AS holder,
-               r.instance, coalesce(v.state, p.state, 'unknown') AS state,
-               count(*) AS entries
-        FROM block_refs r
-        LEFT JOIN reservations v ON v.holder_id = r.holder_id
-        LEFT JOIN pins p ON p.holder_id = r.holder_id
-        WHERE NOT r.released AND r.instance NOT IN ({_JOURNALED})
-          AND coalesce(v.state, p.state, 'unknown') NOT IN ('ADMITTED', 'ACTIVE')
-        GROUP BY 1, 2, 3
-        UNION ALL
-        SELECT 'tenants/' || tenant || '/reservations/' || request_id, instance, state,
-               cardinality(block_ids) - coalesce(cardinality(released_positions), 0)
+        SELECT 'tenants/' || tenant || '/reservations/' || request_id AS holder, instance, state,
+               cardinality(block_ids) - coalesce(cardinality(released_positions), 0) AS entries
         FROM reservations
-        WHERE block_ids IS NOT NULL AND state <> 'ADMITTED' AND instance IN ({_JOURNALED})
+        WHERE block_ids IS NOT NULL AND state <> 'ADMITTED'
         UNION ALL
         SELECT owner || '/pins/' || pin_id, instance, state, cardinality(block_ids) FROM pins
-        WHERE block_ids IS NOT NULL AND state <> 'ACTIVE' AND instance IN ({_JOURNALED})
+        WHERE block_ids IS NOT NULL AND state <> 'ACTIVE'
     ) ended
     ORDER BY holder LIMIT :limit
 """)
@@ -152,8 +85,7 @@ OFFLOADED_WITH_BLOCKS = text("""
     SELECT r.tenant, r.request_id, r.state FROM reservations r
     WHERE r.offloaded_bytes IS NOT NULL AND (
         (r.state = 'ADMITTED' AND r.suspended_at IS NULL)
-        OR r.block_ids IS NOT NULL
-        OR EXISTS (SELECT 1 FROM block_refs b WHERE b.holder_id = r.holder_id AND NOT b.released))
+        OR r.block_ids IS NOT NULL)
     ORDER BY r.tenant, r.request_id LIMIT :limit
 """)
 
@@ -165,13 +97,13 @@ SLOTS_TWICE_IN_A_TABLE = text(f"""
 """)
 
 # A journal row's arrays: a generation per slot, released positions inside the table, once.
-MALFORMED_TABLES = text(f"""
+MALFORMED_TABLES = text("""
     SELECT * FROM (
         SELECT 'tenants/' || tenant || '/reservations/' || request_id AS holder,
                cardinality(block_ids) AS slots, cardinality(block_generations) AS generations,
                released_positions::text AS released
         FROM reservations
-        WHERE block_ids IS NOT NULL AND instance IN ({_JOURNALED}) AND (
+        WHERE block_ids IS NOT NULL AND (
             cardinality(block_ids) IS DISTINCT FROM cardinality(block_generations)
             OR EXISTS (SELECT 1 FROM unnest(released_positions) AS x(p)
                        WHERE p NOT BETWEEN 0 AND cardinality(block_ids) - 1)
@@ -181,7 +113,7 @@ MALFORMED_TABLES = text(f"""
         SELECT owner || '/pins/' || pin_id, cardinality(block_ids), cardinality(block_generations),
                NULL
         FROM pins
-        WHERE block_ids IS NOT NULL AND instance IN ({_JOURNALED})
+        WHERE block_ids IS NOT NULL
           AND cardinality(block_ids) IS DISTINCT FROM cardinality(block_generations)
     ) malformed
     ORDER BY holder LIMIT :limit
@@ -210,24 +142,6 @@ TENANT_TALLIES = text(f"""
     ORDER BY t.tenant
 """)
 
-# The per-block layout's own row per tenant and block against the entries naming it.
-TENANT_BLOCK_REFERENCES = text(f"""
-    SELECT coalesce(tb.tenant, r.tenant) AS tenant, coalesce(tb.instance, r.instance) AS instance,
-           coalesce(tb.block_id, r.block_id) AS block_id, coalesce(tb.refs, 0) AS refs,
-           coalesce(r.refs, 0) AS entries, coalesce(tb.pin_refs, 0) AS pin_refs,
-           coalesce(r.pins, 0) AS pin_entries
-    FROM (SELECT * FROM tenant_blocks WHERE instance NOT IN ({_JOURNALED})) tb
-    FULL JOIN (SELECT tenant, instance, block_id, generation, count(*) AS refs,
-                      count(*) FILTER (WHERE pinned) AS pins
-               FROM block_refs
-               WHERE NOT released AND tenant IS NOT NULL AND instance NOT IN ({_JOURNALED})
-               GROUP BY tenant, instance, block_id, generation) r
-      ON r.tenant = tb.tenant AND r.instance = tb.instance AND r.block_id = tb.block_id
-     AND r.generation = tb.generation
-    WHERE tb.refs IS DISTINCT FROM r.refs OR coalesce(tb.pin_refs, 0) <> coalesce(r.pins, 0)
-    ORDER BY 1, 2, 3 LIMIT :limit
-""")
-
 # Each instance's queue counters (requests, prompt tokens), then those of its queued
 # reservations.
 QUEUE_TALLIES = text("""
@@ -240,15 +154,11 @@ QUEUE_TALLIES = text("""
 """)
 
 STALE_ENTRIES = text(f"""
-    {WITH_ENTRIES}, current_generations AS ({_CURRENT_GENERATIONS})
-    SELECT e.holder, e.instance, e.block_id, e.generation, g.generation AS current_generation,
-           s.reason AS tombstone
+    {WITH_ENTRIES}
+    SELECT e.holder, e.instance, e.block_id, e.generation, g.generation AS current_generation
     FROM live_entries e
-    LEFT JOIN current_generations g ON g.instance = e.instance AND g.block_id = e.block_id
-    LEFT JOIN tombstones s ON s.instance = e.instance AND s.block_id = e.block_id
-     AND s.generation = e.generation
-    WHERE e.generation IS DISTINCT FROM coalesce(g.generation, e.generation)
-       OR s.block_id IS NOT NULL
+    JOIN journal_slot_contents g ON g.instance = e.instance AND g.block_id = e.block_id
+    WHERE e.generation <> g.generation
     ORDER BY e.holder, e.block_id LIMIT :limit
 """)
 
@@ -259,34 +169,11 @@ SLOTS_AT_TWO_GENERATIONS = text(f"""
     ORDER BY instance, block_id LIMIT :limit
 """)
 
-FREED_WITH_SCOPE = text(f"""
-    SELECT instance, block_id, generation, hash_scope FROM blocks
-    WHERE ref_count = 0 AND content_hash IS NULL AND hash_scope IS NOT NULL
-      AND instance NOT IN ({_JOURNALED})
-    ORDER BY instance, block_id LIMIT :limit
-""")
-
 # The journal's contents: a whole digest, under a scope its checkpoint or delta names.
-CONTENTS_WITHOUT_SCOPE = text(f"""
+CONTENTS_WITHOUT_SCOPE = text("""
     SELECT instance, block_id, generation, octet_length(content_hash) AS hash_bytes, hash_scope
     FROM journal_slot_contents
-    WHERE (hash_scope IS NULL OR octet_length(content_hash) <> 32)
-      AND instance IN ({_JOURNALED})
-    ORDER BY instance, block_id LIMIT :limit
-""")
-
-TOMBSTONED_CURRENT_HANDLES = text(f"""
-    WITH current_generations AS ({_CURRENT_GENERATIONS})
-    SELECT g.instance, g.block_id, g.generation, s.reason FROM current_generations g
-    JOIN tombstones s ON s.instance = g.instance AND s.block_id = g.block_id
-     AND s.generation = g.generation
-    ORDER BY g.instance, g.block_id LIMIT :limit
-""")
-
-COPIES_WITHOUT_CONTENTS = text(f"""
-    SELECT instance, block_id, generation, engine_copies FROM blocks
-    WHERE content_hash IS NULL AND (engine_copies <> 0 OR engine_confirmed_at IS NOT NULL)
-      AND instance NOT IN ({_JOURNALED})
+    WHERE hash_scope IS NULL OR octet_length(content_hash) <> 32
     ORDER BY instance, block_id LIMIT :limit
 """)
 
@@ -389,7 +276,7 @@ def _pool(instance: str, recorded: tuple[Any, ...], counted: tuple[Any, ...]) ->
 # Each invariant the record shows: what of it the checks cover, and the checks.
 CHECKED: dict[int, tuple[str, list[RecordQuery]]] = {
     1: (
-        "each instance's counters against its slots (its rows, or the journal's views)",
+        "each instance's counters against its slots (the journal's views)",
         [
             counters(
                 "an instance's counters (recorded/counted) match its slots, and add up to its "
@@ -404,13 +291,9 @@ CHECKED: dict[int, tuple[str, list[RecordQuery]]] = {
         ],
     ),
     2: (
-        "every slot's counts against the live entries and pins naming it; entries of live "
-        "holders only, each slot once per table",
+        "entries of live holders only, each slot once per table, tables well formed (a slot's "
+        "counts are derived from the entries naming it)",
         [
-            breaking(
-                "a block's references and pins = the live entries naming its current handle",
-                REFERENCE_COUNTS,
-            ),
             breaking(
                 "only admitted reservations and active pins hold entries", ENTRIES_OF_ENDED_HOLDERS
             ),
@@ -436,10 +319,6 @@ CHECKED: dict[int, tuple[str, list[RecordQuery]]] = {
                 ("blocks", "pinned", "tokens_in_flight", "queued"),
                 TENANT_TALLIES,
             ),
-            breaking(
-                "a tenant's references to a block = its live entries naming it",
-                TENANT_BLOCK_REFERENCES,
-            ),
             counters(
                 "an instance's queue counters (recorded/counted) = its queued reservations",
                 "instance",
@@ -449,21 +328,13 @@ CHECKED: dict[int, tuple[str, list[RecordQuery]]] = {
         ],
     ),
     4: (
-        "live entries against current generations and tombstones, recorded contents, salts "
-        "(the hashes themselves: the hashing tests)",
+        "live entries against current generations, recorded contents, salts (the hashes "
+        "themselves: the hashing tests)",
         [
-            breaking("no live entry names a tombstoned or outdated handle", STALE_ENTRIES),
+            breaking("no live entry names an outdated handle", STALE_ENTRIES),
             breaking("live entries name a slot at one generation", SLOTS_AT_TWO_GENERATIONS),
             breaking(
-                "a freed block keeps no contents a prefix lookup could return", FREED_WITH_SCOPE
-            ),
-            breaking(
                 "recorded contents are a whole hash under a known scope", CONTENTS_WITHOUT_SCOPE
-            ),
-            breaking("a block's current handle is never tombstoned", TOMBSTONED_CURRENT_HANDLES),
-            breaking(
-                "a block without contents holds no copy the engine reported",
-                COPIES_WITHOUT_CONTENTS,
             ),
             breaking("no two tenants or namespaces share a cache salt", SHARED_SALTS),
         ],

@@ -48,7 +48,6 @@ from quota_service.core.model import (
     TenantState,
 )
 from quota_service.core.queueing import FairTags
-from quota_service.store import blocks
 from quota_service.store.pins import pin_from_row
 
 # Generations a new owner's free slots start at: the epochs before its own times this, above
@@ -587,9 +586,15 @@ _ENDED_RESERVATION = text(
     "AND instance = :instance AND state = 'ENDED'"
 )
 _ACTIVE_PINS = text("SELECT * FROM pins WHERE instance = :instance AND state = 'ACTIVE'")
+# A tenant's salt is its namespace's when it has one: the hashes of its prefixes are then the
+# namespace's (hash_scope), shared with the namespace's other tenants.
 _TENANT_SETTINGS = text(
     "SELECT t.tenant, t.state, t.weight, t.shadow_mode, t.max_blocks, t.max_tokens_in_flight, "
-    f"t.max_queued_requests, t.max_pinned_blocks, t.max_cpu_tier_bytes, {blocks.SALT_COLUMNS} "
+    "t.max_queued_requests, t.max_pinned_blocks, t.max_cpu_tier_bytes, "
+    "coalesce((SELECT ns.cache_salt FROM namespaces ns WHERE ns.namespace = t.namespace), "
+    "t.cache_salt) AS cache_salt, "
+    "CASE WHEN t.namespace IS NULL THEN 'tenants/' || t.tenant "
+    "ELSE 'namespaces/' || t.namespace END AS hash_scope "
     "FROM tenants t WHERE CAST(:tenant AS text) IS NULL OR t.tenant = :tenant"
 )
 

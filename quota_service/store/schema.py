@@ -13,7 +13,6 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
-    Computed,
     DateTime,
     ForeignKey,
     Index,
@@ -52,22 +51,6 @@ class Base(DeclarativeBase):
 
 # Reservations and pins both hold block references; one id space names either.
 HOLDER_IDS = Sequence("holder_ids", metadata=Base.metadata)
-# Eviction order of cached blocks: each release takes one value; see store/blocks.py.
-BLOCK_LRU = Sequence("block_lru", metadata=Base.metadata)
-
-EVENT_HASH = (
-    "CASE WHEN content_hash IS NULL THEN NULL "
-    "ELSE ('x' || encode(substring(content_hash FROM 25 FOR 8), 'hex'))::bit(64)::bigint END"
-)
-
-# A block's state follows from its counts, so no code can set it inconsistently:
-# FREE (no references, no contents), CACHED (no references, reusable contents),
-# PINNED (held by pins alone), IN_USE (referenced by a block table).
-BLOCK_STATE = (
-    "CASE WHEN ref_count = 0 AND content_hash IS NULL THEN 'FREE' "
-    "WHEN ref_count = 0 THEN 'CACHED' "
-    "WHEN ref_count = pin_count THEN 'PINNED' ELSE 'IN_USE' END"
-)
 
 
 class TenantRow(Base):
@@ -335,103 +318,6 @@ class ReservationRow(Base):
     )
 
 
-class BlockRow(Base):
-    """One KV block slot of an instance's pool: the durable shadow of vLLM's BlockPool."""
-
-    __tablename__ = "blocks"
-
-    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
-    block_id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    # Bumped whenever the slot's contents are dropped; a handle is (instance, block_id, generation).
-    generation: Mapped[int] = mapped_column(BigInteger, server_default="0")
-    # Live block-table entries naming the current handle, plus pins.
-    ref_count: Mapped[int] = mapped_column(Integer, server_default="0")
-    pin_count: Mapped[int] = mapped_column(Integer, server_default="0")
-    # vLLM's chained block hash; only full prompt blocks have one.
-    content_hash: Mapped[bytes | None] = mapped_column(LargeBinary)
-    # Whose salt made the hash ("tenants/x" or "namespaces/y"); offboarding frees a tenant's own.
-    hash_scope: Mapped[str | None] = mapped_column(String(80))
-    tier: Mapped[str] = mapped_column(String(16), server_default="GPU")
-    # Cached blocks are evicted lowest first (least recently released, tail before head).
-    lru_seq: Mapped[int | None] = mapped_column(BigInteger)
-    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    state: Mapped[str] = mapped_column(String(8), Computed(BLOCK_STATE, persisted=True))
-    # The hash as vLLM's KV events carry it (the digest's low 64 bits, as a signed bigint), to
-    # match events to blocks by index.
-    event_hash: Mapped[int | None] = mapped_column(BigInteger, Computed(EVENT_HASH, persisted=True))
-    # When the engine last reported holding these contents (BlockStored), and how many copies
-    # of them it holds on the GPU (it does not de-duplicate: BlockStored adds one, BlockRemoved
-    # takes one away). Both reset when the contents change.
-    engine_confirmed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    engine_copies: Mapped[int] = mapped_column(Integer, server_default="0")
-
-    __table_args__ = (
-        CheckConstraint("pin_count >= 0 AND ref_count >= pin_count", name="refs"),
-        CheckConstraint("tier IN ('GPU', 'CPU', 'COMPRESSED')", name="tier"),
-        Index("ix_blocks_free", "instance", "block_id", postgresql_where=text("state = 'FREE'")),
-        Index(
-            "ix_blocks_cached_lru", "instance", "lru_seq", postgresql_where=text("state = 'CACHED'")
-        ),
-        Index(
-            "ix_blocks_hash",
-            "instance",
-            "content_hash",
-            postgresql_where=text("content_hash IS NOT NULL"),
-        ),
-        Index(
-            "ix_blocks_event_hash",
-            "instance",
-            "event_hash",
-            postgresql_where=text("event_hash IS NOT NULL"),
-        ),
-    )
-
-
-class BlockRefRow(Base):
-    """One entry of a block table (a reservation's, or a pin's): a reference to a block handle."""
-
-    __tablename__ = "block_refs"
-
-    holder_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    position: Mapped[int] = mapped_column(Integer, primary_key=True)
-    # Not foreign keys, here and in tenant_blocks: these rows are written only by statements
-    # holding the instance's and tenant's row locks, copying keys from the reservation or pin
-    # (whose foreign keys stand), and neither is ever deleted. The checks cost four trigger
-    # calls per block of every Admit and guarded nothing more (migration 0014).
-    instance: Mapped[ResourceId]
-    block_id: Mapped[int] = mapped_column(Integer)
-    generation: Mapped[int] = mapped_column(BigInteger)
-    # The tenant charged for it; None for a namespace's pins.
-    tenant: Mapped[str | None] = mapped_column(String(63))
-    pinned: Mapped[bool] = mapped_column(Boolean)
-    # Released by ReleaseBlocks while the reservation lives on (kept to answer repeats).
-    released: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
-
-    __table_args__ = (
-        Index("ix_block_refs_block", "instance", "block_id", postgresql_where=text("NOT released")),
-    )
-
-
-class TenantBlockRow(Base):
-    """A block the tenant references: its blocks in use are these rows, so sharing within a
-    tenant is free and other tenants joining or leaving the block never change its count."""
-
-    __tablename__ = "tenant_blocks"
-
-    tenant: Mapped[ResourceId] = mapped_column(primary_key=True)
-    instance: Mapped[ResourceId] = mapped_column(primary_key=True)
-    block_id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    generation: Mapped[int] = mapped_column(BigInteger)
-    refs: Mapped[int] = mapped_column(Integer)
-    pin_refs: Mapped[int] = mapped_column(Integer)
-
-    __table_args__ = (
-        CheckConstraint("refs > 0 AND pin_refs BETWEEN 0 AND refs", name="refs"),
-        # Who else holds a block: metering charges a block shared k ways 1/k to each.
-        Index("ix_tenant_blocks_instance_block_id", "instance", "block_id"),
-    )
-
-
 class PinRow(Base):
     """A pinned prefix: its blocks stay resident and are never reclaimed while pinned."""
 
@@ -553,47 +439,6 @@ class CpuTierPinRow(Base):
     wanted: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
 
     __table_args__ = (Index("ix_cpu_tier_pins_coordinator_url", "coordinator_url"),)
-
-
-class TombstoneRow(Base):
-    """What remains of a block handle whose contents were dropped, kept for a retention period
-    so a late release or lookup through it gets a precise answer."""
-
-    __tablename__ = "tombstones"
-
-    instance: Mapped[ResourceId] = mapped_column(primary_key=True)
-    block_id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    generation: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    content_hash: Mapped[bytes | None] = mapped_column(LargeBinary)
-    # FREED (last reference dropped), EVICTED (reused for other contents), OFFBOARDED.
-    reason: Mapped[str] = mapped_column(String(16))
-    # The tenant whose action dropped it.
-    tenant: Mapped[str | None] = mapped_column(String(63))
-    freed_at: Mapped[Timestamp]
-
-    __table_args__ = (Index("ix_tombstones_freed_at", "freed_at"),)
-
-
-class FairClockRow(Base):
-    """Start-time fair queueing: the virtual time of one priority class of one instance's queue
-    (the start tag of the request admitted last)."""
-
-    __tablename__ = "fair_clocks"
-
-    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
-    priority: Mapped[int] = mapped_column(Integer, primary_key=True)
-    virtual_time: Mapped[float] = mapped_column(server_default="0")
-
-
-class FairTagRow(Base):
-    """Start-time fair queueing: the finish tag of a tenant's last queued request in a class."""
-
-    __tablename__ = "fair_tags"
-
-    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
-    tenant: Mapped[ResourceId] = mapped_column(ForeignKey("tenants.tenant"), primary_key=True)
-    priority: Mapped[int] = mapped_column(Integer, primary_key=True)
-    last_finish: Mapped[float] = mapped_column(server_default="0")
 
 
 class ReclaimJobRow(Base):

@@ -521,7 +521,6 @@ async def followed(
     def start() -> subprocess.Popen[bytes]:
         return start_vllm(engine_python, tiny_model, ports, tmp_path / "vllm.log")
 
-    assert isinstance(owned.ledger, OwnedLedger) and owned.owners is not None
     followed = Followed(live, owned.ledger, start(), start)
     spec = catalog.instance_spec(
         "live",

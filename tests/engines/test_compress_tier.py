@@ -42,8 +42,8 @@ from quota_service.enforcement.termination import Termination
 from quota_service.engine.lmcache import DeleteResult, LmcacheCoordinator
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.owner.owned_reclaim import OwnedReclaimJobs
+from quota_service.owner.owners import OwnedLedger
 from quota_service.store.cpu_tier import CpuTierBooks
-from quota_service.store.ledger import Ledger
 from quota_service.store.reclaim import NOT_OFFLOADED_ANY_MORE
 from quota_service.store.usage import UsageBook, UsageRollup
 from tests.engines.conftest import ChunkWriter, Lmcache, lmcache_at
@@ -113,7 +113,7 @@ async def offloaded_session(
     tenant: str,
     tokens: list[int],
     pinned_prefix: int = 0,
-) -> tuple[Ledger, CpuTierMirror]:
+) -> tuple[OwnedLedger, CpuTierMirror]:
     """The tenant's session of `tokens` (its first `pinned_prefix` tokens pinned), stored in
     LMCache (L1, and fp8 in L2), admitted, suspended and offloaded by a reclaim job; the
     mirror has mirrored the pin and measured the instance's ratio."""
@@ -315,7 +315,6 @@ async def test_a_compress_step_survives_a_kill_of_the_server_running_it(
         l1_before = (await owned.catalog.get_instance("gpu-0")).cpu_used_bytes
         assert l1_before is not None
         jobs, job_id = await compress_job(engine, owned, "crasher")
-        assert owned.owners is not None
         await owned.owners.hand_over()  # the servers below serve gpu-0 from now on
         proxy.hold.armed = True
         first = await asyncio.to_thread(start_server, database_url)
@@ -352,7 +351,6 @@ async def test_a_compress_step_survives_a_kill_of_the_server_running_it(
     assert await compressed_events(engine, "crasher") == [(-offloaded, offloaded // 2)]
     # The last server handed gpu-0 over as it stopped: a new owner, recovered from the record.
     successor = make_hot_path(settings, engine, Waiters(0.05), "successor")
-    assert successor.owners is not None
     try:
         session = await successor.ledger.get("crasher", "chat")
         assert (session.offloaded_bytes, session.compressed_bytes) == (0, offloaded // 2)

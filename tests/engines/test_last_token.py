@@ -21,7 +21,7 @@ from quota_service.core.hashing import block_hashes, event_hash
 from quota_service.core.model import AdmitParams, EndReason, EngineEndpoints, TenantQuota
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.engine.vllm.subscriber import Subscriber
-from quota_service.store.ledger import Ledger
+from quota_service.owner.owners import OwnedLedger
 from tests.engines.conftest import ROOT, Engine, PlannedEngine
 from tests.engines.test_vllm_contract import collect, complete, stored_hashes
 
@@ -33,7 +33,7 @@ async def register(
     max_model_len: int,
     blocks: int,
     endpoints: EngineEndpoints | None,
-) -> Ledger:
+) -> OwnedLedger:
     """Instance "rule" and a tenant acme; the ledger (its owner)."""
     spec = catalog.instance_spec(
         "rule", model, None, block_size, max_model_len, None, blocks, engine=endpoints
@@ -43,7 +43,7 @@ async def register(
     return owned.ledger
 
 
-async def follow_in_ledger(vllm: Engine, owned: HotPath) -> tuple[Ledger, int]:
+async def follow_in_ledger(vllm: Engine, owned: HotPath) -> tuple[OwnedLedger, int]:
     """Register the engine as instance "rule" from what it reports; returns the ledger and the
     engine's block size."""
     http = VllmHttp(vllm.base_url)
@@ -65,7 +65,7 @@ async def follow_in_ledger(vllm: Engine, owned: HotPath) -> tuple[Ledger, int]:
 
 
 async def run(
-    vllm: Engine, ledger: Ledger, request_id: str, prompt: list[int], max_tokens: int = 1
+    vllm: Engine, ledger: OwnedLedger, request_id: str, prompt: list[int], max_tokens: int = 1
 ) -> tuple[int, int, int, str]:
     """Admit, generate in vLLM under the tenant's salt, release. Returns the ledger's hit blocks
     and reserved blocks, vLLM's num_cached_tokens, and the salt."""
@@ -86,7 +86,7 @@ def tokens(count: int, start: int) -> list[int]:
     return [(start + 7 * j) % 500 + 1 for j in range(count)]
 
 
-async def book(ledger: Ledger, request_id: str, prompt: list[int]) -> tuple[int, int]:
+async def book(ledger: OwnedLedger, request_id: str, prompt: list[int]) -> tuple[int, int]:
     """Admit one request with one output token and release it: its hit and reserved blocks."""
     params = AdmitParams("acme", request_id, "rule", len(prompt), 1, 1, 0)
     reservation, _ = await ledger.admit(AdmitRequest(params, tuple(prompt), 0.0, None))

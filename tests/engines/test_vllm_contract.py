@@ -33,8 +33,8 @@ from quota_service.enforcement.termination import Termination
 from quota_service.engine.vllm.http import VllmHttp
 from quota_service.engine.vllm.subscriber import Received, Subscriber
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
+from quota_service.owner.owners import OwnedLedger
 from quota_service.store.cpu_tier import CpuTierBooks
-from quota_service.store.ledger import Ledger
 from tests.engines.conftest import BLOCK_SIZE, MAX_MODEL_LEN, NUM_GPU_BLOCKS, ROOT, Engine
 
 # Tokens a generation asks for when it must still be running when an abort arrives.
@@ -274,7 +274,7 @@ async def test_offboarding_aborts_the_tenants_generation(
         await termination.close()
 
 
-async def register_tiny(vllm: Engine, owned: HotPath) -> Ledger:
+async def register_tiny(vllm: Engine, owned: HotPath) -> OwnedLedger:
     """Register the engine as instance "tiny" from what it reports, and a tenant acme; the
     ledger (its owner)."""
     http = VllmHttp(vllm.base_url)
@@ -310,7 +310,7 @@ async def acme(attempt: int) -> str:
 
 async def abort_while_generating(
     vllm: Engine,
-    ledger: Ledger,
+    ledger: OwnedLedger,
     stop: Callable[[str, str], Awaitable[None]],
     tenant_of_attempt: Callable[[int], Awaitable[str]] = acme,
 ) -> str | None:

@@ -16,8 +16,8 @@ from quota_service.core.admission import AdmitRequest
 from quota_service.core.model import AdmitParams, TenantQuota
 from quota_service.enforcement.termination import Termination
 from quota_service.owner.owned_offboarding import OwnedOffboarding
+from quota_service.owner.owners import OwnedLedger
 from quota_service.store.catalog import Catalog
-from quota_service.store.ledger import Ledger
 from quota_service.store.offboarding import RESERVATION_BATCH
 
 UNLIMITED = TenantQuota(10**9, 10**12, 1000, 1000, 10**12)
@@ -125,7 +125,7 @@ async def derived_counters(
         }
         count = await conn.execute(text("SELECT count(*) FROM reservations"))
         found["reservations"] = {"count": count.scalar_one()}
-    for owner in hot.owners.served() if hot is not None and hot.owners is not None else ():
+    for owner in hot.owners.served() if hot is not None else ():
         machine, recorded = owner.machine, found[f"instance:{owner.instance}"]
         pool = machine.pool.counts()
         in_memory = {
@@ -154,7 +154,6 @@ async def slots(
 ) -> dict[int, tuple[str, int, int]]:
     """Every slot of an instance served here, block_id → (state, references, generation), from
     its owner's memory; the record's view says the same of every slot that holds anything."""
-    assert hot.owners is not None
     pool = (await hot.owners.owner(instance)).machine.pool
     held = {b: (pool.state(b), pool.ref_count(b), pool.generation(b)) for b in range(pool.capacity)}
     async with engine.connect() as conn:
@@ -165,15 +164,12 @@ async def slots(
 
 
 # Each table's rows as text, in one round trip: the fuzz test reads this around every call. The
-# per-block ledger's tables and the views of what the journal records (each empty on the other
-# hot path).
+# views show what the journal records of the pools.
 SNAPSHOT_TABLES = (
     "tenants",
     "instances",
     "reservations",
     "pins",
-    "blocks",
-    "block_refs",
     "journal_slots",
     "journal_tenant_holdings",
 )
@@ -189,7 +185,7 @@ async def snapshot(engine: AsyncEngine) -> tuple[object, ...]:
         return tuple((await conn.execute(_SNAPSHOT)).one())
 
 
-def termination(ledger: Ledger) -> Termination:
+def termination(ledger: OwnedLedger) -> Termination:
     """Engine aborts as the server makes them (the instances these tests register have no
     engine, so nothing is aborted)."""
     return Termination(ledger, abort_timeout_seconds=1.0, hard_timeout_seconds=5.0)

@@ -49,7 +49,6 @@ def with_tokens(
 async def ledger(engine: AsyncEngine, owned: HotPath) -> OwnedLedger:
     await add_instance(engine, blocks=16)
     await add_tenant(engine, "acme")
-    assert isinstance(owned.ledger, OwnedLedger)
     return owned.ledger
 
 
@@ -243,7 +242,6 @@ async def test_round_trips_do_not_grow_with_the_request(
 ) -> None:
     """Statements through the engine, and the owner's batches (each one round trip)."""
     await add_instance(engine, "big", blocks=400)
-    assert owned.owners is not None
     owner = await owned.owners.owner("big")  # claimed first: the claim is no request's cost
     sizes = {}
     for blocks_wanted in (1, 96):

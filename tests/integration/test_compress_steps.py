@@ -33,7 +33,6 @@ COMPRESS_ONLY = ReclaimTarget(1, Tier.COMPRESS, None, Tier.COMPRESS)
 def jobs_of(
     engine: AsyncEngine, owned: HotPath, watermarks: CpuWatermarks = DEFAULT_WATERMARKS
 ) -> OwnedReclaimJobs:
-    assert owned.owners is not None
     return OwnedReclaimJobs(engine, owned.owners, watermarks)
 
 
@@ -41,7 +40,6 @@ async def offloaded(engine: AsyncEngine, owned: HotPath, *request_ids: str) -> O
     """Sessions of 4 blocks on gpu-0, suspended with their tokens and offloaded."""
     await with_cpu_tier(engine, blocks=16, cpu_used=0, cpu_capacity=1 << 20)
     ledger = owned.ledger
-    assert isinstance(ledger, OwnedLedger)
     for i, request_id in enumerate(request_ids):
         await ledger.admit(session(request_id, 1000 * i))
         await ledger.suspend("acme", request_id, tuple(range(1000 * i, 1000 * i + 4 * BS)))

@@ -41,6 +41,8 @@ from tests.unit.machine_fixtures import assert_same_machine, recount, slot_rows
 LIMITS = Settings().admission_limits
 # The revision the per-block ledger fills, before the migration.
 PREVIOUS = "0022"
+# The last revision that keeps the per-block tables (0026 drops them).
+CARRIED_ONLY = "0025"
 CARRIED = ("gpu-0", "gpu-1")
 # Served from memory before the migration: it must be left as it is.
 JOURNALED = "gpu-2"
@@ -376,6 +378,11 @@ async def all_rows(engine: AsyncEngine, query: Any) -> list[tuple[Any, ...]]:
         return [tuple(row) for row in await conn.execute(query)]
 
 
+async def revision(engine: AsyncEngine) -> str:
+    async with engine.connect() as conn:
+        return str((await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar())
+
+
 async def rows_of(engine: AsyncEngine, query: Any) -> tuple[Any, ...]:
     async with engine.connect() as conn:
         return tuple((await conn.execute(query)).one())
@@ -404,7 +411,7 @@ async def test_a_taken_over_instance_holds_what_the_per_block_ledger_held(
     owned_before = await all_rows(engine, _OWNERS)
 
     caplog.set_level(logging.INFO, logger="alembic.runtime.migration")
-    migrate.upgrade(database_url)
+    migrate.upgrade(database_url, CARRIED_ONLY)
     assert await rows_of(engine, _UNTOUCHED) == untouched
     for done, name in enumerate(CARRIED, 1):
         assert f"instances/{name} carried ({done} of 2)" in caplog.text
@@ -508,12 +515,12 @@ async def test_downgrade_clears_what_was_carried_until_an_owner_writes(
     engine = ledger_engine
     untouched = await rows_of(engine, _UNTOUCHED)
     cleared = await rows_of(engine, _JOURNAL)
-    migrate.upgrade(database_url)
+    migrate.upgrade(database_url, CARRIED_ONLY)
     carried = await rows_of(engine, _JOURNAL)
     migrate.downgrade(database_url, PREVIOUS)
     assert await rows_of(engine, _JOURNAL) == cleared
     assert await rows_of(engine, _UNTOUCHED) == untouched
-    migrate.upgrade(database_url)
+    migrate.upgrade(database_url, CARRIED_ONLY)
     assert await rows_of(engine, _JOURNAL) == carried
 
     # Once an owner has committed a batch, the per-block tables no longer hold all there is:
@@ -527,7 +534,7 @@ async def test_downgrade_clears_what_was_carried_until_an_owner_writes(
     with pytest.raises(RuntimeError, match=r"instances/gpu-1 at batch 1; nothing was changed"):
         migrate.downgrade(database_url, PREVIOUS)
     assert await rows_of(engine, _JOURNAL) == written
-    assert not migrate.pending(database_url)
+    assert await revision(engine) == CARRIED_ONLY
 
 
 @pytest.mark.parametrize(
@@ -556,3 +563,49 @@ async def test_a_slot_the_journal_cannot_hold_stops_the_migration(
         migrate.upgrade(database_url)
     assert await rows_of(engine, _JOURNAL) == before
     assert migrate.pending(database_url)
+
+
+# Migration 0026: the per-block tables go once everything they held is in the journal.
+_PER_BLOCK_TABLES = text(
+    "SELECT count(*) FROM pg_class WHERE relname IN "
+    "('blocks', 'block_refs', 'tenant_blocks', 'tombstones', 'fair_clocks', 'fair_tags')"
+)
+
+
+async def test_the_per_block_tables_go_and_the_journal_stays(
+    ledger_engine: AsyncEngine, database_url: str
+) -> None:
+    engine = ledger_engine
+    migrate.upgrade(database_url, CARRIED_ONLY)
+    carried = await rows_of(engine, _JOURNAL)
+    migrate.upgrade(database_url)
+    assert await rows_of(engine, _PER_BLOCK_TABLES) == (0,)
+    assert await rows_of(engine, _JOURNAL) == carried
+
+    # Back, the tables are made again only when they would hold all there is: not while the
+    # journal holds live block tables and cached slots.
+    with pytest.raises(RuntimeError, match="the journal holds block tables or cached slots"):
+        migrate.downgrade(database_url, CARRIED_ONLY)
+    assert await rows_of(engine, _PER_BLOCK_TABLES) == (0,)
+    assert not migrate.pending(database_url)
+
+
+async def test_the_per_block_tables_stay_while_they_hold_an_instance_not_carried(
+    ledger_engine: AsyncEngine, database_url: str
+) -> None:
+    """An instance registered after 0023 by a server still on the per-block hot path is in no
+    journal: dropping the tables would lose what it holds."""
+    engine = ledger_engine
+    migrate.upgrade(database_url, CARRIED_ONLY)
+    await add_instance(engine, "late", blocks=4)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO blocks (instance, block_id, content_hash, hash_scope, lru_seq) "
+                "VALUES ('late', 0, decode(repeat('ab', 32), 'hex'), 'tenants/acme', 1)"
+            )
+        )
+    with pytest.raises(RuntimeError, match="on instances late: downgrade to 0022"):
+        migrate.upgrade(database_url)
+    assert await rows_of(engine, _PER_BLOCK_TABLES) == (6,)
+    assert await revision(engine) == CARRIED_ONLY

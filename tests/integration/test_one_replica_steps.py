@@ -23,8 +23,8 @@ from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.jobs.reclaim_policy import ReclaimPolicy
 from quota_service.metrics import LedgerMetrics
 from quota_service.store.cpu_tier import CpuTierBooks
-from quota_service.store.ledger import Ledger
 from quota_service.store.ownership import exclusive
+from quota_service.store.reservations import RecordedReservations
 from quota_service.store.usage import UsageRollup
 from tests.integration.invariants import assert_invariants
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
@@ -137,7 +137,7 @@ async def test_each_owner_reaps_the_lapsed_leases_of_its_own_instances(
         # The first call for an instance makes its replica the owner.
         await replica.ledger.admit(request(instance, 100, 100, instance=instance, lease_ttl=1.0))
     await asyncio.sleep(1.2)
-    record = Ledger(engine, settings.admission_limits)
+    record = RecordedReservations(engine)
 
     async def states() -> dict[str, tuple[ReservationState, EndReason | None]]:
         found = [await record.get("acme", instance) for instance in replicas]

@@ -45,7 +45,6 @@ async def cached_pool(
     """An instance whose tenant left `blocks` cached prompt blocks behind (4 a prompt)."""
     await add_instance(engine, blocks=blocks + 64)
     await add_tenant(engine, tenant)
-    assert isinstance(owned.ledger, OwnedLedger)
     await leave_cached(owned.ledger, tenant, range(blocks // 4))
     return owned.ledger
 
@@ -53,7 +52,6 @@ async def cached_pool(
 def jobs_of(
     engine: AsyncEngine, owned: HotPath, free_batch_blocks: int = FREE_BATCH_BLOCKS
 ) -> OwnedReclaimJobs:
-    assert owned.owners is not None
     return OwnedReclaimJobs(engine, owned.owners, free_batch_blocks=free_batch_blocks)
 
 
@@ -221,7 +219,6 @@ async def test_a_killed_owner_s_job_resumes_in_the_next_and_frees_each_block_onc
     await cached_pool(engine, owned, 12)
     jobs = jobs_of(engine, owned, 1)
     job = await jobs.create("kill-me", "gpu-0", ReclaimTarget(12, Tier.FREE), dry_run=False)
-    assert owned.owners is not None
     await owned.owners.hand_over()  # the executor's replica takes gpu-0 over
     process = await processes.exec_async(
         sys.executable, "-c", EXECUTOR, database_url, job.job_id, stdout=asyncio.subprocess.PIPE
@@ -237,7 +234,6 @@ async def test_a_killed_owner_s_job_resumes_in_the_next_and_frees_each_block_onc
 
     short = replace(settings, owner_lease_seconds=1.0)
     successor = make_hot_path(short, engine, Waiters(0.05), "successor")
-    assert successor.owners is not None
     resumed = jobs_of(engine, successor, 1)
     try:
         while True:  # the killed owner's lease runs out first

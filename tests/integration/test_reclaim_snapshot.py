@@ -28,7 +28,6 @@ BS = 16
 
 async def snapshot(engine: AsyncEngine, owned: HotPath) -> PoolSnapshot:
     """gpu-0's pool as its owner plans a reclaim on it: slots from memory, the rest read."""
-    assert owned.owners is not None
     blocks = await owned.owners.run("gpu-0", lambda machine, now: pool_blocks(machine))
     return await load_snapshot(engine, "gpu-0", blocks=blocks)
 

@@ -55,7 +55,7 @@ class ServedVersusModel(LedgerRules):
         limits = Settings().admission_limits
         self.owners = Owners(self.engine, limits, QueuePolicy(), "model")
         self.ledger = OwnedLedger(self.engine, self.owners, limits)
-        self.pins = OwnedPins(self.engine, limits, self.owners)
+        self.pins = OwnedPins(self.engine, self.owners)
         termination = Termination(self.ledger, abort_timeout_seconds=1.0, hard_timeout_seconds=5.0)
         self.offboarding = OwnedOffboarding(
             self.engine, self.ledger, self.pins, termination, self.owners

@@ -71,7 +71,6 @@ async def test_the_engine_path_against_the_simulated_host(
     ledger = owned.ledger
     followers = Followers(database_url, owned.reconciler(engine), load_check_seconds=0.1)
     termination = Termination(ledger, abort_timeout_seconds=2, hard_timeout_seconds=5)
-    assert owned.owners is not None
     try:
         # A lease round claims the instance whose engine publishes events; its owner follows it.
         await owned.owners.take_over_unowned()
