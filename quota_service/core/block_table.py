@@ -8,7 +8,7 @@ under the same salt land on the same blocks; without them every block is private
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from quota_service.core import geometry
@@ -82,20 +82,6 @@ def layout(
     assert len(hashes) in (0, full)
     # Total agrees with geometry.blocks_for_request by construction.
     return TableLayout(full, tail, n, tuple(hashes), (prompt_tokens - 1) // block_size)
-
-
-def longest_cached_prefix(
-    hashes: Sequence[bytes], cached: Mapping[bytes, CachedBlock]
-) -> list[CachedBlock]:
-    """The cached blocks for hashes[0..j), j as large as possible. Chained hashes make a gap final:
-    a block past a missing one cannot be the same prefix."""
-    prefix = []
-    for content_hash in hashes:
-        block = cached.get(content_hash)
-        if block is None:
-            break
-        prefix.append(block)
-    return prefix
 
 
 def new_block_hashes(table: TableLayout, hits: int) -> list[bytes | None]:

@@ -1335,15 +1335,6 @@ class InstanceMachine:
         self.pool.clear_copies()
         return self.free_cached(self.pool.capacity)
 
-    def engine_restarted(self, now: float) -> int:
-        """The engine lost everything: live reservations end (ENGINE_RESTARTED) and the cache is
-        forgotten. Returns how many reservations ended."""
-        live = [k for k, r in self.reservations.items() if r.state is ReservationState.ADMITTED]
-        for key in live:
-            self.end(*key, EndReason.ENGINE_RESTARTED, now)
-        self.engine_forgotten()
-        return len(live)
-
     # Metering.
 
     def usage(self, tenant: str) -> Usage:

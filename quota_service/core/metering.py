@@ -193,10 +193,6 @@ class _Meter:
         )
 
 
-def hour_of(at_us: int) -> int:
-    return at_us - at_us % HOUR_US
-
-
 def integrate_hour(
     hour_start_us: int,
     start: Mapping[tuple[str, str], Levels],

@@ -8,7 +8,6 @@ tenant's holdings) must equal the machines'."""
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -20,51 +19,28 @@ from sqlalchemy import text
 
 from quota_service.core.instance_machine import InstanceMachine
 from quota_service.owner.instance_owner import InstanceOwner
-from quota_service.store.catalog import Catalog
-from quota_service.store.database import connect
 from quota_service.store.journal import Journal
 from tests.databases import Databases
 from tests.examples import examples
-from tests.integration.ledger_fixtures import add_instance
-from tests.model.rules import BS, INSTANCES, NAMESPACE, SHARED, TENANTS
+from tests.integration.database_rules import DatabaseRules
+from tests.model.rules import INSTANCES, TENANTS
 from tests.unit.machine_fixtures import assert_same_machine, next_generation, slot_rows
 from tests.unit.test_instance_machine_model import MachinesVersusModel
 
 
-class JournalVersusModel(MachinesVersusModel):
-    databases: Databases
-
+class JournalVersusModel(MachinesVersusModel, DatabaseRules):
     def __init__(self) -> None:
         super().__init__()
-        self.loop = asyncio.new_event_loop()
-        self.database = self.databases.take()
-        self.engine = connect(self.databases.url(self.database), pool_size=2)
         self.journal = Journal(self.engine)
         self.owners: dict[str, InstanceOwner] = {}
 
-    def run(self, work: Any) -> Any:
-        return self.loop.run_until_complete(work)
-
-    def teardown(self) -> None:
-        try:
-            super().teardown()
-        finally:
-            self.run(self.journal.close())
-            self.run(self.engine.dispose())
-            self.loop.close()
-            self.databases.drop(self.database)
+    def close(self) -> None:
+        self.run(self.journal.close())
+        super().close()
 
     def build_fleet(self) -> tuple[dict[str, str], str]:
-        catalog = Catalog(self.engine)
-
         async def build() -> None:
-            for name, blocks in INSTANCES.items():
-                await add_instance(self.engine, name, blocks=blocks, block_size=BS)
-            await catalog.create_namespace(NAMESPACE)
-            for name, quota in TENANTS.items():
-                await catalog.create_tenant(name, name, 1, quota)
-            for name in SHARED:
-                await catalog.update_tenant(name, {"namespace": NAMESPACE})
+            await self.register_fleet()
             for name in INSTANCES:
                 # The live machines start empty, as the record does: claim them as they are.
                 recorded = await self.journal.load(name, "test", "", 0.0)

@@ -7,7 +7,6 @@ the live one (invariant 8; after the steps tests/examples.py says, and after the
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,32 +25,16 @@ from quota_service.enforcement.termination import Termination
 from quota_service.owner.owned_offboarding import OwnedOffboarding
 from quota_service.owner.owned_pins import OwnedPins
 from quota_service.owner.owners import OwnedLedger, Owners
-from quota_service.store.catalog import Catalog
-from quota_service.store.database import connect
 from tests.databases import Databases
 from tests.examples import examples
-from tests.integration.ledger_fixtures import add_instance
-from tests.model.rules import (
-    BS,
-    INSTANCES,
-    NAMESPACE,
-    SHARED,
-    TENANTS,
-    LedgerRules,
-    SlotRow,
-    TenantRow,
-)
+from tests.integration.database_rules import DatabaseRules
+from tests.model.rules import INSTANCES, SlotRow, TenantRow
 from tests.unit.machine_fixtures import assert_same_machine, next_generation, recount, slot_rows
 
 
-class ServedVersusModel(LedgerRules):
-    databases: Databases
-
+class ServedVersusModel(DatabaseRules):
     def __init__(self) -> None:
         super().__init__()
-        self.loop = asyncio.new_event_loop()
-        self.database = self.databases.take()
-        self.engine = connect(self.databases.url(self.database), pool_size=2)
         limits = Settings().admission_limits
         self.owners = Owners(self.engine, limits, QueuePolicy(), "model")
         self.ledger = OwnedLedger(self.engine, self.owners, limits)
@@ -61,32 +44,13 @@ class ServedVersusModel(LedgerRules):
             self.engine, self.ledger, self.pins, termination, self.owners
         )
 
-    def run(self, work: Any) -> Any:
-        return self.loop.run_until_complete(work)
-
-    def teardown(self) -> None:
-        try:
-            super().teardown()
-        finally:
-            self.close()
-
     def close(self) -> None:
         self.run(self.owners.close())
-        self.run(self.engine.dispose())
-        self.loop.close()
-        self.databases.drop(self.database)
+        super().close()
 
     def build_fleet(self) -> tuple[dict[str, str], str]:
-        catalog = Catalog(self.engine)
-
         async def build() -> tuple[dict[str, str], str]:
-            for name, blocks in INSTANCES.items():
-                await add_instance(self.engine, name, blocks=blocks, block_size=BS)
-            await catalog.create_namespace(NAMESPACE)
-            for name, quota in TENANTS.items():
-                await catalog.create_tenant(name, name, 1, quota)
-            for name in SHARED:
-                await catalog.update_tenant(name, {"namespace": NAMESPACE})
+            await self.register_fleet()
             async with self.engine.connect() as conn:
                 rows = await conn.execute(text("SELECT tenant, cache_salt FROM tenants"))
                 ns = await conn.execute(text("SELECT cache_salt FROM namespaces"))

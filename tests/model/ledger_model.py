@@ -312,7 +312,13 @@ class Model:
                     block_id in held,
                     block_id in pinned_by,
                 )
-        return block_table.longest_cached_prefix(hashes, cached)
+        # Chained hashes make a gap final: a block past a missing one is not the same prefix.
+        prefix = []
+        for content_hash in hashes:
+            if content_hash not in cached:
+                break
+            prefix.append(cached[content_hash])
+        return prefix
 
     def _allocate(
         self,

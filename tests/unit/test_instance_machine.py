@@ -294,7 +294,10 @@ def test_an_engine_restart_ends_live_reservations_and_forgets_the_cache() -> Non
     admit(m, "r1", 32, 16, ids=tuple(range(32)))
     admit(m, "r2", 32, 16, ids=tuple(range(100, 132)))
     m.end("a", "r2", EndReason.RELEASED, NOW)
-    assert m.engine_restarted(NOW) == 1
+    # As the reconciler does it: the reservations the engine was running end, then the cache
+    # it lost is forgotten.
+    m.end("a", "r1", EndReason.ENGINE_RESTARTED, NOW)
+    assert m.engine_forgotten() == 4
     assert m.get("a", "r1").end_reason is EndReason.ENGINE_RESTARTED
     assert m.pool.free_count == 8
     recount(m)
