@@ -418,6 +418,16 @@ def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
         yield running
 
 
+@pytest.fixture(scope="module")
+def fp8_lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
+    """An LMCache whose L2 stores chunks through an fp8 serde (half of 16-bit KV's bytes): the
+    CPU tier a COMPRESS step demotes sessions into."""
+    work = tmp_path_factory.mktemp("lmcache-fp8")
+    l2: dict[str, object] = {"type": "fs", "base_path": str(work / "l2"), "serde": {"type": "fp8"}}
+    with lmcache_at(work, l2) as running:
+        yield running
+
+
 class ChunkWriter:
     """Stores token sequences into the MP server as vLLM's worker would, and retrieves them as
     LMCache's vLLM connector would (scripts/lmcache_writer.py in LMCache's Python, one process

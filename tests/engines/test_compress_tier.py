@@ -46,7 +46,7 @@ from quota_service.owner.owners import OwnedLedger
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.reclaim import NOT_OFFLOADED_ANY_MORE
 from quota_service.store.usage import UsageBook, UsageRollup
-from tests.engines.conftest import ChunkWriter, Lmcache, lmcache_at
+from tests.engines.conftest import ChunkWriter, Lmcache
 from tests.engines.lmcache_proxy import LmcacheProxy
 from tests.engines.test_lmcache_contract import CHUNK, GIB, register, salt_of, until
 from tests.engines.test_lmcache_contract import endpoint as lmcache_endpoint
@@ -58,14 +58,6 @@ BLOCK_BYTES = 16384  # the registered instance's bytes per block (16 tokens)
 # The writer's chunks fill a sliver of the 64 MiB L1: watermarks that low make it "full".
 TINY = CpuWatermarks(offload=1e-6, compress=1e-6)
 COMPRESS_ONLY = Tier.COMPRESS
-
-
-@pytest.fixture(scope="module")
-def fp8_lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
-    work = tmp_path_factory.mktemp("lmcache-fp8")
-    l2: dict[str, object] = {"type": "fs", "base_path": str(work / "l2"), "serde": {"type": "fp8"}}
-    with lmcache_at(work, l2) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
@@ -123,22 +115,31 @@ async def offloaded_session(
     salt = await salt_of(engine, tenant)
     chunks = writer.store(salt, tokens)
     await until([FULL | COMPRESSED] * chunks, lambda: sizes(lmcache, salt, tokens))
+    ledger, tier, blocks = await offload(engine, owned, tenant, tokens[:-1], tokens)
+    assert blocks == len(tokens) // 16
+    assert (await ledger.get(tenant, "chat")).offloaded_bytes == blocks * BLOCK_BYTES
+    return ledger, tier
+
+
+async def offload(
+    engine: AsyncEngine, owned: HotPath, tenant: str, prompt: list[int], session: list[int]
+) -> tuple[OwnedLedger, CpuTierMirror, int]:
+    """The tenant's turn of `prompt` (one token of output) admitted on gpu-0, suspended with
+    `session` as the CPU tier holds it, and offloaded by a reclaim job; the mirror has mirrored
+    the tenant's pins and measured the instance's ratio. Returns the blocks it held."""
     ledger = owned.ledger
-    prompt = tuple(tokens[:-1])
-    await ledger.admit(
-        AdmitRequest(AdmitParams(tenant, "chat", "gpu-0", len(prompt), 1, 1, 0), prompt, 0.0, None)
-    )
-    await ledger.suspend(tenant, "chat", tokens)
+    params = AdmitParams(tenant, "chat", "gpu-0", len(prompt), 1, 1, 0)
+    admitted, _ = await ledger.admit(AdmitRequest(params, tuple(prompt), 0.0, None))
+    await ledger.suspend(tenant, "chat", session)
     tier = CpuTierMirror(CpuTierBooks(engine))
     await tier.mirror()
     jobs = owned.reclaim(engine, DEFAULT_WATERMARKS)
-    target = ReclaimTarget(len(tokens) // 16, Tier.OFFLOAD, tenant)
+    target = ReclaimTarget(admitted.reserved_blocks, Tier.OFFLOAD, tenant)
     job = await jobs.create(f"offload-{tenant}", "gpu-0", target, dry_run=False)
     while await jobs.run_step(job.job_id):
         pass
-    assert (await ledger.get(tenant, "chat")).offloaded_bytes == len(tokens) // 16 * BLOCK_BYTES
     await tier.mirror()  # measures the ratio on the offloaded session
-    return ledger, tier
+    return ledger, tier, admitted.reserved_blocks
 
 
 async def compress_job(
