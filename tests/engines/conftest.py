@@ -103,10 +103,12 @@ def start_vllm(
     log_path: Path,
     pool: Sequence[str] = CONTRACT_POOL,
     with_tokenizer: bool = False,
+    connector: Lmcache | None = None,
 ) -> subprocess.Popen[bytes]:
     """Serve `model` with KV events on (http, events, replay) ports and the pool, dtype and
     context that `pool`'s arguments give; returns once healthy. Without its tokenizer prompts
-    are token ids; with it, chat is served too."""
+    are token ids; with it, chat is served too. With a `connector`, LMCache's MP connector
+    stores prompts into that LMCache's MP server and loads prefixes from it."""
     http_port, events_port, replay_port = ports
     kv_events = {
         "enable_kv_cache_events": True,
@@ -116,8 +118,7 @@ def start_vllm(
         "topic": "kv",
     }
     env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
+        **_lmcache_env(),  # the connector imports lmcache in vLLM's processes
         "VLLM_SERVER_DEV_MODE": "1",
     }
     env.pop("PYTHONHASHSEED", None)  # vLLM's root hash depends on it
@@ -145,6 +146,7 @@ def start_vllm(
                 str(http_port),
                 "--kv-events-config",
                 json.dumps(kv_events),
+                *(() if connector is None else lmcache_connector(connector)),
             ],
             env=env,
             stdout=log,
@@ -170,7 +172,11 @@ def start_vllm(
 
 
 def stop_vllm(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
-    """Signal vLLM's whole process group (the engine core too) and wait for it to go."""
+    """Signal vLLM's whole process group (the engine core too) and wait for it to go. Then
+    remove the shared memory LMCache's connector moved a worker's KV cache into
+    (`lmcache_kv_{pid}_{n}`): the connector unlinks it only once the tensor is garbage-collected,
+    which never happens in a worker its engine stops."""
+    members = _process_group(process.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, sig)
     try:
@@ -182,8 +188,22 @@ def stop_vllm(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> No
         try:
             os.killpg(process.pid, 0)
         except ProcessLookupError:
-            return
+            break
         time.sleep(0.1)
+    for pid in members:
+        for segment in Path("/dev/shm").glob(f"lmcache_kv_{pid}_*"):
+            segment.unlink(missing_ok=True)
+
+
+def _process_group(pgid: int) -> list[int]:
+    """The ids of the processes in a process group, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):  # gone while read
+            # After the command's closing parenthesis: state, parent id, process group id.
+            if int(stat.read_text().rpartition(")")[2].split()[2]) == pgid:
+                members.append(int(stat.parent.name))
+    return members
 
 
 @pytest.fixture(scope="session")
@@ -274,8 +294,9 @@ def engine_at(model: Path, ports: tuple[int, int, int], python: Path) -> Engine:
 
 
 # LMCache, for the CPU tier: a coordinator and one MP server (DRAM L1, file-system L2) on
-# loopback, and a writer process standing in for vLLM's worker (LMCache's MP connector needs a
-# GPU; the writer stores chunks through the same ZMQ protocol from CPU tensors).
+# loopback, and a writer process standing in for vLLM's worker (it stores and retrieves chunks
+# through the same ZMQ protocol from small CPU tensors, without a vLLM's start per test; a real
+# vLLM with LMCache's connector, start_vllm's `connector`, is test_vllm_lmcache.py's).
 LMCACHE_PYTHON = Path(
     os.environ.get("KVQUOTA_LMCACHE_PYTHON", ROOT / ".venv-lmcache" / "bin" / "python")
 )
@@ -426,6 +447,22 @@ def fp8_lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
     l2: dict[str, object] = {"type": "fs", "base_path": str(work / "l2"), "serde": {"type": "fp8"}}
     with lmcache_at(work, l2) as running:
         yield running
+
+
+def lmcache_connector(lmcache: Lmcache) -> tuple[str, str]:
+    """vLLM's arguments for LMCache's MP connector on `lmcache`'s MP server: it stores each
+    prompt's whole chunks (256 tokens) and loads the prefix LMCache holds of a request."""
+    config = {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "lmcache.mp.server_urls": lmcache.rpc_url,
+            # The server reads and writes vLLM's KV pages itself (shared memory on the CPU), as
+            # it does on a GPU; on a CPU "auto" would have the worker copy them instead.
+            "lmcache.mp.mp_transfer_mode": "lmcache_driven",
+        },
+    }
+    return "--kv-transfer-config", json.dumps(config)
 
 
 class ChunkWriter:

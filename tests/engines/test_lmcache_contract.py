@@ -5,6 +5,8 @@ a pinned prefix surviving a reclaim's delete, prefetch on resume, capability dis
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import httpx
 from sqlalchemy import text
@@ -27,7 +29,15 @@ from quota_service.enforcement.termination import Termination
 from quota_service.engine.lmcache import LmcacheCoordinator
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.store.cpu_tier import CpuTierBooks
-from tests.engines.conftest import LMCACHE_L1_BYTES, ChunkWriter, Lmcache
+from tests.engines.conftest import (
+    BLOCK_SIZE,
+    LMCACHE_L1_BYTES,
+    MAX_MODEL_LEN,
+    NUM_GPU_BLOCKS,
+    ChunkWriter,
+    Engine,
+    Lmcache,
+)
 
 BS = 16
 CHUNK = 256
@@ -40,12 +50,23 @@ def endpoint(lmcache: Lmcache) -> LmcacheEndpoint:
     return LmcacheEndpoint(lmcache.coordinator_url, lmcache.instance_id, lmcache.model_name)
 
 
-async def register(owned: HotPath, lmcache: Lmcache, *tenants: tuple[str, int]) -> None:
-    """Instance gpu-0 (16 KiB blocks, 256 of them) with its CPU tier on the real coordinator,
-    and tenants with CPU-tier quotas in bytes."""
-    endpoints = EngineEndpoints("http://127.0.0.1:1", lmcache=endpoint(lmcache))
-    kv = geometry.KvGeometry(2, 2, 64, geometry.KvDtype.FP16)
-    spec = catalog.instance_spec("gpu-0", "m", kv, BS, 8192, None, 256, engine=endpoints)
+async def register(
+    owned: HotPath, lmcache: Lmcache, *tenants: tuple[str, int], served: Engine | None = None
+) -> None:
+    """Instance gpu-0 (16 KiB blocks, 256 of them; or, `served`, that vLLM as conftest serves
+    it) with its CPU tier on the real coordinator, and tenants with CPU-tier quotas in bytes."""
+    if served is None:
+        url, model, block_size, context, blocks = "http://127.0.0.1:1", "m", BS, 8192, 256
+        kv = geometry.KvGeometry(2, 2, 64, geometry.KvDtype.FP16)
+    else:
+        url, model, block_size, context = served.base_url, served.model, BLOCK_SIZE, MAX_MODEL_LEN
+        blocks = NUM_GPU_BLOCKS - 1  # vLLM keeps one as its null block
+        config = json.loads((Path(model) / "config.json").read_text())
+        kv = geometry.geometry_from_hf_config(config, geometry.KvDtype.BF16)  # CONTRACT_POOL's
+    endpoints = EngineEndpoints(url, lmcache=endpoint(lmcache))
+    spec = catalog.instance_spec(
+        "gpu-0", model, kv, block_size, context, None, blocks, engine=endpoints
+    )
     await owned.catalog.register_instance(spec)
     for tenant, cpu_bytes in tenants:
         quota = TenantQuota(10**6, 10**9, 10, 1000, cpu_bytes)
