@@ -1,4 +1,4 @@
-"""How far the ledger drifts from a real vLLM under a mixed load (issue 19).
+"""How far the ledger drifts from a real vLLM under a mixed load.
 
 A vLLM with prefix caching and a small pool (so that it evicts) is registered as an instance and
 followed through its KV events, as the service follows its engines. A tenant's requests go

