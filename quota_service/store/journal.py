@@ -12,7 +12,6 @@ the lease has lapsed (`InstanceHeld`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -633,6 +632,8 @@ class _Writer:
 
     def __init__(self, connection: psycopg.AsyncConnection[Any]) -> None:
         self.connection = connection
+        # Binds the statements client-side: a batch is one query text, however many.
+        self.cursor = psycopg.AsyncClientCursor(connection)
         # Each prepared statement's EXECUTE, in the driver's placeholders.
         self.executes: dict[str, str] = {}
 
@@ -656,22 +657,18 @@ class _Writer:
 
 @dataclass(slots=True)
 class CommitStats:
-    """How a replica's commits are doing: transactions, and the owners' batches they held."""
+    """How a replica's commits are doing: transactions, one per owner's batch."""
 
     commits: int = 0
-    batches: int = 0
-    # Transactions of several batches that one of them failed, tried again one batch each.
-    split: int = 0
 
 
 @dataclass(slots=True)
 class _Batch:
-    """An owner's batch waiting for the replica's next commit."""
+    """An owner's batch, as the statements of its transaction."""
 
     instance: str
     epoch: int
     rows: BatchRows
-    committed: asyncio.Future[None]
 
     def statements(self) -> list[Statement]:
         rows = self.rows
@@ -688,13 +685,15 @@ class _Batch:
             statements.append((_INSERT_DELTA, {**rows.delta, **fenced}))
         return statements
 
-    def totals_moved(self) -> Statement:
-        """The batch's tenants' totals, usage and instance counters: last in its transaction,
-        after every batch's other statements, so that the tenants' rows stay locked only from
-        there to the commit."""
+    def totals_moved(self) -> list[Statement]:
+        """The batch's tenants' totals, usage and instance counters: after its other
+        statements, so that the tenants' rows stay locked only from there to the commit. Several
+        tenants' rows are locked first, in the one order every commit of every replica follows."""
         rows = self.rows
+        tenants = sorted(moved["tenant"] for moved in rows.totals)
+        lock = [(_LOCK_TENANTS, {"tenants": tenants})] if len(tenants) > 1 else []
         moved = {**rows.pool, "totals": _json(rows.totals), "usage": _json(rows.usage)}
-        return (_MOVE_TOTALS, moved)
+        return [*lock, (_MOVE_TOTALS, moved)]
 
     def checkpoint_chunks(self) -> list[Statement]:
         fenced = {"instance": self.instance, "epoch": self.epoch}
@@ -702,9 +701,9 @@ class _Batch:
 
 
 class Journal:
-    """Reads and writes of the instance journal. Writes are the owners' alone. Each instance's
-    batches commit in transactions of their own, on a write connection no other commit uses
-    meanwhile, so that the instances' commits overlap and each locks only its own tenants' rows
+    """Reads and writes of the instance journal. Writes are the owners' alone. Each batch
+    commits in a transaction of its own, on a write connection no other commit uses meanwhile,
+    so that the instances' commits overlap and each locks only its own tenants' rows
     (PostgreSQL flushes the WAL of commits that end together once). Shared across instances, a
     transaction held many tenants' rows to its commit and the others in flight waited on them:
     eight instances served 0.53 of one instance's pairs."""
@@ -715,76 +714,36 @@ class Journal:
         # Write connections: every one open, and those no commit uses now.
         self._writers: set[_Writer] = set()
         self._idle: list[_Writer] = []
-        self._waiting: dict[str, list[_Batch]] = {}
-        self._committers: dict[str, asyncio.Task[None]] = {}
         self._closed = False
         self.stats = CommitStats()
 
     async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
         """Commit one batch of an owner's (the owner groups its operations into batches, and
-        writes one at a time). Raises Deposed when a newer owner exists (RequestIdsReused,
-        QuotaRaced, PinIdTaken as they say)."""
-        batch = _Batch(instance, epoch, rows, asyncio.get_running_loop().create_future())
-        self._waiting.setdefault(instance, []).append(batch)
-        if instance not in self._committers:
-            self._committers[instance] = asyncio.create_task(self._commit_waiting(instance))
-        await batch.committed
+        writes one at a time), in the caller's task: no hop to another task and back on the
+        way to PostgreSQL, which a caller waiting alone would feel in its answer. Raises
+        Deposed when a newer owner exists (RequestIdsReused, QuotaRaced, PinIdTaken as they
+        say)."""
+        await self._commit(_Batch(instance, epoch, rows))
 
-    async def _commit_waiting(self, instance: str) -> None:
-        """The instance's committer: commit what waits for it, as one transaction, until
-        nothing does. Should a transaction of several batches fail on one batch's statement,
-        they are tried again one per transaction: the one that failed fails alone."""
-        try:
-            while batches := [b for b in self._waiting.pop(instance, []) if not b.committed.done()]:
-                if not await self._commit_or_fail(batches):
-                    self.stats.split += 1
-                    for batch in batches:
-                        await self._commit_or_fail([batch])
-        finally:
-            # No await between the last look at what waits and this: a batch that arrives
-            # after it starts a committer of its own.
-            del self._committers[instance]
-
-    async def _commit_or_fail(self, batches: list[_Batch]) -> bool:
-        try:
-            return await self._commit(batches)
-        except Exception as exc:  # whatever it was, no caller waits forever
-            _fail(batches, exc)
-            return True
-
-    async def _commit(self, batches: list[_Batch]) -> bool:
-        """One transaction in one round trip: the batches' statements, bound here, go as one
+    async def _commit(self, batch: _Batch) -> None:
+        """One transaction in one round trip: the batch's statements, bound here, go as one
         query between BEGIN and COMMIT (a checkpoint's chunks follow, one round trip each). The
         journal's own statements run prepared (`_Writer`), the record's that ride along
         (`BatchRows.statements`) as they are. A statement that fails fails the rest, and the
-        transaction is rolled back: the batch fails (Deposed when it was its fence), or, in a
-        transaction of several batches, False says to try them again apart. Any other failure
-        (the connection lost, a COMMIT cut short that may have taken) fails them all, and the
-        connection is not trusted again."""
-        try:
-            writer = await self._connected()
-        except psycopg.Error as exc:
-            _fail(batches, exc)
-            return True
-        cursor = psycopg.AsyncClientCursor(writer.connection)
-        statements = [(b.statements(), b.rows.statements) for b in batches]
-        tenants = sorted({moved["tenant"] for b in batches for moved in b.rows.totals})
-        lock = [(_LOCK_TENANTS, {"tenants": tenants})] if len(tenants) > 1 else []
-        statements.append(([*lock, *(b.totals_moved() for b in batches)], []))
-        chunks = [chunk for b in batches for chunk in b.checkpoint_chunks()]
-        prepares = writer.prepare(sql for own, _ in [*statements, (chunks, ())] for sql, _ in own)
+        transaction is rolled back: the batch fails (Deposed when it was its fence). Any other
+        failure (the connection lost, a COMMIT cut short that may have taken) fails it too, and
+        the connection is not trusted again."""
+        writer = await self._connected()
+        cursor = writer.cursor
+        own = [*batch.statements(), *batch.totals_moved()]
+        chunks = batch.checkpoint_chunks()
+        prepares = writer.prepare(sql for sql, _ in [*own, *chunks])
         query = ";".join(
             [
                 *prepares,
                 "BEGIN",
-                *(
-                    text
-                    for own, unprepared in statements
-                    for text in (
-                        *(cursor.mogrify(writer.executes[sql], params) for sql, params in own),
-                        *(cursor.mogrify(sql, params) for sql, params in unprepared),
-                    )
-                ),
+                *(cursor.mogrify(writer.executes[sql], params) for sql, params in own),
+                *(cursor.mogrify(sql, params) for sql, params in batch.rows.statements),
                 *(() if chunks else ("COMMIT",)),
             ]
         )
@@ -797,23 +756,21 @@ class Journal:
             if chunks:
                 await cursor.execute("COMMIT")
         except psycopg.Error as exc:
-            if not await _rolled_back(writer.connection):
-                self._writers.discard(writer)
-                await writer.connection.close()
-                _fail(batches, exc)
-                return True
-            self._idle.append(writer)
-            if len(batches) > 1:
-                return False
-            _fail(batches, exc)
-            return True
+            if await _rolled_back(writer.connection):
+                self._idle.append(writer)
+            else:
+                await self._drop(writer)
+            raise _error_of(batch.instance, exc)  # noqa: B904 (its cause is set)
+        except BaseException:
+            # Cut short (cancelled): whether the transaction took is unknown.
+            await self._drop(writer)
+            raise
         self._idle.append(writer)
         self.stats.commits += 1
-        self.stats.batches += len(batches)
-        for batch in batches:
-            if not batch.committed.done():
-                batch.committed.set_result(None)
-        return True
+
+    async def _drop(self, writer: _Writer) -> None:
+        self._writers.discard(writer)
+        await writer.connection.close()
 
     async def _connected(self) -> _Writer:
         """A write connection no commit uses now, opened when none is."""
@@ -823,8 +780,12 @@ class Journal:
             if not writer.connection.closed:
                 return writer
             self._writers.discard(writer)
-        # Autocommit: the driver adds no BEGIN of its own (a round trip).
-        connection = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
+        # Autocommit: the driver adds no BEGIN of its own (a round trip). No prepare_threshold:
+        # every batch's query text is new, so the driver's count of texts seen is work for
+        # nothing (the statements are PREPAREd by name, `_Writer`).
+        connection = await psycopg.AsyncConnection.connect(
+            self._url, autocommit=True, prepare_threshold=None
+        )
         if self._closed:  # closed while this one connected: nothing else would close it
             await connection.close()
             self._raise_if_closed()
@@ -969,15 +930,6 @@ async def _rolled_back(connection: psycopg.AsyncConnection[Any]) -> bool:
     except psycopg.Error:
         return False
     return True
-
-
-def _fail(batches: Sequence[_Batch], exc: Exception) -> None:
-    error = exc
-    if len(batches) == 1 and isinstance(exc, psycopg.Error):
-        error = _error_of(batches[0].instance, exc)
-    for batch in batches:
-        if not batch.committed.done():
-            batch.committed.set_exception(error)
 
 
 def _error_of(instance: str, exc: psycopg.Error) -> Exception:
