@@ -427,11 +427,30 @@ _WRITE_RESERVATIONS = (
 )
 # What journal_fresh fails with.
 REUSED_SQLSTATE = "KQ002"
-# Tenants' fleet-wide totals move (journal_move_totals, migration 0022, fails the batch (KQ003)
-# past a quota), with the batch's usage events and the instance's counters as the catalog shows
-# them.
+# Tenants' fleet-wide totals move, never past a quota they grow in (journal_within_quota,
+# migration 0027, fails the batch (KQ003) naming the tenants it took past theirs; shadow-mode
+# tenants are admitted past it on purpose), with each tenant's totals on this instance, the
+# batch's usage events and the instance's counters as the catalog shows them: one statement,
+# its rows in one JSON parameter read once.
 _MOVE_TOTALS = (
-    "WITH usage AS (INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, "
+    "WITH m AS (SELECT * FROM jsonb_to_recordset(%(totals)s::jsonb) "
+    "AS m(tenant text, blocks bigint, tokens bigint, pinned bigint, queued bigint)), "
+    "moved AS (UPDATE tenants t SET blocks_in_use = t.blocks_in_use + m.blocks, "
+    "tokens_in_flight = t.tokens_in_flight + m.tokens, "
+    "pinned_blocks = t.pinned_blocks + m.pinned, queued_requests = t.queued_requests + m.queued "
+    "FROM m WHERE t.tenant = m.tenant RETURNING t.tenant, NOT t.shadow_mode AND ("
+    "(m.blocks > 0 AND t.blocks_in_use > t.max_blocks) "
+    "OR (m.tokens > 0 AND t.tokens_in_flight > t.max_tokens_in_flight) "
+    "OR (m.pinned > 0 AND t.pinned_blocks > t.max_pinned_blocks)) AS over_quota), "
+    "here AS (INSERT INTO instance_tenant_totals AS x (tenant, instance, blocks_in_use, "
+    "tokens_in_flight, pinned_blocks, queued_requests) "
+    "SELECT m.tenant, %(instance)s, m.blocks, m.tokens, m.pinned, m.queued FROM m "
+    "ON CONFLICT (tenant, instance) DO UPDATE SET "
+    "blocks_in_use = x.blocks_in_use + EXCLUDED.blocks_in_use, "
+    "tokens_in_flight = x.tokens_in_flight + EXCLUDED.tokens_in_flight, "
+    "pinned_blocks = x.pinned_blocks + EXCLUDED.pinned_blocks, "
+    "queued_requests = x.queued_requests + EXCLUDED.queued_requests), "
+    "usage AS (INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, "
     "compressed_bytes, tokens_reserved, output_tokens, admitted, queued, refused, shadow_refused) "
     "SELECT u.tenant, %(instance)s, u.blocks, u.pinned, u.cpu_bytes, u.compressed_bytes, "
     "u.tokens_reserved, u.output_tokens, u.admitted, u.queued, u.refused, u.shadow_refused "
@@ -442,9 +461,9 @@ _MOVE_TOTALS = (
     "blocks_in_use = %(in_use)s, pinned_blocks = %(pinned)s, queued_requests = %(queued)s, "
     "queued_prompt_tokens = %(queued_tokens)s, mean_hold_seconds = %(mean_hold)s, "
     "drift_blocks = %(drift)s WHERE instance = %(instance)s) "
-    "SELECT journal_move_totals(%(instance)s, %(totals)s::jsonb)"
+    "SELECT journal_within_quota(ARRAY(SELECT tenant FROM moved WHERE over_quota ORDER BY tenant))"
 )
-# What journal_move_totals fails with.
+# What journal_within_quota fails with.
 OVER_QUOTA_SQLSTATE = "KQ003"
 # What journal_pin_taken fails with.
 PIN_TAKEN_SQLSTATE = "KQ004"
