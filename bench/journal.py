@@ -125,7 +125,6 @@ async def commit_point(
         "instances": len(owners),
         "pairs_per_s": pairs / elapsed,
         "operations_per_commit": operations / max(commits, 1),
-        "commits_split": journal.stats.split,
         "postgres_cpu_ms_per_pair": postgres * 1000 / max(pairs, 1),
     }
 

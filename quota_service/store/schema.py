@@ -367,7 +367,7 @@ class InstanceOwnerRow(Base):
 
 class InstanceTenantTotalsRow(Base):
     """What a tenant holds on one instance, as the tenant's fleet-wide totals count it: moved
-    by each batch of the instance's owner with the tenant's totals (journal_move_totals), and
+    by each batch of the instance's owner with the tenant's totals (the journal's _MOVE_TOTALS), and
     read by the other replicas' owners, whose quota decisions need what it holds elsewhere."""
 
     __tablename__ = "instance_tenant_totals"

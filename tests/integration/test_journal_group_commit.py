@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 from sqlalchemy import text
@@ -19,7 +20,7 @@ from quota_service.core.reasons import Reason
 from quota_service.owner.instance_owner import InstanceOwner, take_over
 from quota_service.store.catalog import Catalog
 from quota_service.store.journal import BatchRows, Journal, Statement, _Batch
-from tests.integration.ledger_fixtures import add_instance, add_tenant, request
+from tests.integration.ledger_fixtures import UNLIMITED, add_instance, add_tenant, request
 from tests.unit.machine_fixtures import assert_same_machine, recount
 
 LIMITS = Settings().admission_limits
@@ -49,15 +50,12 @@ class GatedJournal(Journal):
         self._expected -= 1
         if self._expected <= 0:
             self.all_waiting.set()
+        await self.gate.wait()
         await super().write(instance, epoch, rows)
 
-    async def _commit_waiting(self, instance: str) -> None:
-        await self.gate.wait()
-        await super()._commit_waiting(instance)
-
-    async def _commit(self, batches: list[_Batch]) -> bool:
-        self.transactions.append(sorted(b.instance for b in batches))
-        return await super()._commit(batches)
+    async def _commit(self, batch: _Batch) -> None:
+        self.transactions.append([batch.instance])
+        await super()._commit(batch)
 
 
 @pytest.fixture
@@ -116,7 +114,7 @@ async def test_several_instances_commit_apart_and_at_once(
 
     await asyncio.gather(*(pair(owner, i) for owner in owners for i in range(8)))
     batches = sum(owner.stats.batches for owner in owners)
-    assert journal.stats.batches == journal.stats.commits == batches
+    assert journal.stats.commits == batches
     # Each owner grouped its operations: fewer batches than operations.
     assert batches < sum(owner.stats.operations for owner in owners)
     for owner in owners:
@@ -197,3 +195,33 @@ async def test_postgresql_dying_mid_commit_acknowledges_none_of_it(
     fresh = await owner_of(engine, journal, "gpu-0", "replica-b")
     assert await admit(fresh, "gpu-0-again") is ReservationState.ADMITTED
     assert await admit(owners[1], "gpu-1-again") is ReservationState.ADMITTED
+
+
+async def test_a_batch_that_takes_a_tenant_past_its_quota_commits_nothing(
+    engine: AsyncEngine, journal: GatedJournal
+) -> None:
+    # 12 blocks across the fleet; each request needs 8. Each owner decides from its own memory
+    # (neither has read what the tenant holds on the other's instance): the record refuses the
+    # second batch, which moves nothing.
+    await add_tenant(engine, "capped", replace(UNLIMITED, max_blocks=12))
+    first, second = [await owner_of(engine, journal, name) for name in ("gpu-0", "gpu-1")]
+
+    async def admit_capped(owner: InstanceOwner, request_id: str) -> ReservationState:
+        wanted = request(request_id, 100, 20, tenant="capped", instance=owner.instance)
+        return await owner.apply(lambda m, now: m.admit(wanted, now).state)
+
+    assert await admit_capped(first, "kept") is ReservationState.ADMITTED
+    with pytest.raises(KvQuotaError) as raced:
+        await admit_capped(second, "over")
+    assert_moving(raced.value)
+    assert second.failure is not None and first.failure is None
+    async with engine.connect() as conn:
+        totals = await conn.execute(
+            text(
+                "SELECT 'fleet', blocks_in_use FROM tenants WHERE tenant = 'capped' UNION ALL "
+                "SELECT instance, blocks_in_use FROM instance_tenant_totals "
+                "WHERE tenant = 'capped' ORDER BY 1"
+            )
+        )
+        assert totals.all() == [("fleet", 8), ("gpu-0", 8)]
+    assert await recorded(engine) == [("gpu-0", "kept", "ADMITTED")]

@@ -9,9 +9,11 @@ per-block ledger answered on that database (kept beside it)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from enum import Enum
@@ -69,6 +71,17 @@ def prompt(
 DATA = Path(__file__).parent / "data"
 
 
+def _within_quota() -> str:
+    """The function migration 0027 makes, which today's journal calls."""
+    path = migrate.MIGRATIONS / "versions" / "0027_cheaper_journal_batches.py"
+    spec = importlib.util.spec_from_file_location("cheaper_journal_batches_0027", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    made: str = module.WITHIN_QUOTA
+    return made
+
+
 @pytest.fixture
 async def ledger_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
     """The test's database at the revision before the migration, as the per-block ledger
@@ -88,11 +101,27 @@ def per_block_answers() -> dict[str, Any]:
     return answers
 
 
+@asynccontextmanager
+async def later_functions(engine: AsyncEngine) -> AsyncIterator[None]:
+    """Today's journal writing to a database at an earlier revision: the function of a later
+    migration it calls, made for the while."""
+    async with engine.begin() as conn:
+        await conn.execute(text(_within_quota()))
+    try:
+        yield
+    finally:
+        async with engine.begin() as conn:
+            await conn.execute(text("DROP FUNCTION journal_within_quota(text[])"))
+
+
 async def served_from_memory(engine: AsyncEngine, journal: Journal) -> None:
     """gpu-2, served from memory before the migration, with a reservation in its journal."""
     await add_instance(engine, JOURNALED, blocks=16)
     owner = await owner_of(engine, journal, JOURNALED, "replica-0")
-    await owner.apply(lambda m, now: m.admit(prompt("mem", tokens(11, 2), instance=JOURNALED), now))
+    async with later_functions(engine):
+        await owner.apply(
+            lambda m, now: m.admit(prompt("mem", tokens(11, 2), instance=JOURNALED), now)
+        )
 
 
 async def owner_of(
@@ -425,6 +454,9 @@ async def test_a_taken_over_instance_holds_what_the_per_block_ledger_held(
     assert owned[2:] == owned_before
     assert await all_rows(engine, _CHECKPOINTED) == [("gpu-0", 0), ("gpu-1", 0)]
 
+    # The per-block tables go (0026), the journal's functions change (0027): what follows is
+    # served as today's servers serve it.
+    migrate.upgrade(database_url)
     journal = Journal(engine)
     owners = {name: await owner_of(engine, journal, name) for name in (*CARRIED, JOURNALED)}
     for name in CARRIED:
@@ -528,7 +560,8 @@ async def test_downgrade_clears_what_was_carried_until_an_owner_writes(
     journal = Journal(engine)
     owner = await owner_of(engine, journal, "gpu-1")
     after = request("after", 2 * BS, BS, instance="gpu-1")
-    await owner.apply(lambda m, now: m.admit(after, now))
+    async with later_functions(engine):
+        await owner.apply(lambda m, now: m.admit(after, now))
     await journal.close()
     written = await rows_of(engine, _JOURNAL)
     with pytest.raises(RuntimeError, match=r"instances/gpu-1 at batch 1; nothing was changed"):
