@@ -16,6 +16,7 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
+from quota_service import logs
 from quota_service.core.errors import Code, KvQuotaError, ServedElsewhere
 from quota_service.core.reasons import Reason
 from quota_service.store.database import unavailable_error
@@ -27,6 +28,8 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 # gRPC's own retry policy waits this long before its next attempt (gRFC A6), so a stock client
 # follows the computed delay too.
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+# The caller's request id, or one the server made, echoed back.
+REQUEST_ID_KEY = "x-request-id"
 # The code label of a call this replica forwarded to the one serving its instance.
 FORWARDED = "FORWARDED"
 
@@ -90,11 +93,20 @@ def retry_delay_ms(error: KvQuotaError) -> int | None:
 
 
 def trailers(error: KvQuotaError, status: status_pb2.Status) -> tuple[tuple[str, str | bytes], ...]:
-    """What a refusal's trailing metadata carries: the rich status, and the pushback whenever
-    it has a retry delay."""
+    """What a refusal's trailing metadata carries: the rich status, the pushback whenever it
+    has a retry delay, and the call's request id once it has one (`echoed`)."""
     rich: tuple[tuple[str, str | bytes], ...] = ((STATUS_DETAILS_KEY, status.SerializeToString()),)
     delay_ms = retry_delay_ms(error)
-    return rich if delay_ms is None else (*rich, (RETRY_PUSHBACK_KEY, str(delay_ms)))
+    if delay_ms is not None:
+        rich = (*rich, (RETRY_PUSHBACK_KEY, str(delay_ms)))
+    return (*rich, *echoed())
+
+
+def echoed() -> tuple[tuple[str, str], ...]:
+    """The call's request id as its trailing metadata carries it back (none before the call
+    was given one: a payload refused before it was read)."""
+    rid = logs.request_id.get()
+    return ((REQUEST_ID_KEY, rid),) if rid else ()
 
 
 async def abort(context: grpc.aio.ServicerContext[Any, Any], error: KvQuotaError) -> None:

@@ -359,11 +359,27 @@ async def test_admin_actions_are_audited_with_principal_and_request_id(
         admin_pb2.ListAuditEventsRequest(principal=admin_key), metadata=caller("admin", "l2")
     )
     assert [e.method for e in only_admin.audit_events] == ["SuspendTenant"]
-    # The server answers with the request id it used.
+    # The server answers with the request id it used, in the answer's trailers, a refusal's
+    # and a forwarded call's too; one it made itself when the caller gave none.
     call = admin.GetTenant(
         admin_pb2.GetTenantRequest(name="tenants/acme"), metadata=caller("admin", "req-echo")
     )
-    assert ("x-request-id", "req-echo") in tuple(await call.initial_metadata())
+    await call
+    assert ("x-request-id", "req-echo") in tuple(await call.trailing_metadata())
+    refused = admin.GetTenant(
+        admin_pb2.GetTenantRequest(name="tenants/nobody"), metadata=caller("admin", "req-404")
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as missing:
+        await refused
+    assert missing.value.code() is grpc.StatusCode.NOT_FOUND
+    assert ("x-request-id", "req-404") in tuple(missing.value.trailing_metadata() or ())
+    made = admin.GetTenant(
+        admin_pb2.GetTenantRequest(name="tenants/acme"),
+        metadata=(("authorization", f"Bearer {tokens['admin']}"),),
+    )
+    await made
+    (made_id,) = [v for k, v in await made.trailing_metadata() if k == "x-request-id"]
+    assert isinstance(made_id, str) and len(made_id) == 32
 
 
 async def test_cli_keys_and_audit(

@@ -134,7 +134,13 @@ async def test_any_replica_answers_for_instances_owned_by_others(
 
     # Shared prefixes: the same prompt through other replicas hits the cache its owner keeps.
     system = list(range(1, 8 * BLOCK + 1))
-    done = await third.gateway.Admit(_admit("acme", "p1", "gpu-a", [*system, 9001, 9002]))
+    forwarded = third.gateway.Admit(
+        _admit("acme", "p1", "gpu-a", [*system, 9001, 9002]),
+        metadata=(("x-request-id", "forwarded-1"),),
+    )
+    done = await forwarded
+    # The caller's request id comes back from the replica it called.
+    assert ("x-request-id", "forwarded-1") in tuple(await forwarded.trailing_metadata())
     await third.gateway.Release(admission_pb2.ReleaseRequest(name=done.reservation.name))
     again = await second.gateway.Admit(_admit("acme", "p2", "gpu-a", [*system, 9003, 9004]))
     assert again.reservation.prefix_hit_blocks == 8
