@@ -7,9 +7,13 @@ import asyncio
 from datetime import UTC, datetime
 from typing import cast
 
+import pytest
+
 from quota_service.api.auth import Authenticator
 from quota_service.core import access
 from quota_service.core.access import ApiKey, Role
+from quota_service.core.errors import KvQuotaError
+from quota_service.core.reasons import Reason
 from quota_service.store.access import ApiKeys
 
 KEY_ID = "0123456789abcdef"
@@ -40,4 +44,19 @@ async def test_calls_that_find_a_key_unverified_share_one_read() -> None:
     assert {p.name for p in principals} == {f"apiKeys/{KEY_ID}"}
     # Verified: the next call reads nothing, and gets the same principal.
     assert await authenticator.principal(metadata) == principals[0]
+    assert keys.reads == 1
+
+
+async def test_a_secret_matched_once_lets_no_other_secret_of_the_key_through() -> None:
+    keys = SlowKeys()
+    authenticator = Authenticator(cast(ApiKeys, keys), required=True, cache_seconds=60.0)
+    right = (("authorization", f"Bearer {TOKEN}"),)
+    wrong = (("authorization", f"Bearer kvq_{KEY_ID}_{'t' * 43}"),)
+    for metadata in (right, wrong, right, wrong):
+        if metadata is right:
+            assert (await authenticator.principal(metadata)).name == f"apiKeys/{KEY_ID}"
+        else:
+            with pytest.raises(KvQuotaError) as refused:
+                await authenticator.principal(metadata)
+            assert refused.value.reason is Reason.UNAUTHENTICATED
     assert keys.reads == 1
