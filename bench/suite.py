@@ -391,6 +391,7 @@ class Suite:
         self.token: str | None = None
         self.spied: harness.Server  # the server py-spy watches (the one admin calls go to)
         self.grpc_floor: harness.Server | None = None  # started by measure
+        self.throughput_slots = 0  # the "tput" instance's, set by setup
         self.scratch = tempfile.mkdtemp(prefix="kvq-bench-")
         self.server_env: dict[str, str] = {}  # how main starts the servers
 
@@ -400,6 +401,7 @@ class Suite:
         biggest = max(self.args.concurrency)
         throughput_slots = max(self.sizes.throughput_pool, 2 * biggest * Shape().blocks)
         await load.register_instance(gateway, "tput", throughput_slots)
+        self.throughput_slots = throughput_slots
         await load.register_instance(gateway, "pool-small", self.sizes.small_pool)
         seconds = await load.register_instance(gateway, "pool-big", self.sizes.big_pool)
         self.extra["register_big_pool_seconds"] = round(seconds, 1)
@@ -692,16 +694,24 @@ class Suite:
 
     async def auth_cost(self, gateway: Gateway, database_url: str, run: Run, number: int) -> None:
         """The no-prefix best concurrency twice, back to back: against the servers (API keys
-        required), then against servers on the same database that skip authentication."""
+        required), then against servers on the same database that skip authentication, on an
+        instance like "tput" that the first of their calls makes theirs."""
         concurrency = int(run.figures["best_concurrency_no_prefix"])
         say(f"authentication on, then off: {concurrency} clients, {self.args.seconds:g} s each")
+        # Each run's servers without authentication serve an instance of their own: a call for
+        # one that other servers own is forwarded there, and refused without a key.
+        plain_instance = f"tput-plain-{number}"
+        await load.register_instance(gateway, plain_instance, self.throughput_slots)
         env = {"KVQUOTA_AUTH_REQUIRED": "false"}
         with harness.servers(database_url, self.args.servers, env) as plain:
             async with Gateway([s.address for s in plain]) as without:
-                for key, target in (("auth", gateway), ("no_auth", without)):
+                for key, target, instance in (
+                    ("auth", gateway, "tput"),
+                    ("no_auth", without, plain_instance),
+                ):
                     result = await load.closed_loop(
                         target,
-                        "tput",
+                        instance,
                         TENANTS,
                         Shape(),
                         concurrency,
