@@ -76,6 +76,11 @@ _FINISH = text(
 )
 # What the tenant holds on the instances other than :here, from the journal's record (served
 # from memory by other replicas): as _START counts it, and whether anything is left.
+# Whether the journal records any instance not `here` (only an instance with an owner row has
+# a journal).
+_JOURNALED_ELSEWHERE = text(
+    "SELECT EXISTS (SELECT 1 FROM instance_owners WHERE instance <> ALL(CAST(:here AS text[])))"
+)
 _RECORDED_ELSEWHERE = text(
     """
     WITH mine AS (
@@ -204,7 +209,12 @@ class OffboardingRecord:
 
     async def recorded_elsewhere(self, tenant: str, here: Sequence[str]) -> dict[str, int]:
         """What the tenant holds on the instances not `here`, as the journal records it:
-        freed, shared and pinned_by_others as offboarding counts them, and left_over."""
+        freed, shared and pinned_by_others as offboarding counts them, and left_over. The
+        journal's views derive every slot of the instances they read, checkpoints and deltas
+        unnested: with none elsewhere (one replica serves them all), they are not read."""
         async with self._engine.connect() as conn:
+            elsewhere = await conn.execute(_JOURNALED_ELSEWHERE, {"here": list(here)})
+            if not elsewhere.scalar_one():
+                return dict.fromkeys(("freed", "shared", "pinned_by_others", "left_over"), 0)
             keys = {"tenant": tenant, "scope": tenant_name(tenant), "here": list(here)}
             return dict((await conn.execute(_RECORDED_ELSEWHERE, keys)).mappings().one())
