@@ -173,10 +173,12 @@ def start_vllm(
 
 def stop_vllm(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
     """Signal vLLM's whole process group (the engine core too) and wait for it to go. Then
-    remove the shared memory LMCache's connector moved a worker's KV cache into
-    (`lmcache_kv_{pid}_{n}`): the connector unlinks it only once the tensor is garbage-collected,
-    which never happens in a worker its engine stops."""
+    remove the shared memory its processes held: the segment LMCache's connector moved a
+    worker's KV cache into (`lmcache_kv_{pid}_{n}`), unlinked only once the tensor is
+    garbage-collected, which never happens in a worker its engine stops; and vLLM's own ring
+    buffers and semaphores (`psm_*`, `sem.mp-*`), which a process stopped hard leaves behind."""
     members = _process_group(process.pid)
+    segments = _shared_segments(members)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, sig)
     try:
@@ -191,8 +193,21 @@ def stop_vllm(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> No
             break
         time.sleep(0.1)
     for pid in members:
-        for segment in Path("/dev/shm").glob(f"lmcache_kv_{pid}_*"):
-            segment.unlink(missing_ok=True)
+        segments.update(Path("/dev/shm").glob(f"lmcache_kv_{pid}_*"))
+    for segment in segments:
+        segment.unlink(missing_ok=True)
+
+
+def _shared_segments(pids: list[int]) -> set[Path]:
+    """The files under /dev/shm that these processes have mapped now."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone while read
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1]
+                if path.startswith("/dev/shm/"):
+                    found.add(Path(path.removesuffix(" (deleted)")))
+    return found
 
 
 def _process_group(pgid: int) -> list[int]:
