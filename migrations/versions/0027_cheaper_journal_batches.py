@@ -20,8 +20,6 @@ Create Date: 2026-12-02
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 from alembic import op
@@ -69,10 +67,9 @@ def downgrade() -> None:
 
 
 def _fleet_quotas_migration() -> ModuleType:
-    """Migration 0022, whose function the downgrade makes again as it was."""
-    path = Path(__file__).with_name("0022_owner_leases_and_fleet_quotas.py")
-    spec = importlib.util.spec_from_file_location("fleet_quotas_0022", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """Migration 0022, whose function the downgrade makes again as it was (as Alembic loaded
+    it)."""
+    script = op.get_context().script
+    assert script is not None
+    module: ModuleType = script.get_revision("0022").module
     return module

@@ -72,8 +72,8 @@ class OwnedOffboarding(OffboardingRecord):
 
     async def delete_tenant(self, tenant: str) -> OffboardingReport:
         scope = tenant_name(tenant)
-        await self._start(tenant, scope)
         here = await self._instances_here()
+        await self._start(tenant, scope, here)
         await self._end_reservations(tenant, here)
         while owned := await self._pins.active_of_tenant(tenant, BATCH, here):
             for owner, pin_id in owned:
@@ -99,12 +99,11 @@ class OwnedOffboarding(OffboardingRecord):
         await self._owners.take_over_unowned()
         return [owner.instance for owner in self._owners.served()]
 
-    async def _start(self, tenant: str, scope: str) -> None:
+    async def _start(self, tenant: str, scope: str, here: list[str]) -> None:
         """DELETING, with what offboarding will free counted as the tenant holds it now: a
         block is freed when only this tenant references it and its contents are private or
         under the tenant's own salt; otherwise others keep it (referenced, pinned, or cached
-        for a namespace)."""
-        here = await self._instances_here()
+        for a namespace). `here`: the instances served here, taken over where unowned."""
         counted = await self.recorded_elsewhere(tenant, here)
         for owner in self._owners.served():
             machine = owner.machine

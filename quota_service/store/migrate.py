@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 from alembic import command
 from alembic.config import Config
@@ -29,6 +30,12 @@ def upgrade(url: str, revision: str = "head") -> None:
 
 def downgrade(url: str, revision: str) -> None:
     command.downgrade(_config(url), revision)
+
+
+def revision_module(revision: str) -> ModuleType:
+    """A migration's module, as Alembic loads it (for what one migration made, in tests)."""
+    module: ModuleType = ScriptDirectory.from_config(_config("")).get_revision(revision).module
+    return module
 
 
 def pending(url: str) -> bool:

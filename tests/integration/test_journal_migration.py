@@ -9,7 +9,6 @@ per-block ledger answered on that database (kept beside it)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -73,12 +72,7 @@ DATA = Path(__file__).parent / "data"
 
 def _within_quota() -> str:
     """The function migration 0027 makes, which today's journal calls."""
-    path = migrate.MIGRATIONS / "versions" / "0027_cheaper_journal_batches.py"
-    spec = importlib.util.spec_from_file_location("cheaper_journal_batches_0027", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    made: str = module.WITHIN_QUOTA
+    made: str = migrate.revision_module("0027").WITHIN_QUOTA
     return made
 
 
