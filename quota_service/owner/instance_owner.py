@@ -124,7 +124,7 @@ class InstanceOwner:
         A KvQuotaError it raises changed nothing; it is raised after the same wait.
         `recorded_with` gives statements of the record's own (a reclaim step marked applied,
         say) that commit in the same transaction as what the operation did."""
-        if self.failure is None and time.monotonic() >= self.lease_until:
+        if self.failure is None and self.lease_lapsed():
             self.stop("its lease lapsed")
         if self.failure is not None:
             raise owner_unavailable(self.instance, self.failure)
@@ -139,6 +139,10 @@ class InstanceOwner:
         if refusal is not None:
             raise refusal
         return result
+
+    def lease_lapsed(self) -> bool:
+        """Whether this owner's lease may have run out (on this process's clock)."""
+        return time.monotonic() >= self.lease_until
 
     async def _durable(self) -> None:
         """Wait until the machine's state as it is now is committed: join the batch being

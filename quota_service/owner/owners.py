@@ -9,10 +9,13 @@ reads of the record, which is current for everything acknowledged.
 
 Several replicas share a fleet: an instance is served by the replica holding its lease, which it
 renews every third of the lease; a replica claims an instance on first use, or when its owner's
-lease has lapsed. A call for an instance another replica serves raises `ServedElsewhere`, and the
-api layer forwards it there once (a forwarded call that finds its instance moving again is told
-to retry instead). What a tenant holds on the instances other replicas serve is read from the
-record, for its fleet-wide quota; each batch's transaction keeps that quota exact.
+lease has lapsed. An owner whose lease lapsed on its own clock before a renewal came round (a
+starved process) renews it under its epoch at its next call and serves on, unless another
+replica claimed the instance meanwhile. A call for an instance another replica serves raises
+`ServedElsewhere`, and the api layer forwards it there once (a forwarded call that finds its
+instance moving again is told to retry instead). What a tenant holds on the instances other
+replicas serve is read from the record, for its fleet-wide quota; each batch's transaction keeps
+that quota exact.
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ class Owners:
         """The instance's owner here, taken over first when it has none (or lost it). Raises
         ServedElsewhere when another replica's lease on it runs."""
         owner = self._owners.get(instance)
-        if owner is not None and owner.failure is None:
+        if owner is not None and owner.failure is None and not owner.lease_lapsed():
             return owner
         self._raise_if_held(instance)
         if self._closing:
@@ -131,6 +134,11 @@ class Owners:
         lock = self._taking.setdefault(instance, asyncio.Lock())
         async with lock:
             owner = self._owners.get(instance)
+            if owner is not None and owner.failure is None and owner.lease_lapsed():
+                # Its lease lapsed on this clock before a renewal came round (a process starved
+                # or paused for a while): renewed under its epoch, it serves on, unless another
+                # replica claimed the instance meanwhile (a new epoch) and it stops.
+                await self._renew({instance: owner})
             if owner is None or owner.failure is not None:
                 self._raise_if_held(instance)
                 owner = await self._take_over(instance)
@@ -206,21 +214,24 @@ class Owners:
         """Renew this replica's leases (an owner whose lease another replica took stops at
         once), read what tenants hold elsewhere, and take over the instances whose owner's
         lease lapsed. Every third of the lease."""
-        served = {o.instance: o for o in self.served()}
-        asked_at = time.monotonic()
-        lease = self._lease_seconds or 0.0
-        renewed = await self.journal.renew(
-            self._name, {name: o.epoch for name, o in served.items()}, lease
-        )
-        for name, owner in served.items():
-            if name in renewed:
-                owner.lease_until = asked_at + lease if self._lease_seconds else math.inf
-            else:
-                owner.stop("a newer owner took it")
+        await self._renew({o.instance: o for o in self.served()})
         # In case a notification of a tenant's change was lost.
         await self.refresh_tenants()
         await self.refresh_totals_elsewhere()
         await self.take_over_unowned()
+
+    async def _renew(self, owners: dict[str, InstanceOwner]) -> None:
+        """Extend these owners' leases; one whose instance another replica claimed stops."""
+        asked_at = time.monotonic()
+        lease = self._lease_seconds or 0.0
+        renewed = await self.journal.renew(
+            self._name, {name: o.epoch for name, o in owners.items()}, lease
+        )
+        for name, owner in owners.items():
+            if name in renewed:
+                owner.lease_until = asked_at + lease if self._lease_seconds else math.inf
+            else:
+                owner.stop("a newer owner took it")
 
     async def take_over_unowned(self) -> None:
         """Serve here the instances no replica's lease covers that have work waiting (an owner
