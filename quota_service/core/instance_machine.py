@@ -38,6 +38,7 @@ from quota_service.core.block_pool import BlockPool, ContentColumns, SlotContent
 from quota_service.core.block_table import BlockHandle, CachedBlock, EntryLookup
 from quota_service.core.errors import KvQuotaError, invalid_request, not_found, refuse_invalid
 from quota_service.core.hashing import block_hashes
+from quota_service.core.holdings import Holdings
 from quota_service.core.kv_events import AllBlocksCleared, BlockStored, EventBatch
 from quota_service.core.model import (
     AdmitParams,
@@ -307,8 +308,11 @@ class TenantHere:
     """A tenant's holdings on this instance."""
 
     settings: TenantSettings
-    # Live table entries (reservations' and pins') per slot, and pin entries per slot.
-    held: dict[int, int] = field(default_factory=dict)
+    # Its number in the machine's `Holdings` (where its live table entries per slot are), and
+    # how many slots it holds.
+    holder: int
+    blocks: int = 0
+    # Pin entries per slot (pins are few).
     pinned: dict[int, int] = field(default_factory=dict)
     tokens: int = 0
     queued: int = 0
@@ -413,9 +417,10 @@ class InstanceMachine:
         self.drift_blocks = 0
         # How many tenants hold each slot (metering charges a block shared k ways 1/k to each):
         # the one that does when it is one, the set of them when it is more.
-        self._holders = array("i", bytes(4 * spec.capacity_blocks))
-        self._sole_holder: dict[int, str] = {}
-        self._sharers: dict[int, set[str]] = {}
+        self._holder_names: list[str] = []
+        self.holdings = Holdings(
+            spec.capacity_blocks, lambda holder: self.usage(self._holder_names[holder]).blocks
+        )
 
     # Recovery.
 
@@ -491,7 +496,8 @@ class InstanceMachine:
     def set_tenant(self, settings: TenantSettings) -> None:
         here = self.tenants.get(settings.tenant)
         if here is None:
-            self.tenants[settings.tenant] = TenantHere(settings)
+            self.tenants[settings.tenant] = TenantHere(settings, len(self._holder_names))
+            self._holder_names.append(settings.tenant)
         else:
             here.settings = settings
 
@@ -527,12 +533,17 @@ class InstanceMachine:
             tenant,
             here.settings.state,
             here.settings.quota,
-            elsewhere.blocks + len(here.held),
+            elsewhere.blocks + here.blocks,
             elsewhere.tokens + here.tokens,
             here.mean_hold_seconds,
             elsewhere.pinned + len(here.pinned),
             here.settings.shadow_mode,
         )
+
+    def held(self, tenant: str) -> dict[int, int]:
+        """The slots the tenant holds here, with its live table entries on each (a scan)."""
+        here = self.tenants.get(tenant)
+        return {} if here is None else self.holdings.held_by(here.holder)
 
     def get(self, tenant: str, request_id: str) -> ReservationRecord:
         key = (tenant, request_id)
@@ -665,20 +676,26 @@ class InstanceMachine:
         """The slots of the longest cached prefix of `hashes`. Where a hash is on several slots:
         the tenant's own copy, then one in use, then the lowest id."""
         pool = self.pool
-        held = tenant.held if tenant is not None else {}
+        if tenant is None:
 
-        def prefer(slots: list[int]) -> int:
-            return min(slots, key=lambda b: (b not in held, pool.ref_count(b) == 0, b))
+            def prefer(slots: list[int]) -> int:
+                return min(slots, key=lambda b: (pool.ref_count(b) == 0, b))
+
+        else:
+            holds, holder = self.holdings.holds, tenant.holder
+
+            def prefer(slots: list[int]) -> int:
+                return min(slots, key=lambda b: (not holds(holder, b), pool.ref_count(b) == 0, b))
 
         return pool.cached_prefix(hashes, prefer)
 
     def _hit_counts(self, hit_blocks: Sequence[int], here: TenantHere | None) -> PrefixHits:
-        held = here.held.keys() if here is not None else set()
-        return PrefixHits(
-            len(hit_blocks),
-            self.pool.unreferenced(hit_blocks),
-            len(set(hit_blocks) - held),
-        )
+        if here is None:
+            new = len(set(hit_blocks))
+        else:
+            holds, holder = self.holdings.holds, here.holder
+            new = len({b for b in hit_blocks if not holds(holder, b)})
+        return PrefixHits(len(hit_blocks), self.pool.unreferenced(hit_blocks), new)
 
     def _grant(
         self,
@@ -733,10 +750,9 @@ class InstanceMachine:
         return held
 
     def _hold(self, here: TenantHere, blocks: Sequence[int], pinned: bool) -> None:
-        tenant = here.settings.tenant
-        self._joined(tenant, _count(here.held, blocks))
+        here.blocks += self.holdings.hold(here.holder, blocks)
         if pinned:
-            self.usage(tenant).pinned += len(_count(here.pinned, blocks))
+            self.usage(here.settings.tenant).pinned += len(_count(here.pinned, blocks))
 
     def _drop(self, table: HeldTable, positions: Sequence[int], here: TenantHere | None) -> None:
         """Give back the table's entries at `positions` (ascending), tail first, so that a
@@ -752,10 +768,9 @@ class InstanceMachine:
         table.live_entries -= len(positions)
         self.pool.unreference_all(tail_first, table.pinned)
         if here is not None:
-            tenant = here.settings.tenant
-            self._left(tenant, _unhold(here.held, tail_first))
+            here.blocks -= self.holdings.release(here.holder, tail_first)
             if table.pinned:
-                self.usage(tenant).pinned -= len(_unhold(here.pinned, tail_first))
+                self.usage(here.settings.tenant).pinned -= len(_unhold(here.pinned, tail_first))
 
     def _drop_all(self, table: HeldTable, here: TenantHere | None) -> None:
         released = table.released
@@ -1212,7 +1227,7 @@ class InstanceMachine:
             digest,
             BlockHandle(block, self.pool.generation(block)),
             self.pool.ref_count(block) == 0,
-            here is not None and block in here.held,
+            here is not None and self.holdings.holds(here.holder, block),
             here is not None and block in here.pinned,
         )
 
@@ -1348,59 +1363,6 @@ class InstanceMachine:
         """A refused admission, counted (the refusal itself changed nothing)."""
         if tenant in self.tenants:
             self.usage(tenant).refused[reason.value] += 1
-
-    def _joined(self, tenant: str, blocks: Sequence[int]) -> None:
-        """`tenant` started holding `blocks`: each is shared one way more, for every holder."""
-        if not blocks:
-            return
-        counts, sole, sharers = self._holders, self._sole_holder, self._sharers
-        shares = self.usage(tenant).blocks
-        alone = 0  # blocks no one held before: the common case, counted once
-        for block in blocks:
-            k = counts[block]
-            counts[block] = k + 1
-            if k == 0:
-                sole[block] = tenant
-                alone += 1
-                continue
-            shares[k + 1] += 1
-            others = sharers.get(block)
-            if others is None:
-                others = sharers[block] = {sole.pop(block)}
-            for other in others:
-                theirs = self.usage(other).blocks
-                theirs[k] -= 1
-                theirs[k + 1] += 1
-            others.add(tenant)
-        if alone:
-            shares[1] += alone
-
-    def _left(self, tenant: str, blocks: Sequence[int]) -> None:
-        """`tenant` stopped holding `blocks`: each is shared one way less by those left."""
-        if not blocks:
-            return
-        counts, sole, sharers = self._holders, self._sole_holder, self._sharers
-        shares = self.usage(tenant).blocks
-        alone = 0  # blocks it held alone: the common case, counted once
-        for block in blocks:
-            k = counts[block]
-            counts[block] = k - 1
-            if k == 1:
-                del sole[block]
-                alone += 1
-                continue
-            shares[k] -= 1
-            others = sharers[block]
-            others.discard(tenant)
-            for other in others:
-                theirs = self.usage(other).blocks
-                theirs[k] -= 1
-                theirs[k - 1] += 1
-            if k == 2:
-                sole[block] = others.pop()
-                del sharers[block]
-        if alone:
-            shares[1] -= alone
 
     # Mechanics.
 

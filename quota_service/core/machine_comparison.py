@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from quota_service.core.instance_machine import InstanceMachine, PinRecord, TenantHere
+from quota_service.core.instance_machine import InstanceMachine, PinRecord
 from quota_service.core.names import reservation_name
 
 
@@ -97,9 +97,11 @@ def _slot_differences(live: InstanceMachine, rebuilt: InstanceMachine) -> Iterat
         )
 
 
-def _tenant_fields(here: TenantHere | None) -> dict[str, object]:
+def _tenant_fields(machine: InstanceMachine, name: str) -> dict[str, object]:
+    here = machine.tenants.get(name)
     if here is None:
         return {
+            "slots held": 0,
             "entries held per slot": {},
             "pin entries per slot": {},
             "tokens in flight": 0,
@@ -108,7 +110,8 @@ def _tenant_fields(here: TenantHere | None) -> dict[str, object]:
             "mean hold seconds": None,
         }
     return {
-        "entries held per slot": here.held,
+        "slots held": here.blocks,
+        "entries held per slot": machine.held(name),
         "pin entries per slot": here.pinned,
         "tokens in flight": here.tokens,
         "queued requests": here.queued,
@@ -119,8 +122,8 @@ def _tenant_fields(here: TenantHere | None) -> dict[str, object]:
 
 def _tenant_differences(live: InstanceMachine, rebuilt: InstanceMachine) -> Iterator[Difference]:
     for name in sorted(live.tenants.keys() | rebuilt.tenants.keys()):
-        mine = _tenant_fields(live.tenants.get(name))
-        theirs = _tenant_fields(rebuilt.tenants.get(name))
+        mine = _tenant_fields(live, name)
+        theirs = _tenant_fields(rebuilt, name)
         for field, value in mine.items():
             yield from _differing(f"tenants/{name}: {field}", value, theirs[field])
 

@@ -26,14 +26,15 @@ class OwnedInspection(RecordedUsage):
 
         def blocks(machine: InstanceMachine, now: float) -> list[Block]:
             pool = machine.pool
-            held = machine.tenants[tenant].held if tenant in machine.tenants else None
+            here = machine.tenants.get(tenant) if tenant is not None else None
             found: list[Block] = []
             for block in range(first, pool.capacity):
                 if len(found) == page.size:
                     break
                 slot_state = BlockState(pool.state(block))
                 if (state is not None and slot_state is not state) or (
-                    tenant is not None and (held is None or block not in held)
+                    tenant is not None
+                    and (here is None or not machine.holdings.holds(here.holder, block))
                 ):
                     continue
                 digest = pool.content_hash(block)
@@ -69,9 +70,9 @@ class OwnedInspection(RecordedUsage):
                     for r in machine.reservations.values()
                     if r.key[0] == tenant and r.state is ReservationState.ADMITTED
                 ]
-                if (here is None or not here.held) and not live:
+                if (here is None or not here.blocks) and not live:
                     return None
-                held = here.held if here is not None else {}
+                held = machine.held(tenant)
                 pool = machine.pool
                 return InstanceUsage(
                     machine.spec.instance,

@@ -111,7 +111,7 @@ class OwnedOffboarding(OffboardingRecord):
             held = machine.tenants.get(tenant)
             if held is not None:
                 private = (NO_SCOPE, machine.scope_id(scope))
-                for block, entries in held.held.items():
+                for block, entries in machine.held(tenant).items():
                     exclusive = pool.ref_count(block) == entries and pool.scope_id(block) in private
                     counted["freed"] += exclusive
                     counted["shared"] += not exclusive
@@ -177,7 +177,7 @@ class OwnedOffboarding(OffboardingRecord):
         elsewhere = await self.recorded_elsewhere(tenant, [o.instance for o in served])
         nothing_held = (
             not elsewhere["left_over"]
-            and all(not (here := o.machine.tenants.get(tenant)) or not here.held for o in served)
+            and all(not (here := o.machine.tenants.get(tenant)) or not here.blocks for o in served)
             and not any(o.machine.cached_in_scope(scope) for o in served)
         )
         report = await self.mark_deleted(tenant, nothing_held)

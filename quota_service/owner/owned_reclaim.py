@@ -114,9 +114,9 @@ class OwnedReclaimJobs(ReclaimJobs):
         excesses = []
         for tenant, excess in over:
             held = {
-                owner.instance: len(here.held)
+                owner.instance: here.blocks
                 for owner in served
-                if (here := owner.machine.tenants.get(tenant)) is not None and here.held
+                if (here := owner.machine.tenants.get(tenant)) is not None and here.blocks
             }
             for instance, totals in elsewhere.get(tenant, {}).items():
                 if totals.blocks:

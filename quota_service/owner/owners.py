@@ -364,7 +364,7 @@ class Owners:
             here = owner.machine.tenants.get(tenant)
             if owner.instance == instance or here is None:
                 continue
-            blocks += len(here.held)
+            blocks += here.blocks
             tokens += here.tokens
             pinned += len(here.pinned)
         return Elsewhere(blocks, tokens, pinned)

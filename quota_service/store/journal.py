@@ -114,7 +114,7 @@ def totals_of(machine: InstanceMachine, tenant: str) -> TenantTotals:
     here = machine.tenants.get(tenant)
     if here is None:
         return NO_TOTALS
-    return TenantTotals(len(here.held), here.tokens, len(here.pinned), here.queued)
+    return TenantTotals(here.blocks, here.tokens, len(here.pinned), here.queued)
 
 
 # Slots per row of a checkpoint: a statement of a few MB, however large the pool.

@@ -139,7 +139,7 @@ async def derived_counters(
         }
         assert in_memory == recorded, f"{owner.instance}: memory {in_memory}, record {recorded}"
         for name, here in machine.tenants.items():
-            held = (len(here.held), here.tokens, len(here.pinned))
+            held = (here.blocks, here.tokens, len(here.pinned))
             assert held == holdings.get((name, owner.instance), (0, 0, 0)), (name, owner.instance)
     return found
 

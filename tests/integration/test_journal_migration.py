@@ -262,9 +262,9 @@ def held_by_machine(machine: InstanceMachine) -> Held:
         },
         [r.name for r in machine.queued()],
         {
-            name: (len(here.held), len(here.pinned), here.tokens)
+            name: (here.blocks, len(here.pinned), here.tokens)
             for name, here in machine.tenants.items()
-            if here.held or here.tokens
+            if here.blocks or here.tokens
         },
     )
 

@@ -106,9 +106,9 @@ class JournalVersusModel(MachinesVersusModel, DatabaseRules):
         expected = [row for row in slot_rows(machine) if row[1] != "FREE"]
         assert [tuple(row) for row in slots] == expected
         in_memory = [
-            (tenant, len(here.held), len(here.pinned), here.tokens)
+            (tenant, here.blocks, len(here.pinned), here.tokens)
             for tenant, here in sorted(machine.tenants.items())
-            if here.held
+            if here.blocks
         ]
         assert [tuple(row) for row in holdings] == in_memory
 
@@ -128,7 +128,7 @@ class JournalVersusModel(MachinesVersusModel, DatabaseRules):
         held: Counter[tuple[str, str]] = Counter()
         for machine in self.machines.values():
             for tenant, here in machine.tenants.items():
-                held[(tenant, "blocks")] += len(here.held)
+                held[(tenant, "blocks")] += here.blocks
                 held[(tenant, "pinned")] += len(here.pinned)
                 held[(tenant, "tokens")] += here.tokens
                 held[(tenant, "queued")] += here.queued

@@ -71,7 +71,8 @@ def recount(machine: InstanceMachine) -> None:
     cached = {b for b in range(pool.capacity) if pool.state(b) == "CACHED"}
     assert set(pool.lru_order()) == cached and len(pool.lru_order()) == len(cached)
     for name, here in machine.tenants.items():
-        assert here.held == dict(held[name]), f"tenant {name}: held blocks"
+        assert machine.held(name) == dict(sorted(held[name].items())), f"tenant {name}: held"
+        assert here.blocks == len(held[name]), f"tenant {name}: slots held"
         assert here.pinned == {b: c for b, c in pinned_by[name].items() if c}, name
         assert here.tokens == tokens[name], f"tenant {name}: tokens in flight"
 
@@ -100,13 +101,12 @@ def next_generation(machine: InstanceMachine) -> int:
 
 def shares_held(machine: InstanceMachine) -> dict[str, Counter[int]]:
     """Each tenant's blocks by how many tenants hold each (metering's k), recounted."""
+    held = {name: machine.held(name) for name in machine.tenants}
     holders: Counter[int] = Counter()
-    for here in machine.tenants.values():
-        holders.update(here.held.keys())
+    for blocks in held.values():
+        holders.update(blocks.keys())
     return {
-        name: Counter(holders[block] for block in here.held)
-        for name, here in machine.tenants.items()
-        if here.held
+        name: Counter(holders[block] for block in blocks) for name, blocks in held.items() if blocks
     }
 
 

@@ -86,7 +86,7 @@ class MachinesVersusModel(LedgerRules):
             return Elsewhere()
         others = [m.tenants[tenant] for name, m in self.machines.items() if name != instance]
         return Elsewhere(
-            sum(len(h.held) for h in others),
+            sum(h.blocks for h in others),
             sum(h.tokens for h in others),
             sum(len(h.pinned) for h in others),
         )
@@ -170,7 +170,7 @@ class MachinesVersusModel(LedgerRules):
             tenants.append(
                 (
                     tenant,
-                    sum(len(h.held) for h in holdings),
+                    sum(h.blocks for h in holdings),
                     sum(len(h.pinned) for h in holdings),
                     sum(h.tokens for h in holdings),
                 )
