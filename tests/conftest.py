@@ -6,7 +6,6 @@ runs never collide."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import AsyncIterator, Generator, Iterator
 
@@ -133,17 +132,8 @@ async def owned(engine: AsyncEngine, settings: Settings) -> AsyncIterator[server
     owners = hot.owners
 
     done = asyncio.Event()
-
-    async def keep_leases() -> None:
-        # Stopped between rounds, never cancelled inside one: a cancelled round can leave its
-        # connection in a transaction, for the garbage collector to find in a later test.
-        while not done.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), settings.owner_lease_seconds / 3)
-            if not done.is_set():
-                await owners.keep_leases()
-
-    renewing = asyncio.create_task(keep_leases())
+    every = settings.owner_lease_seconds / 3
+    renewing = asyncio.create_task(server.keep_leases(owners, every, done))
     yield hot
     done.set()
     await renewing

@@ -112,9 +112,7 @@ class RunningServer:
     async def _hand_over(self) -> None:
         """The instances served here go to other replicas: calls still in flight, and those of
         a queued Admit woken later, are forwarded to their new owners."""
-        self._leases.cancel()
-        with suppress(asyncio.CancelledError):
-            await self._leases
+        await self._leases  # its last round ends: self._stop is set
         await self._owners.hand_over()
 
     async def stop(self, grace_seconds: float) -> None:
@@ -232,15 +230,18 @@ async def _until_ledger_ready(database_url: str) -> None:
         delay = min(2 * delay, MAX_READY_DELAY_SECONDS)
 
 
-async def _keep_leases(owners: Owners, every_seconds: float) -> None:
-    """Renew this replica's leases, and take over instances whose owner's lease lapsed."""
-    while True:
+async def keep_leases(owners: Owners, every_seconds: float, stop: asyncio.Event) -> None:
+    """Renew this replica's leases, and take over instances whose owner's lease lapsed, until
+    `stop` is set. Stopped between rounds, never cancelled inside one: a round cut short in a
+    transaction leaves its connection there, for the garbage collector to find."""
+    while not stop.is_set():
         try:
             await owners.keep_leases()
         except Exception:
             # The database may be restarting: leases not renewed lapse, and the owners stop.
             log.warning("renewing the instances' leases failed", exc_info=True)
-        await asyncio.sleep(every_seconds)
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_seconds)
 
 
 def advertised_address(settings: Settings, port: int) -> str:
@@ -388,7 +389,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     )
     running = asyncio.create_task(maintenance.run(jobs, stop))
     every = settings.owner_lease_seconds / 3
-    leases = asyncio.create_task(_keep_leases(hot_path.owners, every))
+    leases = asyncio.create_task(keep_leases(hot_path.owners, every, stop))
     return RunningServer(
         port,
         server,

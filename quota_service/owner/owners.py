@@ -137,8 +137,9 @@ class Owners:
             if owner is not None and owner.failure is None and owner.lease_lapsed():
                 # Its lease lapsed on this clock before a renewal came round (a process starved
                 # or paused for a while): renewed under its epoch, it serves on, unless another
-                # replica claimed the instance meanwhile (a new epoch) and it stops.
-                await self._renew({instance: owner})
+                # replica claimed the instance meanwhile (a new epoch) and it stops. Shielded:
+                # a caller that goes away leaves no transaction half done.
+                await asyncio.shield(self._renew({instance: owner}))
             if owner is None or owner.failure is not None:
                 self._raise_if_held(instance)
                 owner = await self._take_over(instance)
@@ -276,6 +277,11 @@ class Owners:
         for claiming in list(self._claiming):
             claiming.cancel()
         await asyncio.gather(*self._claiming, return_exceptions=True)
+        # A refresh of the tenants under way ends first (cut short, its connection would be
+        # left in a transaction).
+        self._tenants_stale = False
+        if self._refreshing is not None:
+            await self._refreshing
         await self.journal.close()
 
     async def run(
