@@ -17,6 +17,8 @@ import grpc
 
 from kvquota.v1 import admission_pb2
 from kvquota.v1 import resources_pb2 as pb
+from quota_service import event_loop
+from quota_service.config import load_settings
 
 BLOCKS = 96
 
@@ -74,4 +76,5 @@ async def serve() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(serve())
+    # On the event loop the servers measured beside it run on (KVQUOTA_EVENT_LOOP).
+    event_loop.run(serve(), load_settings().event_loop)

@@ -16,6 +16,7 @@ from pathlib import Path
 from quota_service.core.admission import AdmissionLimits
 from quota_service.core.queueing import QueuePolicy
 from quota_service.core.reclaim import DEFAULT_WATERMARKS, CpuWatermarks, Tier
+from quota_service.event_loop import LOOPS
 from quota_service.logs import FORMATS
 
 ENV_PREFIX = "KVQUOTA_"
@@ -82,6 +83,8 @@ class Settings:
     log_level: str = "INFO"
     # "json" (one object per line, with the request id) or "text".
     log_format: str = "json"
+    # The server's event loop: "uvloop" or "asyncio" (quota_service/event_loop.py).
+    event_loop: str = "uvloop"
     # Memory hot path: how long an instance's owner holds it without renewing (it renews every
     # third of that); another replica takes the instance over once the lease has lapsed.
     owner_lease_seconds: float = 5.0
@@ -158,6 +161,8 @@ class Settings:
                 raise SettingsError(f"{ENV_PREFIX}{name.upper()}: no such file: {path}")
         if self.log_format not in FORMATS:
             raise SettingsError(f"{ENV_PREFIX}LOG_FORMAT must be one of " + ", ".join(FORMATS))
+        if self.event_loop not in LOOPS:
+            raise SettingsError(f"{ENV_PREFIX}EVENT_LOOP must be one of " + ", ".join(LOOPS))
         if self.log_level.upper() not in logging.getLevelNamesMapping():
             raise SettingsError(f"{ENV_PREFIX}LOG_LEVEL: unknown level {self.log_level!r}")
         if self.shutdown_grace_seconds < 0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 from dataclasses import replace
 
 from quota_service.cli.command import AddParser
@@ -21,7 +20,7 @@ def add_parsers(add_parser: AddParser) -> None:
 
 
 def run_serve(args: argparse.Namespace, settings: Settings) -> int:
-    from quota_service import demo
+    from quota_service import demo, event_loop
     from quota_service.api import server
     from quota_service.store import access, migrate
 
@@ -46,7 +45,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
             if host is not None:
                 await host.close()
 
-    asyncio.run(run())
+    event_loop.run(run(), settings.event_loop)
     return 0
 
 

@@ -41,6 +41,7 @@ def test_environment_overrides_file(tmp_path: Path) -> None:
         ({"KVQUOTA_AUTH_CACHE_SECONDS": "0"}, "AUTH_CACHE_SECONDS"),
         ({"KVQUOTA_LOG_FORMAT": "xml"}, "LOG_FORMAT must be one of json, text"),
         ({"KVQUOTA_LOG_LEVEL": "LOUD"}, "LOG_LEVEL: unknown level"),
+        ({"KVQUOTA_EVENT_LOOP": "trio"}, "EVENT_LOOP must be one of uvloop, asyncio"),
     ],
 )
 def test_bad_settings_say_which(environ: dict[str, str], message: str) -> None:
