@@ -244,10 +244,10 @@ def add_block_handles(
     entries and more on every Admit) costs a third of building each handle as a message of
     its own and copying it in."""
     add = field.add
-    for value in values:
+    for block_id, generation in values:
         entry = add()
-        entry.block_id = value.block_id
-        entry.generation = value.generation
+        entry.block_id = block_id
+        entry.generation = generation
 
 
 def hash_algo(value: pb.PrefixHashAlgo.ValueType, violations: list[FieldViolation]) -> HashAlgo:

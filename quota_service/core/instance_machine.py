@@ -125,7 +125,7 @@ class HeldTable:
         if not self.live_entries:  # all released (an ended reservation's)
             return ()
         if self.live_entries == len(self.blocks):  # nothing released: no filtering
-            return tuple(map(BlockHandle, self.blocks, self.generations))
+            return tuple(map(BlockHandle._make, zip(self.blocks, self.generations, strict=True)))
         return tuple(BlockHandle(b, g) for b, g in self.live_handles())
 
 

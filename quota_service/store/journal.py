@@ -322,13 +322,18 @@ def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]
         "freed_blocks": record.freed_blocks,
         "block_ids": _int_array(table.blocks) if table is not None else None,
         "block_generations": _int_array(table.generations) if table is not None else None,
-        "released_positions": (
-            _int_array(i for i, gone in enumerate(table.released) if gone)
-            if table is not None
-            else None
-        ),
+        "released_positions": _released_positions(table) if table is not None else None,
         "queue_arrival": record.arrival,
     }
+
+
+def _released_positions(table: HeldTable) -> str:
+    released = table.released
+    if table.live_entries == len(released):  # the common cases, with no loop in Python
+        return "{}"
+    if not table.live_entries:
+        return _int_array(range(len(released)))
+    return _int_array(i for i, gone in enumerate(released) if gone)
 
 
 def _pin_row(instance: str, pin: PinRecord) -> dict[str, Any]:
