@@ -690,11 +690,10 @@ class InstanceMachine:
         return pool.cached_prefix(hashes, prefer)
 
     def _hit_counts(self, hit_blocks: Sequence[int], here: TenantHere | None) -> PrefixHits:
-        if here is None:
-            new = len(set(hit_blocks))
-        else:
-            holds, holder = self.holdings.holds, here.holder
-            new = len({b for b in hit_blocks if not holds(holder, b)})
+        distinct = list(dict.fromkeys(hit_blocks))
+        new = len(distinct)
+        if here is not None:
+            new -= self.holdings.count_held(here.holder, distinct)
         return PrefixHits(len(hit_blocks), self.pool.unreferenced(hit_blocks), new)
 
     def _grant(
