@@ -17,7 +17,7 @@ T = TypeVar("T")
 LOOPS = ("uvloop", "asyncio")
 
 
-def run(main: Coroutine[Any, Any, T], loop: str = "uvloop") -> T:
+def run(main: Coroutine[Any, Any, T], loop: str) -> T:
     """Run `main` to its end on a new loop of the kind named (one of LOOPS)."""
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if loop == "uvloop":

@@ -134,4 +134,4 @@ class Holdings:
         for block, holders in self._shared.items():
             if holder in holders:
                 found[block] = holders[holder]
-        return dict(sorted(found.items()))
+        return found
