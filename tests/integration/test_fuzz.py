@@ -23,6 +23,7 @@ import pytest_asyncio
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.field_mask_pb2 import FieldMask
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 from hypothesis import HealthCheck, given, settings
@@ -139,10 +140,12 @@ def messages(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[Messag
         extreme = st.sampled_from([0, 1, -1, 2**40, -(2**40), 2**63 - 1, -(2**63)])
         seconds = extreme | st.integers(-(10**12), 10**12)
         nanos = st.sampled_from([0, 1, -1, 999_999_999, 10**9, -(10**9), 2**31 - 1])
-        return st.builds(lambda s, n: cls(seconds=s, nanos=n), seconds, nanos)
+        # The well-known types' own classes (typed), which the factory's `cls` is.
+        timed = Timestamp if descriptor.full_name == "google.protobuf.Timestamp" else Duration
+        return st.builds(lambda s, n: timed(seconds=s, nanos=n), seconds, nanos)
     if descriptor.full_name == "google.protobuf.FieldMask":
         return st.builds(
-            lambda p: cls(paths=p), st.lists(st.sampled_from(["quota", "x", "", "a.b"]))
+            lambda p: FieldMask(paths=p), st.lists(st.sampled_from(["quota", "x", "", "a.b"]))
         )
     values: dict[str, st.SearchStrategy[Any]] = {}
     for field in descriptor.fields:
