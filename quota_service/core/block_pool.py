@@ -13,6 +13,14 @@ Order, as the ledger has always had it (and the reference model states it):
 - cached blocks are evicted least recently released first (the LRU list's head); a released
   table appends its blocks tail first, so a table's tail goes before its head;
 - when a slot's contents are dropped its generation moves on, so old handles are stale.
+
+Eviction for a private block (an output block, or a prompt's partial last block) is deferred
+while the engine still holds the contents it displaces: a reservation takes its whole output at
+admission, and vLLM allocates those blocks only as it generates, evicting then. The displaced
+contents are remembered beside the slot that took them: when the engine evicts them (a KV event)
+they are forgotten, and when the slot comes back unused (a request cut short) they are cached in
+it again, at the LRU place they had. The memory is a hint the record does not keep: a replica
+that takes the instance over evicts at once, as the ledger always did.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from quota_service.core.hashing import DIGEST_BYTES, event_hash
 
@@ -68,6 +76,15 @@ class ContentColumns:
         )
 
 
+class Displaced(NamedTuple):
+    """Contents a private block's allocation evicted while the engine still held them."""
+
+    digest: bytes
+    scope: int
+    engine_copies: int
+    lru_seq: int
+
+
 def _picked(pick: itemgetter[Any], values: array[int], count: int) -> list[int]:
     picked = pick(values)
     return [picked] if count == 1 else list(picked)
@@ -107,6 +124,10 @@ class BlockPool:
         # Slots whose recorded contents (hash, generation, copies, LRU place) changed since the
         # journal last took them (`drain_dirty`).
         self._dirty: set[int] = set()
+        # Contents evicted for a private block while the engine held them, by the slot that took
+        # them, and those slots by the digest key KV events name (module docstring).
+        self._displaced: dict[int, Displaced] = {}
+        self._displaced_by_key: dict[int, list[int]] = {}
         self._free_chunks = [
             (1 << min(_CHUNK_BITS, capacity - start)) - 1
             for start in range(0, capacity, _CHUNK_BITS)
@@ -240,7 +261,7 @@ class BlockPool:
         """`unreference` each, in order (callers give a table's entries tail first)."""
         refs, pins, scopes = self._refs, self._pins, self._scope
         nxt, prev, sentinel = self._next, self._prev, self.capacity
-        lru_seq, dirty = self._lru_seq, self._dirty
+        lru_seq, dirty, displaced = self._lru_seq, self._dirty, self._displaced
         generations, free_chunks = self._generation, self._free_chunks
         freed = 0
         for block in blocks:
@@ -252,6 +273,9 @@ class BlockPool:
             elif count == 1 and not pinned:
                 refs[block] = 0
                 if scopes[block] == NO_SCOPE:
+                    if displaced and block in displaced:
+                        self._restore(block)
+                        continue
                     # A private tail block: freed at once (`_mark_free`, without a call).
                     generations[block] += 1
                     chunk = block >> _CHUNK_SHIFT
@@ -301,7 +325,9 @@ class BlockPool:
         self._refs[block] = refs
         self._pins[block] = pins
         if refs == 0:
-            if self._scope[block] == NO_SCOPE:
+            if self._scope[block] == NO_SCOPE and block in self._displaced:
+                self._restore(block)
+            elif self._scope[block] == NO_SCOPE:
                 self._generation[block] += 1
                 self._mark_free(block)
             else:
@@ -326,6 +352,8 @@ class BlockPool:
         for digest in digests[free:]:
             block = self._next[self.capacity]
             assert block != self.capacity, "allocate beyond what the pool holds"
+            if digest is None and self._copies[block]:
+                self._displace(block)
             self.drop_contents(block)
             self._pop_free_slot(block)
             refs[block] = 1
@@ -371,6 +399,70 @@ class BlockPool:
         self._dirty.add(block)
         return left
 
+    def evicted_displaced(self, key: int, copies: int) -> int:
+        """The engine evicted `copies` copies of the contents KV events name by `key`: those
+        displaced first (the engine's oldest: they left the LRU head). Returns how many of the
+        copies they account for."""
+        slots = self._displaced_by_key.get(key)
+        taken = 0
+        while slots and taken < copies:
+            block = slots[0]
+            entry = self._displaced[block]
+            used = min(entry.engine_copies, copies - taken)
+            taken += used
+            if used == entry.engine_copies:
+                self._forget_displaced(block)
+            else:
+                self._displaced[block] = entry._replace(engine_copies=entry.engine_copies - used)
+        return taken
+
+    def forget_displaced_scope(self, scope: int) -> None:
+        """Contents hashed under `scope` are never cached again (its tenant is gone)."""
+        for block in [b for b, entry in self._displaced.items() if entry.scope == scope]:
+            self._forget_displaced(block)
+
+    @property
+    def displaced_count(self) -> int:
+        """Contents the engine still holds that allocations for private blocks displaced."""
+        return len(self._displaced)
+
+    def _displace(self, block: int) -> None:
+        """Remember a cached slot's contents as displaced before an allocation evicts them."""
+        start = block * DIGEST_BYTES
+        digest = bytes(self._digests[start : start + DIGEST_BYTES])
+        self._displaced[block] = Displaced(
+            digest, self._scope[block], self._copies[block], self._lru_seq[block]
+        )
+        self._displaced_by_key.setdefault(event_hash(digest), []).append(block)
+
+    def _forget_displaced(self, block: int) -> Displaced:
+        entry = self._displaced.pop(block)
+        key = event_hash(entry.digest)
+        slots = self._displaced_by_key[key]
+        slots.remove(block)
+        if not slots:
+            del self._displaced_by_key[key]
+        return entry
+
+    def _restore(self, block: int) -> None:
+        """A slot that displaced contents came back unused (its refs are zero, it holds no
+        hash): the contents are cached in it again at their old LRU place, or, when another
+        slot holds them meanwhile, the engine's copies are counted there and the slot is freed."""
+        entry = self._forget_displaced(block)
+        self._generation[block] += 1
+        holders = self.holding(entry.digest)
+        if holders:
+            self.add_copies(min(holders), entry.engine_copies)
+            self._mark_free(block)
+            return
+        self._scope[block] = entry.scope
+        self._index(block, entry.digest)
+        self._copies[block] = entry.engine_copies
+        self._lru_seq[block] = entry.lru_seq
+        self._link_in_order(block)
+        self.cached_count += 1
+        self._dirty.add(block)
+
     @property
     def dirty(self) -> bool:
         """Whether any slot's recorded contents changed since `drain_dirty`."""
@@ -385,6 +477,8 @@ class BlockPool:
             if copies[block]:
                 copies[block] = 0
                 self._dirty.add(block)
+        self._displaced.clear()
+        self._displaced_by_key.clear()
 
     def drain_dirty(self) -> tuple[list[SlotContents], list[int]]:
         """What the record must learn since the last call: the slots that hold contents now
@@ -526,6 +620,20 @@ class BlockPool:
         self._prev[block] = tail
         self._next[block] = sentinel
         self._prev[sentinel] = block
+
+    def _link_in_order(self, block: int) -> None:
+        """Link a slot at its `lru_seq`'s place. The list is in `lru_seq` order and restored
+        contents are older than all but other restored ones, so the walk from the head is short."""
+        sentinel, nxt, seqs = self.capacity, self._next, self._lru_seq
+        seq = seqs[block]
+        after = nxt[sentinel]
+        while after != sentinel and seqs[after] < seq:
+            after = nxt[after]
+        before = self._prev[after]
+        nxt[before] = block
+        self._prev[block] = before
+        nxt[block] = after
+        self._prev[after] = block
 
     def _unlink(self, block: int) -> None:
         prev, nxt = self._prev[block], self._next[block]

@@ -1295,7 +1295,10 @@ class InstanceMachine:
             self.end(*key, EndReason.TENANT_DELETED, now)
         for key in [k for k, pin in self.pins.items() if pin.tenant == tenant]:
             self.unpin(*key, now)
-        self.free_cached(self.pool.capacity, f"tenants/{tenant}")
+        scope = f"tenants/{tenant}"
+        self.free_cached(self.pool.capacity, scope)
+        if scope in self._scope_ids:  # nor are its contents cached again later
+            self.pool.forget_displaced_scope(self._scope_ids[scope])
 
     # The engine.
 
@@ -1306,7 +1309,8 @@ class InstanceMachine:
         copies (a referenced one first, then the lowest id); an evicted copy comes off an
         unreferenced slot first (the engine evicts only those), one with counted copies before
         one without. A slot whose last copy went is freed if nothing references it, else it is
-        drift. A cleared cache frees every cached slot."""
+        drift. Contents an allocation displaced lose their copies before any slot does (they
+        were the engine's least recently used). A cleared cache frees every cached slot."""
         freed = drift = 0
         pool = self.pool
         for event in batch.events:
@@ -1323,6 +1327,9 @@ class InstanceMachine:
                             slots, key=lambda b: (pool.engine_copies(b), pool.ref_count(b) == 0, b)
                         )
                         pool.add_copies(chosen, copies)
+                    continue
+                copies -= pool.evicted_displaced(key, copies)
+                if not copies:
                     continue
                 candidates = [
                     b for b in slots if pool.engine_copies(b) > 0 or pool.ref_count(b) == 0

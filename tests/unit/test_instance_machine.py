@@ -382,3 +382,96 @@ def test_a_copy_lands_on_one_slot_of_its_hash_and_an_eviction_comes_off_an_unref
     assert m.pool.state(1) == "FREE" and m.pool.engine_copies(3) == 1
     recount(m)
     check_recovery(m)
+
+
+def _cache_engine_held_prompt(m: InstanceMachine, tenant: str = "a") -> list[int]:
+    """Slots 0-2 cached with a 48-token prompt the engine stored (once each); returns its keys.
+    Then five private blocks fill the rest of the 8-slot pool."""
+    prompt = tuple(range(48))
+    keys = [event_hash(h) for h in block_hashes(prompt, 16, f"salt-{tenant}")]
+    admit(m, "r1", 48, 16, ids=prompt, tenant=tenant)
+    m.apply_engine_events(
+        EventBatch(NOW, (BlockStored(tuple(keys), None, prompt, 16, "GPU"),), None)
+    )
+    m.end(tenant, "r1", EndReason.RELEASED, NOW)
+    assert m.pool.lru_order() == [2, 1, 0]
+    admit(m, "r2", 64, 16, tenant=tenant)  # slots 3-7
+    return keys
+
+
+def test_output_blocks_the_engine_never_filled_give_back_the_cached_blocks_they_displaced() -> None:
+    """vLLM allocates output blocks as it generates; the ledger reserves them at admission. A
+    request cut short leaves the engine holding the cached blocks the ledger evicted for its
+    output: they are cached in the ledger again, where they were in the LRU order."""
+    m = machine(blocks=8)
+    keys = _cache_engine_held_prompt(m)
+    admit(m, "r3", 16, 32)  # three private blocks: the cached prompt is evicted, 2 first
+    assert [h.block_id for h in m.get("a", "r3").snapshot().block_table] == [2, 1, 0]
+    assert (m.pool.cached_count, m.pool.displaced_count) == (0, 3)
+    recount(m)
+    check_recovery(m)  # the displaced contents are a hint the record does not keep
+    m.end("a", "r3", EndReason.CANCELLED, NOW)  # the engine evicted none of them
+    assert m.pool.lru_order() == [2, 1, 0]
+    assert [m.pool.engine_copies(b) for b in (0, 1, 2)] == [1, 1, 1]
+    assert m.pool.displaced_count == 0
+    assert m.pool.generation(2) == 2  # the reservation's handles are stale
+    m.end("a", "r2", EndReason.RELEASED, NOW)
+    assert admit(m, "r4", 48, 16, ids=tuple(range(48))) is ReservationState.ADMITTED
+    assert m.get("a", "r4").prefix_hit_blocks == 2  # the last prompt block is computed again
+    recount(m)
+    check_recovery(m)
+    assert len(keys) == 3
+
+
+def test_displaced_blocks_the_engine_evicts_are_forgotten() -> None:
+    m = machine(blocks=8)
+    keys = _cache_engine_held_prompt(m)
+    admit(m, "r3", 16, 32)
+    # The engine generated one block: it evicted its least recently used cached block.
+    report = m.apply_engine_events(EventBatch(NOW, (BlockRemoved((keys[2],), "GPU"),), None))
+    assert (report.freed, report.drift, m.pool.displaced_count) == (0, 0, 2)
+    m.end("a", "r3", EndReason.CANCELLED, NOW)
+    assert m.pool.lru_order() == [1, 0]
+    assert m.pool.state(2) == "FREE"
+    recount(m)
+    check_recovery(m)
+
+
+def test_displaced_contents_cached_again_elsewhere_count_their_engine_copies_there() -> None:
+    m = machine(blocks=8)
+    keys = _cache_engine_held_prompt(m)
+    admit(m, "r3", 16, 32)
+    m.end("a", "r2", EndReason.RELEASED, NOW)
+    # The ledger books the prompt anew (it sees no cached prefix) while the engine hits it.
+    admit(m, "r4", 48, 16, ids=tuple(range(48)))
+    assert [h.block_id for h in m.get("a", "r4").snapshot().block_table][:3] == [3, 4, 5]
+    m.end("a", "r3", EndReason.CANCELLED, NOW)
+    assert [m.pool.engine_copies(b) for b in (3, 4, 5)] == [1, 1, 1]
+    assert [m.pool.state(b) for b in (0, 1, 2)] == ["FREE"] * 3
+    report = m.apply_engine_events(EventBatch(NOW, (BlockRemoved(tuple(keys), "GPU"),), None))
+    assert (report.freed, report.drift) == (0, 3)  # r4 references them: the engine drifted
+    recount(m)
+    check_recovery(m)
+
+
+def test_an_offboarded_tenant_s_displaced_contents_are_never_cached_again() -> None:
+    m = machine(blocks=8, tenants={"a": 1, "b": 1})
+    _cache_engine_held_prompt(m)
+    admit(m, "b1", 16, 32, tenant="b")  # b's output displaces a's cached prompt
+    m.offboard("a", NOW)
+    m.end("b", "b1", EndReason.CANCELLED, NOW)
+    assert (m.pool.cached_count, m.pool.displaced_count) == (0, 0)
+    assert m.cached_in_scope("tenants/a") == 0
+    recount(m)
+    check_recovery(m)
+
+
+def test_a_cleared_engine_cache_forgets_displaced_contents() -> None:
+    m = machine(blocks=8)
+    _cache_engine_held_prompt(m)
+    admit(m, "r3", 16, 32)
+    m.apply_engine_events(EventBatch(NOW, (AllBlocksCleared(),), None))
+    m.end("a", "r3", EndReason.CANCELLED, NOW)
+    assert (m.pool.cached_count, m.pool.displaced_count) == (0, 0)
+    recount(m)
+    check_recovery(m)
