@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from quota_service.core.admission import AdmissionLimits
 from quota_service.core.errors import KvQuotaError
@@ -107,6 +107,8 @@ class InstanceOwner:
         self._recorded_since_checkpoint = 0
         self._checkpoint_after = checkpoint_min_slots
         self._writer: asyncio.Task[None] | None = None
+        # The checkpoint being written after the batch it was taken with, if one is.
+        self._checkpointing: asyncio.Task[None] | None = None
         self.failure: str | None = None
         # Told "tenant/request_id" of each reservation a committed batch changed (the waiters of
         # queued Admits and watches wake on it).
@@ -170,10 +172,14 @@ class InstanceOwner:
                 self._open = None
                 rows = self._take_batch()
                 try:
-                    await self._journal.write(self.instance, self.epoch, rows)
+                    batch = await self._journal.write(self.instance, self.epoch, rows)
                 except Exception as exc:  # any failure: the record and memory may differ
                     self._fail(exc)
                     return
+                if rows.checkpoint is not None:
+                    self._checkpointing = asyncio.create_task(
+                        self._write_checkpoint(batch, rows.checkpoint)
+                    )
                 self.stats.batches += 1
                 self.stats.operations += len(waiters)
                 for waiter in waiters:
@@ -189,7 +195,10 @@ class InstanceOwner:
     def _take_batch(self) -> BatchRows:
         changes = self.machine.drain_changes()
         self._recorded_since_checkpoint += len(changes.slots) + len(changes.dropped_slots)
-        checkpoint = self._recorded_since_checkpoint >= self._checkpoint_after
+        checkpoint = (
+            self._recorded_since_checkpoint >= self._checkpoint_after
+            and self._checkpointing is None
+        )
         rows = batch_rows(self.machine, changes, self._written, checkpoint)
         if rows.checkpoint is not None:
             # The next one once the deltas after it record twice as many slots as it did.
@@ -198,6 +207,23 @@ class InstanceOwner:
             self._recorded_since_checkpoint = 0
         rows.statements, self._statements = self._statements, []
         return rows
+
+    async def _write_checkpoint(self, batch: int, chunks: list[dict[str, Any]]) -> None:
+        """Write a checkpoint taken with `batch`, now committed, beside the batches that follow
+        (a large one took tens of milliseconds, which every operation of the next batch waited
+        for when it was written with its batch). One that fails is taken again with the next
+        batch; a newer owner stops this one, as a batch would."""
+        try:
+            await self._journal.write_checkpoint(self.instance, self.epoch, batch, chunks)
+        except Deposed as exc:
+            self._fail(exc)
+        except Exception as exc:  # the deltas still record everything: only recovery is longer
+            log.warning(
+                "instances/%s: a checkpoint failed, taken again next (%s)", self.instance, exc
+            )
+            self._recorded_since_checkpoint = self._checkpoint_after
+        finally:
+            self._checkpointing = None
 
     def _fail(self, exc: BaseException) -> None:
         if isinstance(exc, Deposed):
@@ -236,6 +262,9 @@ class InstanceOwner:
         writer = self._writer
         if writer is not None:
             await asyncio.wait([writer])
+        checkpointing = self._checkpointing
+        if checkpointing is not None:
+            await asyncio.wait([checkpointing])
 
 
 async def take_over(

@@ -141,8 +141,9 @@ class BatchRows:
     usage: list[dict[str, Any]] = field(default_factory=list)
     # The record's own statements that commit with the batch (InstanceOwner.apply).
     statements: list[Statement] = field(default_factory=list)
-    # Every slot's contents as of this batch, written whole in place of its delta (the deltas
-    # before it are then dropped): recovery reads what is live, not all history. In chunks of
+    # Every slot's contents as of this batch, taken with it and written once it committed, in
+    # a transaction of its own (`Journal.write_checkpoint`) that drops the checkpoint and the
+    # deltas it covers: recovery reads what is live, not all history. In chunks of
     # CHECKPOINT_CHUNK_SLOTS slots, each sent as a statement of its own.
     checkpoint: list[dict[str, Any]] | None = None
 
@@ -158,8 +159,8 @@ def batch_rows(
     checkpoint: bool = False,
 ) -> BatchRows:
     """The rows of a batch. `written` holds each tenant's totals on this instance as last
-    written; it is brought up to date for the tenants the batch touched. With `checkpoint`, the
-    batch records every slot's contents whole instead of what it changed."""
+    written; it is brought up to date for the tenants the batch touched. With `checkpoint`, every
+    slot's contents as of the batch are taken too."""
     instance = machine.spec.instance
     rows = BatchRows()
     touched: set[str] = set()
@@ -182,7 +183,7 @@ def batch_rows(
             {**_slot_arrays(machine.scopes, chunk), "chunk": number}
             for number, chunk in enumerate(chunks)
         ]
-    elif changes.slots or changes.dropped_slots:
+    if changes.slots or changes.dropped_slots:
         changed = ContentColumns.of(changes.slots)
         rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changed)}
         rows.delta["dropped"] = _int_array(changes.dropped_slots)
@@ -525,16 +526,22 @@ _INSERT_DELTA = (
     f"engine_copies, lru_seqs, dropped) SELECT instance, batch, {_SLOT_ARRAYS}, "
     "%(dropped)s::int[] FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s"
 )
-# A new checkpoint replaces the last one and the deltas it covers.
+# A new checkpoint, as of a committed batch, replaces the last one and the deltas it covers.
+# Later batches' deltas may be committing meanwhile: they are after it.
 _DROP_COVERED = (
     "WITH checkpoint AS (DELETE FROM pool_checkpoints WHERE instance = %(instance)s) "
-    "DELETE FROM pool_deltas d USING instance_owners o WHERE d.instance = %(instance)s "
-    "AND o.instance = d.instance AND o.epoch = %(epoch)s AND d.batch <= o.batch"
+    "DELETE FROM pool_deltas WHERE instance = %(instance)s AND batch <= %(batch)s"
 )
 _WRITE_CHECKPOINT_CHUNK = (
     "INSERT INTO pool_checkpoints (instance, chunk, batch, scopes, slots, generations, digests, "
-    f"scope_ids, engine_copies, lru_seqs) SELECT instance, %(chunk)s, batch, {_SLOT_ARRAYS} "
-    "FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s"
+    f"scope_ids, engine_copies, lru_seqs) VALUES (%(instance)s, %(chunk)s, %(batch)s, "
+    f"{_SLOT_ARRAYS})"
+)
+# A checkpoint's fence, last before its COMMIT: the owner's row locked under its epoch, so that
+# a claim either committed before (no row: the checkpoint is rolled back) or waits for the
+# COMMIT and then reads the checkpoint. The owner's batches wait on the lock only that long.
+_CHECKPOINT_FENCE = (
+    "SELECT 1 FROM instance_owners WHERE instance = %(instance)s AND epoch = %(epoch)s FOR UPDATE"
 )
 _INSTANCES_OF = text(
     "SELECT r.tenant, r.request_id, r.instance FROM reservations r "
@@ -710,9 +717,7 @@ class _Batch:
             statements.append((_WRITE_RESERVATIONS, written))
         statements += [(_UPSERT_PIN, pin) for pin in rows.pins]
         statements += [(_REMOVE_PIN, pin) for pin in rows.removed_pins]
-        if rows.checkpoint is not None:
-            statements.append((_DROP_COVERED, fenced))
-        elif rows.delta is not None:
+        if rows.delta is not None:
             statements.append((_INSERT_DELTA, {**rows.delta, **fenced}))
         return statements
 
@@ -725,10 +730,6 @@ class _Batch:
         lock = [(_LOCK_TENANTS, {"tenants": tenants})] if len(tenants) > 1 else []
         moved = {**rows.pool, "totals": _json(rows.totals), "usage": _json(rows.usage)}
         return [*lock, (_MOVE_TOTALS, moved)]
-
-    def checkpoint_chunks(self) -> list[Statement]:
-        fenced = {"instance": self.instance, "epoch": self.epoch}
-        return [(_WRITE_CHECKPOINT_CHUNK, {**c, **fenced}) for c in self.rows.checkpoint or ()]
 
 
 class Journal:
@@ -748,44 +749,36 @@ class Journal:
         self._closed = False
         self.stats = CommitStats()
 
-    async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
+    async def write(self, instance: str, epoch: int, rows: BatchRows) -> int:
         """Commit one batch of an owner's (the owner groups its operations into batches, and
         writes one at a time), in the caller's task: no hop to another task and back on the
-        way to PostgreSQL, which a caller waiting alone would feel in its answer. Raises
-        Deposed when a newer owner exists (RequestIdsReused, QuotaRaced, PinIdTaken as they
-        say)."""
-        await self._commit(_Batch(instance, epoch, rows))
+        way to PostgreSQL, which a caller waiting alone would feel in its answer. Returns the
+        batch's number in the record. Raises Deposed when a newer owner exists
+        (RequestIdsReused, QuotaRaced, PinIdTaken as they say)."""
+        return await self._commit(_Batch(instance, epoch, rows))
 
-    async def _commit(self, batch: _Batch) -> None:
+    async def _commit(self, batch: _Batch) -> int:
         """One transaction in one round trip: the batch's statements, bound here, go as one
-        query between BEGIN and COMMIT (a checkpoint's chunks follow, one round trip each). The
-        journal's own statements run prepared (`_Writer`), the record's that ride along
-        (`BatchRows.statements`) as they are. A statement that fails fails the rest, and the
-        transaction is rolled back: the batch fails (Deposed when it was its fence). Any other
-        failure (the connection lost, a COMMIT cut short that may have taken) fails it too, and
-        the connection is not trusted again."""
+        query between BEGIN and COMMIT. The journal's own statements run prepared (`_Writer`),
+        the record's that ride along (`BatchRows.statements`) as they are. A statement that
+        fails fails the rest, and the transaction is rolled back: the batch fails (Deposed when
+        it was its fence). Any other failure (the connection lost, a COMMIT cut short that may
+        have taken) fails it too, and the connection is not trusted again."""
         writer = await self._connected()
         cursor = writer.cursor
         own = [*batch.statements(), *batch.totals_moved()]
-        chunks = batch.checkpoint_chunks()
-        prepares = writer.prepare(sql for sql, _ in [*own, *chunks])
+        prepares = writer.prepare(sql for sql, _ in own)
         query = ";".join(
             [
                 *prepares,
                 "BEGIN",
                 *(cursor.mogrify(writer.executes[sql], params) for sql, params in own),
                 *(cursor.mogrify(sql, params) for sql, params in batch.rows.statements),
-                *(() if chunks else ("COMMIT",)),
+                "COMMIT",
             ]
         )
         try:
             await cursor.execute(query)
-            # A checkpoint's chunks go one statement each, bound as it is sent: the query text
-            # of a large pool's checkpoint is never in memory whole.
-            for sql, params in chunks:
-                await cursor.execute(cursor.mogrify(writer.executes[sql], params))
-            if chunks:
-                await cursor.execute("COMMIT")
         except psycopg.Error as exc:
             if await _rolled_back(writer.connection):
                 self._idle.append(writer)
@@ -798,6 +791,50 @@ class Journal:
             raise
         self._idle.append(writer)
         self.stats.commits += 1
+        # Each statement's result is the cursor's in turn: the batch's number is the fence's.
+        while not (cursor.description and cursor.description[0].name == "journal_next_batch"):
+            cursor.nextset()
+        row = await cursor.fetchone()
+        assert row is not None
+        return int(row[0])
+
+    async def write_checkpoint(
+        self, instance: str, epoch: int, batch: int, chunks: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """Record every slot's contents as of `batch` (committed), in place of the checkpoint
+        and the deltas up to it, in a transaction of its own: the owner's later batches commit
+        meanwhile instead of waiting behind it. Fenced like a batch: raises Deposed when a newer
+        owner exists (nothing is then written)."""
+        writer = await self._connected()
+        cursor = writer.cursor
+        covered = {"instance": instance, "batch": batch}
+        statements = [
+            (_DROP_COVERED, covered),
+            *((_WRITE_CHECKPOINT_CHUNK, {**chunk, **covered}) for chunk in chunks),
+            (_CHECKPOINT_FENCE, {"instance": instance, "epoch": epoch}),
+        ]
+        prepares = writer.prepare(sql for sql, _ in statements)
+        deposed = False
+        try:
+            await cursor.execute(";".join([*prepares, "BEGIN"]))
+            # One statement each, bound as it is sent: the query text of a large pool's
+            # checkpoint is never in memory whole.
+            for sql, params in statements:
+                await cursor.execute(cursor.mogrify(writer.executes[sql], params))
+            deposed = await cursor.fetchone() is None
+            await cursor.execute("ROLLBACK" if deposed else "COMMIT")
+        except psycopg.Error as exc:
+            if await _rolled_back(writer.connection):
+                self._idle.append(writer)
+            else:
+                await self._drop(writer)
+            raise _error_of(instance, exc)  # noqa: B904 (its cause is set)
+        except BaseException:
+            await self._drop(writer)
+            raise
+        self._idle.append(writer)
+        if deposed:
+            raise Deposed(instance)
 
     async def _drop(self, writer: _Writer) -> None:
         self._writers.discard(writer)

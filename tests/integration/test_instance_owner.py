@@ -6,8 +6,9 @@ acknowledged."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -91,10 +92,10 @@ class HeldJournal(Journal):
         self.gate = asyncio.Event()
         self.writing = asyncio.Event()
 
-    async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
+    async def write(self, instance: str, epoch: int, rows: BatchRows) -> int:
         self.writing.set()
         await self.gate.wait()
-        await super().write(instance, epoch, rows)
+        return await super().write(instance, epoch, rows)
 
 
 async def test_answers_wait_for_the_commit_of_what_they_saw(engine: AsyncEngine) -> None:
@@ -125,7 +126,7 @@ async def _answered_after_commit(owner: InstanceOwner, journal: HeldJournal) -> 
 
 
 class FailingJournal(Journal):
-    async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
+    async def write(self, instance: str, epoch: int, rows: BatchRows) -> int:
         raise ConnectionError("PostgreSQL went away")
 
 
@@ -215,3 +216,83 @@ async def test_checkpoints_keep_recovery_to_what_is_live(
     assert numbers == tuple(range(len(numbers))) and (len(numbers) > 1) == (chunk_slots == 7)
     assert deltas and all(batch > checkpoint for batch in deltas)
     await rebuilt(engine, journal, owner.machine)
+
+
+class GatedCheckpoints(Journal):
+    """A journal whose checkpoints wait until the test lets them through."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(engine)
+        self.gate = asyncio.Event()
+        self.checkpointing = asyncio.Event()
+
+    async def write_checkpoint(
+        self, instance: str, epoch: int, batch: int, chunks: Sequence[Mapping[str, Any]]
+    ) -> None:
+        self.checkpointing.set()
+        await self.gate.wait()
+        await super().write_checkpoint(instance, epoch, batch, chunks)
+
+
+async def _checkpointing_owner(engine: AsyncEngine, journal: Journal) -> InstanceOwner:
+    """An owner of gpu-0 that checkpoints every 50 slot changes or so."""
+    recorded = await journal.load("gpu-0", "replica-a", "", 0.0)
+    found = await Catalog(engine).get_instance("gpu-0")
+    machine = InstanceMachine.recover(
+        found.spec, LIMITS, await journal.tenants(), recorded.image, recorded.generation_floor
+    )
+    return InstanceOwner(machine, journal, recorded.epoch, checkpoint_min_slots=50)
+
+
+async def _until_checkpointing(owner: InstanceOwner, journal: GatedCheckpoints) -> int:
+    """Admit and release prompts until a checkpoint is being written; returns how many."""
+    for i in range(100):
+        await admit_prompt(owner, f"r{i}", tuple(range(i, i + 160)))
+        await release(owner, f"r{i}")
+        if journal.checkpointing.is_set():
+            return i + 1
+    raise AssertionError("no checkpoint was taken")
+
+
+async def test_batches_commit_while_a_checkpoint_is_written(engine: AsyncEngine) -> None:
+    await add_instance(engine, blocks=512)
+    await add_tenant(engine, "acme")
+    journal = GatedCheckpoints(engine)
+    owner = await _checkpointing_owner(engine, journal)
+    done = await _until_checkpointing(owner, journal)
+    # The checkpoint is held: the operations after it are answered all the same.
+    for i in range(done, done + 5):
+        assert await admit_prompt(owner, f"r{i}", tuple(range(i, i + 160))) is (
+            ReservationState.ADMITTED
+        )
+    journal.gate.set()
+    await owner.retire("the test is done")  # waits for the checkpoint
+    async with engine.connect() as conn:
+        checkpoint = (await conn.execute(text("SELECT max(batch) FROM pool_checkpoints"))).scalar()
+        deltas = (await conn.execute(text("SELECT batch FROM pool_deltas"))).scalars().all()
+        last = (await conn.execute(text("SELECT batch FROM instance_owners"))).scalar_one()
+    # It records the batch it was taken with; the deltas of the batches after it stay.
+    assert checkpoint is not None and checkpoint < last
+    assert deltas and min(deltas) > checkpoint
+    await rebuilt(engine, journal, owner.machine)
+    await journal.close()
+
+
+async def test_a_deposed_owner_s_checkpoint_writes_nothing(engine: AsyncEngine) -> None:
+    await add_instance(engine, blocks=512)
+    await add_tenant(engine, "acme")
+    journal = GatedCheckpoints(engine)
+    owner = await _checkpointing_owner(engine, journal)
+    await _until_checkpointing(owner, journal)
+    claimed = await owner_of(engine, journal, "replica-b")  # a takeover, while it is held
+    journal.gate.set()
+    # The owner learns from its checkpoint that it was deposed, and stops.
+    for _ in range(100):
+        if owner.failure is not None:
+            break
+        await asyncio.sleep(0.02)
+    assert owner.failure == "a newer owner took it"
+    async with engine.connect() as conn:
+        assert (await conn.execute(text("SELECT count(*) FROM pool_checkpoints"))).scalar() == 0
+    await rebuilt(engine, journal, claimed.machine)
+    await journal.close()

@@ -46,16 +46,16 @@ class GatedJournal(Journal):
         self._expected = batches
         self.all_waiting.clear()
 
-    async def write(self, instance: str, epoch: int, rows: BatchRows) -> None:
+    async def write(self, instance: str, epoch: int, rows: BatchRows) -> int:
         self._expected -= 1
         if self._expected <= 0:
             self.all_waiting.set()
         await self.gate.wait()
-        await super().write(instance, epoch, rows)
+        return await super().write(instance, epoch, rows)
 
-    async def _commit(self, batch: _Batch) -> None:
+    async def _commit(self, batch: _Batch) -> int:
         self.transactions.append([batch.instance])
-        await super()._commit(batch)
+        return await super()._commit(batch)
 
 
 @pytest.fixture
