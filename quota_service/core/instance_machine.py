@@ -60,8 +60,19 @@ from quota_service.core.reasons import Reason
 # Weight of the newest observation in the mean holding time (an exponentially weighted mean, so
 # it follows a changing workload within tens of requests).
 HOLD_EWMA_ALPHA = 0.2
-# Ended reservations kept to answer repeated Admits, Releases and Gets without the record.
-ENDED_RETAINED = 10_000
+# Ended reservations kept whole, to answer repeated Admits, Releases and Gets without the record.
+ENDED_RETAINED = 1_000
+# Ended reservations whose ids alone are kept beyond those (a hash each, ~150 bytes where a
+# whole one takes 600 or more): an Admit that repeats one is answered from the record's row
+# (`EndedBeforeMemory`), not taken as new, which its batch would refuse (the id is recorded),
+# stopping the owner. 10,000 whole ones, as kept before, took 6 MB per instance; these ~2 MB.
+ENDED_IDS_RETAINED = 10_000
+
+
+class EndedBeforeMemory(Exception):
+    """An Admit repeats the id of a reservation that ended here which the machine kept only the
+    id of: its caller reads the record's row (`remember_ended`) or, finding none (two ids with
+    the same hash), forgets the id (`forget_ended_id`), and admits again. Nothing changed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,6 +414,11 @@ class InstanceMachine:
         self.tenants: dict[str, TenantHere] = {}
         self.reservations: dict[tuple[str, str], ReservationRecord] = {}
         self.ended: dict[tuple[str, str], ReservationRecord] = {}
+        # The order they ended in (a dict's first key is found by a scan of the keys deleted
+        # before it: ~25 us a Release with 10,000 kept), and the ids kept beyond them.
+        self._ended_order: deque[tuple[str, str]] = deque()
+        self._ended_ids: set[int] = set()
+        self._ended_ids_order: deque[int] = deque()
         self.pins: dict[tuple[str, str], PinRecord] = {}
         # The wait queue in dispatch order: (-priority, start tag, arrival) keys, kept sorted.
         self._queue: list[tuple[int, float, int, tuple[str, str]]] = []
@@ -552,6 +568,15 @@ class InstanceMachine:
             raise not_found(Reason.RESERVATION_NOT_FOUND, reservation_name(tenant, request_id))
         return record
 
+    def knows(self, key: tuple[str, str]) -> bool:
+        """Whether a reservation of this id is live here, or ended here lately (maybe: a kept
+        id is a hash)."""
+        return key in self.reservations or key in self.ended or hash(key) in self._ended_ids
+
+    def forget_ended_id(self, key: tuple[str, str]) -> None:
+        """The record has no reservation ended here under this id: its hash was another's."""
+        self._ended_ids.discard(hash(key))
+
     def remember_ended(self, record: ReservationRecord) -> None:
         """Retain a reservation the record says ended on this instance that the machine does not
         know (it ended before the machine was rebuilt, which loads only live ones, or was
@@ -594,11 +619,12 @@ class InstanceMachine:
         A repeated Admit (same tenant and request_id) answers the reservation as it is."""
         admission.validate(request, self.limits)
         p = request.params
-        existing = self.reservations.get((p.tenant, p.request_id)) or self.ended.get(
-            (p.tenant, p.request_id)
-        )
+        key = (p.tenant, p.request_id)
+        existing = self.reservations.get(key) or self.ended.get(key)
         if existing is not None:
             return self._replay(request, existing, now)
+        if self._ended_ids and hash(key) in self._ended_ids:
+            raise EndedBeforeMemory(key)
         here = self._tenant(p.tenant)
         table = self._layout(p, request.prompt_token_ids, here.settings)
         hit_blocks = self.pool_prefix(table.hit_candidates, here)
@@ -1387,8 +1413,16 @@ class InstanceMachine:
 
     def _retain_ended(self, record: ReservationRecord) -> None:
         self.ended[record.key] = record
-        if len(self.ended) > ENDED_RETAINED:
-            del self.ended[next(iter(self.ended))]
+        self._ended_order.append(record.key)
+        if len(self._ended_order) <= ENDED_RETAINED:
+            return
+        oldest = self._ended_order.popleft()
+        del self.ended[oldest]
+        forgotten = hash(oldest)
+        self._ended_ids.add(forgotten)
+        self._ended_ids_order.append(forgotten)
+        if len(self._ended_ids_order) > ENDED_IDS_RETAINED:
+            self._ended_ids.discard(self._ended_ids_order.popleft())
 
     def _touch(self, record: ReservationRecord) -> None:
         self.changes.reservations[record.key] = record

@@ -38,6 +38,7 @@ from quota_service.core.errors import KvQuotaError, ServedElsewhere, not_found
 from quota_service.core.instance_machine import (
     NOWHERE_ELSE,
     Elsewhere,
+    EndedBeforeMemory,
     InstanceMachine,
     ReservationRecord,
     TenantSettings,
@@ -379,7 +380,7 @@ class Owners:
         """The instance whose machine here knows the reservation, if one does."""
         key = (tenant, request_id)
         for owner in self.served():
-            if key in owner.machine.reservations or key in owner.machine.ended:
+            if owner.machine.knows(key):
                 return owner.instance
         return None
 
@@ -511,7 +512,21 @@ class OwnedLedger:
             return _answer(machine, machine.admit(request, now, elsewhere))
 
         try:
-            reservation = await owners.run(instance, admit)
+            try:
+                reservation = await owners.run(instance, admit)
+            except EndedBeforeMemory:
+                # It ended here, and the machine kept only its id: the record has the rest.
+                key = (p.tenant, p.request_id)
+                ended = await owners.journal.ended_reservation(instance, *key)
+
+                def admit_again(machine: InstanceMachine, now: float) -> Reservation:
+                    if ended is None:
+                        machine.forget_ended_id(key)
+                    else:
+                        machine.remember_ended(ended)
+                    return admit(machine, now)
+
+                reservation = await owners.run(instance, admit_again)
         except KvQuotaError as refused:
             if refused.reason in METERED_REFUSALS:
                 reason = refused.reason

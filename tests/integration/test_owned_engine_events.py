@@ -192,3 +192,22 @@ async def test_a_reservation_the_machine_forgot_is_answered_ended(
     assert ("acme", "first") not in (await owners.owner("gpu-0")).machine.ended
     released = await ledger.end("acme", "first", EndReason.RELEASED, 1)
     assert (released.state, released.end_reason) == (ReservationState.ENDED, EndReason.RELEASED)
+
+
+async def test_an_admit_repeating_an_id_the_machine_kept_only_the_id_of_is_answered_ended(
+    engine: AsyncEngine, owners: Owners, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the ended reservations a machine keeps whole, it keeps their ids: an Admit that
+    repeats one is answered from the record, and its owner serves on (taken as new, the id
+    would fail its batch, and the owner with it)."""
+    monkeypatch.setattr(instance_machine, "ENDED_RETAINED", 1)
+    ledger = OwnedLedger(engine, owners, LIMITS)
+    for request_id in ("first", "second"):
+        await ledger.admit(request(request_id, 100, 10))
+        await ledger.end("acme", request_id, EndReason.RELEASED, 1)
+    owner = await owners.owner("gpu-0")
+    assert ("acme", "first") not in owner.machine.ended and owner.machine.knows(("acme", "first"))
+    with pytest.raises(KvQuotaError) as repeated:
+        await ledger.admit(request("first", 100, 10))
+    assert repeated.value.reason is Reason.RESERVATION_ENDED
+    assert owner.failure is None and await owners.owner("gpu-0") is owner

@@ -10,11 +10,12 @@ from dataclasses import replace
 
 import pytest
 
+from quota_service.core import instance_machine
 from quota_service.core.admission import AdmitRequest
 from quota_service.core.block_table import BlockHandle
 from quota_service.core.errors import KvQuotaError
 from quota_service.core.hashing import block_hashes, event_hash
-from quota_service.core.instance_machine import Elsewhere, InstanceMachine
+from quota_service.core.instance_machine import Elsewhere, EndedBeforeMemory, InstanceMachine
 from quota_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from quota_service.core.model import (
     AdmitParams,
@@ -473,5 +474,28 @@ def test_a_cleared_engine_cache_forgets_displaced_contents() -> None:
     m.apply_engine_events(EventBatch(NOW, (AllBlocksCleared(),), None))
     m.end("a", "r3", EndReason.CANCELLED, NOW)
     assert (m.pool.cached_count, m.pool.displaced_count) == (0, 0)
+    recount(m)
+    check_recovery(m)
+
+
+def test_past_the_ended_reservations_kept_whole_their_ids_are_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An Admit repeating an id kept alone is handed back (EndedBeforeMemory, nothing changed)
+    for its caller to read the record; an id the record does not have after all (another with
+    the same hash) is forgotten and admitted. Older ids are forgotten too."""
+    monkeypatch.setattr(instance_machine, "ENDED_RETAINED", 2)
+    monkeypatch.setattr(instance_machine, "ENDED_IDS_RETAINED", 2)
+    m = machine(blocks=64)
+    for i in range(5):
+        admit(m, f"r{i}")
+        m.end("a", f"r{i}", EndReason.RELEASED, NOW)
+    assert sorted(k[1] for k in m.ended) == ["r3", "r4"]
+    assert [m.knows(("a", f"r{i}")) for i in range(5)] == [False, True, True, True, True]
+    with pytest.raises(EndedBeforeMemory):
+        admit(m, "r2")
+    assert admit(m, "r0") is ReservationState.ADMITTED  # forgotten: new to this machine
+    m.forget_ended_id(("a", "r2"))
+    assert admit(m, "r2") is ReservationState.ADMITTED
     recount(m)
     check_recovery(m)
