@@ -779,6 +779,7 @@ class Journal:
         )
         try:
             await cursor.execute(query)
+            number = await _batch_number(cursor)
         except psycopg.Error as exc:
             if await _rolled_back(writer.connection):
                 self._idle.append(writer)
@@ -791,12 +792,7 @@ class Journal:
             raise
         self._idle.append(writer)
         self.stats.commits += 1
-        # Each statement's result is the cursor's in turn: the batch's number is the fence's.
-        while not (cursor.description and cursor.description[0].name == "journal_next_batch"):
-            cursor.nextset()
-        row = await cursor.fetchone()
-        assert row is not None
-        return int(row[0])
+        return number
 
     async def write_checkpoint(
         self, instance: str, epoch: int, batch: int, chunks: Sequence[Mapping[str, Any]]
@@ -986,6 +982,18 @@ class Journal:
 
 
 _IN_ERROR = psycopg.pq.TransactionStatus.INERROR
+
+
+async def _batch_number(cursor: psycopg.AsyncClientCursor[Any]) -> int:
+    """A committed batch's number: its fence's result (each statement's result is the
+    cursor's in turn)."""
+    while not (cursor.description and cursor.description[0].name == "journal_next_batch"):
+        if not cursor.nextset():
+            raise psycopg.ProgrammingError("a batch's fence returned nothing")
+    row = await cursor.fetchone()
+    if row is None:
+        raise psycopg.ProgrammingError("a batch's fence returned nothing")
+    return int(row[0])
 
 
 async def _rolled_back(connection: psycopg.AsyncConnection[Any]) -> bool:
