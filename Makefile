@@ -24,8 +24,12 @@ run: $(STAMP) ## Serve gRPC on 127.0.0.1:50051 (embedded PostgreSQL unless KVQUO
 	$(BIN)/kvquota serve --migrate --demo
 
 # pytest exits 5 when it collected nothing: that is a failure, never a pass.
+# Tests run with bytecode written (to __pycache__, which git ignores) even where the environment
+# sets PYTHONDONTWRITEBYTECODE, as this machine's does: without it every process of a run (each
+# worker, each `kvquota serve` a test starts, each CLI) compiled the project anew, and pytest
+# rewrote the asserts of every test module in each worker, about 5 CPU-seconds a worker.
 define PYTEST
-	$(BIN)/python -m pytest -q $(1); rc=$$?; \
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q $(1); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 endef
 

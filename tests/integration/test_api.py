@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -15,8 +16,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc
 from kvquota.v1 import resources_pb2 as pb
+from quota_service.config import Settings
+from tests.conftest import SWEEP_SECONDS
 from tests.integration.grpc_helpers import GIB, admit, quota, refused
 from tests.integration.ledger_fixtures import snapshot
+
+
+@pytest.fixture(scope="module")
+def settings(settings: Settings) -> Settings:
+    """The lease test waits for the in-process reaper: it sweeps every 0.2 s here."""
+    return replace(settings, reaper_interval_seconds=SWEEP_SECONDS)
 
 
 @pytest.fixture

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import grpc
+import pytest
 from google.rpc import error_details_pb2
 
 from kvquota.v1 import admin_pb2, admission_pb2
 from kvquota.v1 import resources_pb2 as pb
+from quota_service.config import Settings
+from tests.conftest import SWEEP_SECONDS
 from tests.integration.grpc_helpers import admit, quota, refused
+
+
+@pytest.fixture(scope="module")
+def settings(settings: Settings) -> Settings:
+    """The jobs wait for a maintenance loop: it sweeps every 0.2 s here."""
+    return replace(settings, reaper_interval_seconds=SWEEP_SECONDS)
+
 
 if TYPE_CHECKING:  # the async stubs exist only in the type stubs
     from kvquota.v1.admin_pb2_grpc import AdminServiceAsyncStub as Admin

@@ -4,16 +4,27 @@ on resume with its blocks; bad requests are refused with their reason and change
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import grpc
+import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvquota.v1 import admin_pb2, admission_pb2
 from kvquota.v1 import resources_pb2 as pb
+from quota_service.config import Settings
 from quota_service.store.cpu_tier import CpuTierBooks
+from tests.conftest import SWEEP_SECONDS
 from tests.integration.engine_stubs import closed_port
 from tests.integration.grpc_helpers import admit, quota, refused
+
+
+@pytest.fixture(scope="module")
+def settings(settings: Settings) -> Settings:
+    """The offload waits for a maintenance loop: it sweeps every 0.2 s here."""
+    return replace(settings, reaper_interval_seconds=SWEEP_SECONDS)
+
 
 if TYPE_CHECKING:  # the async stubs exist only in the type stubs
     from kvquota.v1.admin_pb2_grpc import AdminServiceAsyncStub as Admin

@@ -8,7 +8,7 @@ import asyncio
 import math
 import random
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import pytest
@@ -30,8 +30,16 @@ from kvquota.v1 import admin_pb2, admission_pb2
 from kvquota.v1 import resources_pb2 as pb
 from quota_service.api import server
 from quota_service.config import Settings
+from tests.conftest import SWEEP_SECONDS
 from tests.integration.engine_stubs import closed_port
 from tests.integration.grpc_helpers import quota
+
+
+@pytest.fixture(scope="module")
+def settings(settings: Settings) -> Settings:
+    """The lease tests wait on the in-process reaper: it sweeps every 0.2 s here."""
+    return replace(settings, reaper_interval_seconds=SWEEP_SECONDS)
+
 
 CAPACITY = 64
 ENGINE_PORT = closed_port()

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 from google.protobuf.duration_pb2 import Duration
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -16,8 +18,16 @@ from kvquota.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_g
 from kvquota.v1 import resources_pb2 as pb
 from quota_service.config import Settings
 from quota_service.engine.simulated import EventPublisher
+from tests.conftest import SWEEP_SECONDS
 from tests.integration.grpc_helpers import admit, free_port, quota, refused
 from tests.integration.scraping import body, samples_of, serving, until
+
+
+@pytest.fixture(scope="module")
+def settings(settings: Settings) -> Settings:
+    """The server at work waits on its maintenance loop: every 0.2 s here."""
+    return replace(settings, reaper_interval_seconds=SWEEP_SECONDS)
+
 
 DASHBOARD = Path(__file__).parents[2] / "dashboards" / "kvquota.json"
 
