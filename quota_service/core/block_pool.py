@@ -215,10 +215,11 @@ class BlockPool:
             found.append(block)
         return found
 
-    def unreferenced(self, blocks: Iterable[int]) -> int:
+    def unreferenced(self, blocks: Sequence[int]) -> int:
         """How many of `blocks` nothing references (cached: evictable until referenced)."""
-        refs = self._refs
-        return sum(1 for block in blocks if refs[block] == 0)
+        if len(blocks) < 2:
+            return sum(1 for block in blocks if self._refs[block] == 0)
+        return itemgetter(*blocks)(self._refs).count(0)
 
     def holding_key(self, key: int) -> list[int]:
         """The slots whose digest's low 64 bits are `key` (what a KV event names)."""
