@@ -219,7 +219,8 @@ class BlockPool:
         """How many of `blocks` nothing references (cached: evictable until referenced)."""
         if len(blocks) < 2:
             return sum(1 for block in blocks if self._refs[block] == 0)
-        return itemgetter(*blocks)(self._refs).count(0)
+        counts: tuple[int, ...] = itemgetter(*blocks)(self._refs)
+        return counts.count(0)
 
     def holding_key(self, key: int) -> list[int]:
         """The slots whose digest's low 64 bits are `key` (what a KV event names)."""
