@@ -327,14 +327,14 @@ class BlockPool:
         self._refs[block] = refs
         self._pins[block] = pins
         if refs == 0:
-            if self._scope[block] == NO_SCOPE and block in self._displaced:
-                self._restore(block)
-            elif self._scope[block] == NO_SCOPE:
-                self._generation[block] += 1
-                self._mark_free(block)
-            else:
+            if self._scope[block] != NO_SCOPE:
                 self._append_lru(block)
                 self.cached_count += 1
+            elif block in self._displaced:
+                self._restore(block)
+            else:
+                self._generation[block] += 1
+                self._mark_free(block)
         elif refs == pins:
             self.pinned_only_count += 1
 
