@@ -63,7 +63,11 @@ from quota_service.store.usage import UsageBook, UsageRollup
 log = logging.getLogger(__name__)
 
 # The collector's generation thresholds while serving (Python's defaults are 700, 10, 10).
-GC_THRESHOLDS = (20_000, 20, 20)
+# grpc aio leaves a small reference cycle behind every call (its handler lookup), so young
+# collections cannot be avoided, only shaped: every 2,000 allocations each pause stays near
+# 1-2 ms, where every 20,000 made fewer pauses of 15-20 ms that landed in the tail latency. The
+# total collector time per call is the same either way (measured with gc.callbacks).
+GC_THRESHOLDS = (2_000, 100, 20)
 
 SERVICE_NAMES = (
     admission_pb2.DESCRIPTOR.services_by_name["AdmissionService"].full_name,
@@ -415,8 +419,8 @@ async def serve(settings: Settings, database_url: str) -> None:
     running = await start(settings, database_url)
     # Every call makes a few hundred short-lived objects (block handles, messages): with the
     # collector's default threshold it runs every few calls and rescans everything the server
-    # keeps. What exists once serving began is frozen out of its scans, and young collections
-    # come less often.
+    # keeps. What exists once serving began is frozen out of its scans, and GC_THRESHOLDS says
+    # how the young collections that remain are paced.
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
     host = settings.grpc_listen.rsplit(":", 1)[0]
