@@ -249,6 +249,12 @@ async def _progress(label: str, result: LoadResult, deadline: float) -> None:
     say("")
 
 
+def warmup_seconds(seconds: float) -> float:
+    """A closed loop's warm-up (connections made, the server's caches filled): half a second,
+    or the load point's own length when that is shorter (the smoke form's points)."""
+    return min(0.5, seconds)
+
+
 async def closed_loop(
     gateway: Gateway,
     instance: str | Sequence[str],
@@ -260,7 +266,6 @@ async def closed_loop(
     label: str = "",
     hold_seconds: float = 0.0,
     wait_seconds: float = 0.0,
-    warmup_seconds: float = 0.5,
 ) -> LoadResult:
     """`concurrency` clients, each Admit then Release in a loop for `seconds` (after a warm-up
     whose calls are not counted); client c acts for tenant c mod len(tenants), on instance c mod
@@ -268,7 +273,7 @@ async def closed_loop(
     instances = [instance] if isinstance(instance, str) else list(instance)
     result = LoadResult()
     run = next(_SEQUENCE)
-    began = time.perf_counter() + warmup_seconds
+    began = time.perf_counter() + warmup_seconds(seconds)
     deadline = began + seconds
 
     def counting() -> bool:

@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bench.load import warmup_seconds
+
 BEGIN, END = "<!-- BEGIN ANALYSIS -->", "<!-- END ANALYSIS -->"
 _NO_ANALYSIS = (
     "_No analysis yet: write it here; `python -m bench.suite` keeps what is between these "
@@ -184,7 +186,8 @@ def markdown(document: dict[str, Any], analysis: str) -> str:
         "",
         f"Measured {document['date']} (UTC) by `{document['command']}`"
         f"{' (the --quick smoke form: not a measurement)' if s['quick'] else ''}. "
-        f"{s['runs']} run(s); each load point lasts {s['seconds']:g} s after a 0.5 s warm-up; "
+        f"{s['runs']} run(s); each load point lasts {s['seconds']:g} s after a "
+        f"{warmup_seconds(s['seconds']):g} s warm-up; "
         "each figure is given as min / median / max over the runs, and a target is met when "
         "its median is. The development machine is shared: treat the figures as indicative "
         "unless the load average was low.",

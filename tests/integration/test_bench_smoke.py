@@ -24,9 +24,9 @@ def test_quick_suite_measures_every_scenario(server_url: str, tmp_path: Path) ->
     docs = tmp_path / "benchmarks.md"
     env = {**os.environ, "KVQUOTA_DATABASE_URL": server_url}
     suite = processes.popen(
-        # A quarter of a second a load point (the smoke form's own default is half a second):
-        # each point still has its half-second warm-up, and the test asks only that every
-        # figure be measured, not how well. The queue mix keeps its own two seconds.
+        # A quarter of a second a load point (the smoke form's own default is half a second),
+        # after a warm-up as long: the test asks only that every figure be measured, not how
+        # well. The queue mix keeps its own two seconds.
         [
             sys.executable,
             "-m",
