@@ -975,10 +975,16 @@ class Journal:
 
     async def read(self, instance: str) -> RecordedInstance:
         """What the record holds of an instance now, without claiming it (for checks)."""
-        async with self._engine.begin() as conn:
-            owner = (await conn.execute(_OWNER, {"instance": instance})).mappings().first()
-            found = dict(owner) if owner is not None else {"epoch": 0, "batch": 0, "clocks": {}}
-            return await _recorded(conn, instance, found)
+        async with self._engine.connect() as conn:
+            # One snapshot for all its statements: the owner's batches and checkpoints commit
+            # meanwhile, and a checkpoint committing between the read of the last one and the
+            # read of the deltas would leave neither the deltas it drops nor itself in view.
+            # (`load` needs no such care: its claim fences the owner first.)
+            await conn.execution_options(isolation_level="REPEATABLE READ")
+            async with conn.begin():
+                owner = (await conn.execute(_OWNER, {"instance": instance})).mappings().first()
+                found = dict(owner) if owner else {"epoch": 0, "batch": 0, "clocks": {}}
+                return await _recorded(conn, instance, found)
 
 
 _IN_ERROR = psycopg.pq.TransactionStatus.INERROR

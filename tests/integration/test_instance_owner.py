@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from quota_service.config import Settings
 from quota_service.core.errors import KvQuotaError
@@ -25,7 +25,7 @@ from quota_service.store import journal as journal_module
 from quota_service.store.catalog import Catalog
 from quota_service.store.journal import BatchRows, Journal
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
-from tests.unit.machine_fixtures import assert_same_machine, recount
+from tests.unit.machine_fixtures import assert_same_machine, next_generation, recount
 
 LIMITS = Settings().admission_limits
 
@@ -225,6 +225,7 @@ class GatedCheckpoints(Journal):
         super().__init__(engine)
         self.gate = asyncio.Event()
         self.checkpointing = asyncio.Event()
+        self.written = asyncio.Event()
 
     async def write_checkpoint(
         self, instance: str, epoch: int, batch: int, chunks: Sequence[Mapping[str, Any]]
@@ -232,6 +233,7 @@ class GatedCheckpoints(Journal):
         self.checkpointing.set()
         await self.gate.wait()
         await super().write_checkpoint(instance, epoch, batch, chunks)
+        self.written.set()
 
 
 async def _checkpointing_owner(engine: AsyncEngine, journal: Journal) -> InstanceOwner:
@@ -275,6 +277,49 @@ async def test_batches_commit_while_a_checkpoint_is_written(engine: AsyncEngine)
     assert checkpoint is not None and checkpoint < last
     assert deltas and min(deltas) > checkpoint
     await rebuilt(engine, journal, owner.machine)
+    await journal.close()
+
+
+class CheckpointBeforeDeltas:
+    """The record's connection, on which the held checkpoint commits just before the deltas
+    are read (after the last checkpoint was)."""
+
+    def __init__(self, connection: AsyncConnection, journal: GatedCheckpoints) -> None:
+        self.connection = connection
+        self.journal = journal
+
+    async def execute(self, statement: Any, parameters: Any = None) -> Any:
+        if statement is journal_module._DELTAS:
+            self.journal.gate.set()
+            await self.journal.written.wait()
+        return await self.connection.execute(statement, parameters)
+
+
+async def test_the_record_read_while_a_checkpoint_commits_is_whole(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await add_instance(engine, blocks=512)
+    await add_tenant(engine, "acme")
+    journal = GatedCheckpoints(engine)
+    owner = await _checkpointing_owner(engine, journal)
+    await _until_checkpointing(owner, journal)
+    recorded = journal_module._recorded
+
+    async def read_across_the_checkpoint(
+        connection: AsyncConnection, instance: str, found: Mapping[str, Any]
+    ) -> journal_module.RecordedInstance:
+        return await recorded(CheckpointBeforeDeltas(connection, journal), instance, found)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(journal_module, "_recorded", read_across_the_checkpoint)
+    read = await journal.read("gpu-0")
+    assert journal.written.is_set()  # the checkpoint committed mid-read, dropping its deltas
+    found = await Catalog(engine).get_instance("gpu-0")
+    fresh = InstanceMachine.recover(
+        found.spec, LIMITS, await journal.tenants(), read.image, next_generation(owner.machine)
+    )
+    recount(fresh)
+    assert_same_machine(owner.machine, fresh)
+    await owner.retire("the test is done")
     await journal.close()
 
 
