@@ -313,12 +313,12 @@ async def test_the_record_read_while_a_checkpoint_commits_is_whole(
     monkeypatch.setattr(journal_module, "_recorded", read_across_the_checkpoint)
     read = await journal.read("gpu-0")
     assert journal.written.is_set()  # the checkpoint committed mid-read, dropping its deltas
-    found = await Catalog(engine).get_instance("gpu-0")
+    live = owner.machine
     fresh = InstanceMachine.recover(
-        found.spec, LIMITS, await journal.tenants(), read.image, next_generation(owner.machine)
+        live.spec, live.limits, await journal.tenants(), read.image, next_generation(live)
     )
     recount(fresh)
-    assert_same_machine(owner.machine, fresh)
+    assert_same_machine(live, fresh)
     await owner.retire("the test is done")
     await journal.close()
 
