@@ -243,8 +243,10 @@ async def _pair(
 
 
 async def _progress(label: str, result: LoadResult, deadline: float) -> None:
-    while time.perf_counter() < deadline:
-        await asyncio.sleep(1)
+    """The pairs so far, every second until the deadline (and not a whole second past it:
+    the load waits for this to end, and the smoke form's points last a quarter second)."""
+    while (left := deadline - time.perf_counter()) > 0:
+        await asyncio.sleep(min(1.0, left))
         say(f"\r  {label}: {result.pairs} pairs", end="")
     say("")
 

@@ -25,8 +25,6 @@ from pathlib import Path
 
 from tests import processes
 
-from tests import processes
-
 GROUPS = Path(os.environ["GROUPS_FILE"])
 
 
