@@ -88,6 +88,11 @@ class Settings:
     # Memory hot path: how long an instance's owner holds it without renewing (it renews every
     # third of that); another replica takes the instance over once the lease has lapsed.
     owner_lease_seconds: float = 5.0
+    # Group commit: an owner whose batch before held at least GROUP_COMMIT_BUSY_OPERATIONS
+    # operations (it is under load) holds the next open this long before writing it, so that
+    # more operations share one commit (instance_owner.GroupCommit); 0 writes at once.
+    group_commit_wait_seconds: float = 0.003
+    group_commit_busy_operations: int = 4
     # Where the other replicas reach this one to forward calls for the instances it owns
     # (host:port); empty: the listen address, with this host's name for a wildcard host and the
     # bound port for port 0.
@@ -109,6 +114,7 @@ class Settings:
             "queue_poll_seconds",
             "engine_abort_timeout_seconds",
             "owner_lease_seconds",
+            "group_commit_busy_operations",
             "engine_abort_hard_timeout_seconds",
             "metrics_refresh_seconds",
             "reclaim_policy_cooldown_seconds",
@@ -165,8 +171,9 @@ class Settings:
             raise SettingsError(f"{ENV_PREFIX}EVENT_LOOP must be one of " + ", ".join(LOOPS))
         if self.log_level.upper() not in logging.getLevelNamesMapping():
             raise SettingsError(f"{ENV_PREFIX}LOG_LEVEL: unknown level {self.log_level!r}")
-        if self.shutdown_grace_seconds < 0:
-            raise SettingsError(f"{ENV_PREFIX}SHUTDOWN_GRACE_SECONDS must not be negative")
+        for name in ("shutdown_grace_seconds", "group_commit_wait_seconds"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{ENV_PREFIX}{name.upper()} must not be negative")
 
     @property
     def queue_policy(self) -> QueuePolicy:

@@ -46,6 +46,7 @@ from quota_service.jobs.follower import Followers
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.jobs.reclaim_policy import ReclaimPolicy
 from quota_service.metrics import LedgerMetrics, PoolMetrics, ServiceMetrics, serve_metrics
+from quota_service.owner.instance_owner import GroupCommit
 from quota_service.owner.owned_inspection import OwnedInspection
 from quota_service.owner.owned_offboarding import OwnedOffboarding
 from quota_service.owner.owned_pins import OwnedPins
@@ -196,6 +197,9 @@ def make_hot_path(
         name or f"{socket.gethostname()}:{os.getpid()}",
         on_changed=lambda key: waiters.on_notification("changed", key),
         lease_seconds=settings.owner_lease_seconds,
+        group_commit=GroupCommit(
+            settings.group_commit_wait_seconds, settings.group_commit_busy_operations
+        ),
     )
     return HotPath(
         OwnedLedger(engine, owners, limits),

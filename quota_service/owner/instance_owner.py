@@ -57,6 +57,22 @@ CHECKPOINT_MIN_SLOTS = 100_000
 RETRY_AFTER_FAILED_COMMIT_SECONDS = 0.2
 
 
+@dataclass(frozen=True, slots=True)
+class GroupCommit:
+    """When an owner holds a batch open a moment before writing it. Under load (the batch
+    before held at least `busy_operations` operations) more are on their way, and a batch
+    written at once would commit a few and leave the rest to the next: waiting `wait_seconds`
+    lets them share one commit, which costs the server and PostgreSQL about as much as the
+    few would. An owner with little to do writes at once (one caller alone never waits). The
+    server's come from its settings (KVQUOTA_GROUP_COMMIT_*)."""
+
+    wait_seconds: float
+    busy_operations: int
+
+
+WRITE_AT_ONCE = GroupCommit(wait_seconds=0.0, busy_operations=1)
+
+
 @dataclass(slots=True)
 class JournalStats:
     """How the group commit is doing, for metrics and benchmarks."""
@@ -84,6 +100,7 @@ class InstanceOwner:
         clock: Callable[[], float] = time.time,
         checkpoint_min_slots: int = CHECKPOINT_MIN_SLOTS,
         lease_until: float = math.inf,
+        group_commit: GroupCommit = WRITE_AT_ONCE,
     ) -> None:
         self.machine = machine
         self.instance = machine.spec.instance
@@ -93,6 +110,7 @@ class InstanceOwner:
         self.stats = JournalStats()
         self._journal = journal
         self._clock = clock
+        self._group_commit = group_commit
         # Each tenant's totals on this instance as the record has them (recovery starts from
         # the machine it rebuilt, which is what the record says).
         self._written = {name: totals_of(machine, name) for name in machine.tenants}
@@ -166,9 +184,16 @@ class InstanceOwner:
         await waiter
 
     async def _write_batches(self) -> None:
+        wait, busy = self._group_commit.wait_seconds, self._group_commit.busy_operations
+        previous = 0  # operations in the batch written before
         try:
             while self._open is not None:
+                if wait > 0 and previous >= busy:
+                    await asyncio.sleep(wait)
+                    if self._open is None:  # stopped meanwhile: its callers were told
+                        return
                 waiters = self._writing = self._open
+                previous = len(waiters)
                 self._open = None
                 rows = self._take_batch()
                 try:
@@ -276,6 +301,7 @@ async def take_over(
     owner: str,
     address: str = "",
     lease_seconds: float | None = None,
+    group_commit: GroupCommit = WRITE_AT_ONCE,
 ) -> InstanceOwner:
     """Claim an instance under a new epoch and rebuild its machine from the record. Raises
     InstanceHeld while another replica's lease on it runs. Without `lease_seconds` the owner
@@ -294,4 +320,6 @@ async def take_over(
         found.state,
     )
     lease_until = math.inf if lease_seconds is None else claimed_at + lease_seconds
-    return InstanceOwner(machine, journal, recorded.epoch, lease_until=lease_until)
+    return InstanceOwner(
+        machine, journal, recorded.epoch, lease_until=lease_until, group_commit=group_commit
+    )

@@ -56,7 +56,12 @@ from quota_service.core.model import (
 from quota_service.core.names import reservation_name
 from quota_service.core.queueing import QueuePolicy
 from quota_service.core.reasons import Reason
-from quota_service.owner.instance_owner import InstanceOwner, take_over
+from quota_service.owner.instance_owner import (
+    WRITE_AT_ONCE,
+    GroupCommit,
+    InstanceOwner,
+    take_over,
+)
 from quota_service.store.catalog import Catalog
 from quota_service.store.journal import (
     InstanceHeld,
@@ -90,6 +95,7 @@ class Owners:
         address: str = "",
         on_changed: Callable[[str], None] | None = None,
         lease_seconds: float | None = None,
+        group_commit: GroupCommit = WRITE_AT_ONCE,
     ) -> None:
         self._engine = engine
         self.journal = Journal(engine)
@@ -103,6 +109,7 @@ class Owners:
         self._taking: dict[str, asyncio.Lock] = {}
         self._lookups = KeyLookups(self.journal)
         self._lease_seconds = lease_seconds
+        self._group_commit = group_commit
         # Instances other replicas serve, as last read, until (time.monotonic) their lease ends.
         self._held: dict[str, tuple[InstanceHeld, float]] = {}
         # What tenants hold on the instances not served here, as last read.
@@ -157,6 +164,7 @@ class Owners:
                 self._name,
                 self._address,
                 self._lease_seconds,
+                self._group_commit,
             )
         except InstanceHeld as held:
             self._held[instance] = (held, time.monotonic() + max(held.seconds_left, 0.0))

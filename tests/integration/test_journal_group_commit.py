@@ -1,6 +1,7 @@
 """A replica's instances commit apart and at once, each batch in a transaction of its own that
 passes its own fence: a stale instance's batch fails alone while the others commit, and
-PostgreSQL dying in the middle of a commit acknowledges nothing of it."""
+PostgreSQL dying in the middle of a commit acknowledges nothing of it. An owner under load holds
+its next batch open a moment, so that more operations share a commit."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ from quota_service.core.errors import KvQuotaError
 from quota_service.core.model import EndReason, ReservationState
 from quota_service.core.queueing import QueuePolicy
 from quota_service.core.reasons import Reason
-from quota_service.owner.instance_owner import InstanceOwner, take_over
+from quota_service.owner.instance_owner import (
+    WRITE_AT_ONCE,
+    GroupCommit,
+    InstanceOwner,
+    take_over,
+)
 from quota_service.store.catalog import Catalog
 from quota_service.store.journal import BatchRows, Journal, Statement, _Batch
 from tests.integration.ledger_fixtures import UNLIMITED, add_instance, add_tenant, request
@@ -69,9 +75,15 @@ async def journal(engine: AsyncEngine) -> AsyncIterator[GatedJournal]:
 
 
 async def owner_of(
-    engine: AsyncEngine, journal: Journal, instance: str, name: str = "replica-a"
+    engine: AsyncEngine,
+    journal: Journal,
+    instance: str,
+    name: str = "replica-a",
+    group_commit: GroupCommit = WRITE_AT_ONCE,
 ) -> InstanceOwner:
-    return await take_over(journal, Catalog(engine), instance, LIMITS, QueuePolicy(), name)
+    return await take_over(
+        journal, Catalog(engine), instance, LIMITS, QueuePolicy(), name, group_commit=group_commit
+    )
 
 
 async def admit(owner: InstanceOwner, request_id: str) -> ReservationState:
@@ -225,3 +237,57 @@ async def test_a_batch_that_takes_a_tenant_past_its_quota_commits_nothing(
         )
         assert totals.all() == [("fleet", 8), ("gpu-0", 8)]
     assert await recorded(engine) == [("gpu-0", "kept", "ADMITTED")]
+
+
+# Long beside the steps of these tests, so that what arrives while an owner waits is certain to
+# arrive within the wait.
+GATHER = GroupCommit(wait_seconds=1.0, busy_operations=3)
+
+
+async def _busy_batch(owner: InstanceOwner, journal: GatedJournal) -> list[asyncio.Task[object]]:
+    """Three admits in one batch (the owner is busy after it), and two more that arrive while
+    it is being written; the first three are answered when this returns."""
+    journal.hold(1)
+    first = [asyncio.create_task(admit(owner, f"a{i}")) for i in range(3)]
+    await journal.all_waiting.wait()
+    during = [asyncio.create_task(admit(owner, f"b{i}")) for i in range(2)]
+    await asyncio.sleep(0)  # they join the next batch
+    journal.gate.set()
+    assert set(await asyncio.gather(*first)) == {ReservationState.ADMITTED}
+    assert owner.stats.batches == 1 and owner.stats.operations == 3
+    return list(during)
+
+
+@pytest.mark.parametrize(
+    ("group_commit", "transactions"), [(GATHER, 2), (WRITE_AT_ONCE, 3)], ids=["gather", "at-once"]
+)
+async def test_an_owner_under_load_holds_its_next_batch_open_for_more_operations(
+    engine: AsyncEngine, journal: GatedJournal, group_commit: GroupCommit, transactions: int
+) -> None:
+    owner = await owner_of(engine, journal, "gpu-0", group_commit=group_commit)
+    # A lone operation is written at once, whatever the wait (this one would time the test out).
+    assert await asyncio.wait_for(admit(owner, "alone"), 30) is ReservationState.ADMITTED
+    owner.stats.batches = owner.stats.operations = 0
+    during = await _busy_batch(owner, journal)
+    # One more arrives just after the busy batch committed: while the owner waits, it joins the
+    # two that arrived during the commit, and the three share one transaction.
+    late = asyncio.create_task(admit(owner, "late"))
+    answers = await asyncio.gather(*during, late)
+    assert set(answers) == {ReservationState.ADMITTED}
+    assert len(journal.transactions) == transactions
+    assert owner.stats.batches == transactions and owner.stats.operations == 6
+    fresh = await owner_of(engine, journal, "gpu-0", "replica-b")
+    recount(fresh.machine)
+    assert_same_machine(owner.machine, fresh.machine)
+
+
+async def test_an_owner_stopped_while_it_waits_writes_nothing_more(
+    engine: AsyncEngine, journal: GatedJournal
+) -> None:
+    owner = await owner_of(engine, journal, "gpu-0", group_commit=GATHER)
+    during = await _busy_batch(owner, journal)
+    owner.stop("a newer owner took it")
+    for outcome in await asyncio.gather(*during, return_exceptions=True):
+        assert_moving(outcome)
+    assert len(journal.transactions) == 1
+    assert [request_id for _, request_id, _ in await recorded(engine)] == ["a0", "a1", "a2"]

@@ -42,6 +42,9 @@ def test_environment_overrides_file(tmp_path: Path) -> None:
         ({"KVQUOTA_LOG_FORMAT": "xml"}, "LOG_FORMAT must be one of json, text"),
         ({"KVQUOTA_LOG_LEVEL": "LOUD"}, "LOG_LEVEL: unknown level"),
         ({"KVQUOTA_EVENT_LOOP": "trio"}, "EVENT_LOOP must be one of uvloop, asyncio"),
+        ({"KVQUOTA_GROUP_COMMIT_WAIT_SECONDS": "-0.001"}, "WAIT_SECONDS must not be negative"),
+        ({"KVQUOTA_GROUP_COMMIT_BUSY_OPERATIONS": "0"}, "BUSY_OPERATIONS must be positive"),
+        ({"KVQUOTA_SHUTDOWN_GRACE_SECONDS": "-1"}, "SHUTDOWN_GRACE_SECONDS must not be negative"),
     ],
 )
 def test_bad_settings_say_which(environ: dict[str, str], message: str) -> None:
