@@ -24,6 +24,8 @@ from bench.load import say
 
 TPS = re.compile(r"^tps = ([0-9.]+) \(without initial connection time\)", re.M)
 LATENCY = re.compile(r"^latency average = ([0-9.]+) ms", re.M)
+# Transactions per second one pgbench -N client runs here, about (a short run's length).
+SHORT_RUN_TPS_PER_CLIENT = 400
 
 
 def binary() -> str:
@@ -93,17 +95,18 @@ class PgBench:
 
     def run(self, clients: int, seconds: float) -> Reference:
         threads = max(1, min(clients, os.cpu_count() or 1))
-        command = self._command(
-            ["-N", "-c", str(clients), "-j", str(threads), "-T", str(max(1, round(seconds)))]
+        # pgbench runs whole seconds; a shorter run (the smoke form's) is a number of
+        # transactions per client instead, about that long at a few hundred a second.
+        length = (
+            ["-T", str(round(seconds))]
+            if seconds >= 1
+            else ["-t", str(max(1, round(seconds * SHORT_RUN_TPS_PER_CLIENT)))]
         )
+        command = self._command(["-N", "-c", str(clients), "-j", str(threads), *length])
         say(f"pgbench -N: {clients} clients, {seconds:g} s")
         return _measured(command, self.url, clients)
 
 
-# The least any ledger that keeps a durable reference count per block must write for one
-# Admit+Release of a 96-block request, as pgbench's own transactions on the kvquota schema: each
-# of the 96 blocks' counts goes up and its table entry is written, in one transaction, and both
-# are undone in another. Each client uses its own 96 slots, so no two ever wait on each other.
 def _measured(command: list[str], url: str, clients: int) -> Reference:
     done = subprocess.run(command, env=_env(url), capture_output=True, text=True)
     if done.returncode:

@@ -254,7 +254,6 @@ async def _busy_batch(owner: InstanceOwner, journal: GatedJournal) -> list[async
     await asyncio.sleep(0)  # they join the next batch
     journal.gate.set()
     assert set(await asyncio.gather(*first)) == {ReservationState.ADMITTED}
-    assert owner.stats.batches == 1 and owner.stats.operations == 3
     return list(during)
 
 
