@@ -243,8 +243,8 @@ async def _pair(
 
 
 async def _progress(label: str, result: LoadResult, deadline: float) -> None:
-    """The pairs so far, every second until the deadline (and not a whole second past it:
-    the load waits for this to end, and the smoke form's points last a quarter second)."""
+    """The pairs so far, every second until the deadline and not past it: the load waits
+    for this to end, and a smoke form's point lasts well under a second."""
     while (left := deadline - time.perf_counter()) > 0:
         await asyncio.sleep(min(1.0, left))
         say(f"\r  {label}: {result.pairs} pairs", end="")

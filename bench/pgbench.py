@@ -24,7 +24,8 @@ from bench.load import say
 
 TPS = re.compile(r"^tps = ([0-9.]+) \(without initial connection time\)", re.M)
 LATENCY = re.compile(r"^latency average = ([0-9.]+) ms", re.M)
-# Transactions per second one pgbench -N client runs here, about (a short run's length).
+# About how many transactions a second one pgbench -N client runs here: what a run shorter
+# than pgbench's one-second minimum asks of each client, per second of it.
 SHORT_RUN_TPS_PER_CLIENT = 400
 
 
