@@ -22,7 +22,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
@@ -35,6 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from quota_service.core.model import Instance, TenantHoldings
 from quota_service.core.pagination import MAX_PAGE_SIZE, Page
 from quota_service.core.reclaim import ReclaimTally, StepState
+from quota_service.owner.instance_owner import JournalStats
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import pool_usage
 from quota_service.store.inspection import RecordedUsage
@@ -129,6 +130,32 @@ class PoolMetrics(Collector):
             ("overflow", "Connections open beyond the pool's size now.", usage.overflow),
         ):
             yield GaugeMetricFamily(f"kvquota_db_pool_{name}", help_text, value=value)
+
+
+class JournalMetrics(Collector):
+    """This replica's group commits, per instance it owns, read at scrape time: operations over
+    batches is how many operations a commit carries (what KVQUOTA_GROUP_COMMIT_* tune). Counted
+    from when this replica took the instance over."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, JournalStats]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        batches = CounterMetricFamily(
+            "kvquota_journal_batches",
+            "Batches (one transaction each) this replica committed for an instance it owns.",
+            labels=["engine_instance"],
+        )
+        operations = CounterMetricFamily(
+            "kvquota_journal_operations",
+            "Operations those batches carried.",
+            labels=["engine_instance"],
+        )
+        for instance, stats in sorted(self._stats().items()):
+            batches.add_metric([instance], stats.batches)
+            operations.add_metric([instance], stats.operations)
+        yield batches
+        yield operations
 
 
 class LedgerMetrics(Collector):

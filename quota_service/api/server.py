@@ -45,7 +45,13 @@ from quota_service.jobs.dispatcher import Dispatcher
 from quota_service.jobs.follower import Followers
 from quota_service.jobs.reclaim_executor import ReclaimExecutor
 from quota_service.jobs.reclaim_policy import ReclaimPolicy
-from quota_service.metrics import LedgerMetrics, PoolMetrics, ServiceMetrics, serve_metrics
+from quota_service.metrics import (
+    JournalMetrics,
+    LedgerMetrics,
+    PoolMetrics,
+    ServiceMetrics,
+    serve_metrics,
+)
 from quota_service.owner.instance_owner import GroupCommit
 from quota_service.owner.owned_inspection import OwnedInspection
 from quota_service.owner.owned_offboarding import OwnedOffboarding
@@ -298,6 +304,7 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     observed.registry.register(PoolMetrics(engine))
     waiters = Waiters(settings.queue_poll_seconds)
     hot_path = make_hot_path(settings, engine, waiters)
+    observed.registry.register(JournalMetrics(hot_path.owners.journal_stats))
     ledger, catalog, pins = hot_path.ledger, hot_path.catalog, hot_path.pins
     dispatcher = Dispatcher(ledger)
     listener = Listener(database_url)

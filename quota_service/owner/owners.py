@@ -60,6 +60,7 @@ from quota_service.owner.instance_owner import (
     WRITE_AT_ONCE,
     GroupCommit,
     InstanceOwner,
+    JournalStats,
     take_over,
 )
 from quota_service.store.catalog import Catalog
@@ -401,6 +402,10 @@ class Owners:
 
     def served(self) -> list[InstanceOwner]:
         return [owner for owner in self._owners.values() if owner.failure is None]
+
+    def journal_stats(self) -> dict[str, JournalStats]:
+        """How the group commit does for each instance served here (for metrics)."""
+        return {owner.instance: owner.stats for owner in self.served()}
 
 
 class KeyLookups:

@@ -126,6 +126,10 @@ async def test_admissions_queue_waits_and_rpc_latency_through_the_server(
         assert samples[key("kvquota_queue_wait_seconds_sum", **timeout)] >= 0.3
 
         assert samples[key("kvquota_db_pool_size")] == settings.db_pool_size
+        # The owner's commits: every call above that changed gpu-0 was in one, some shared.
+        commits = samples[key("kvquota_journal_batches_total", engine_instance="gpu-0")]
+        operations = samples[key("kvquota_journal_operations_total", engine_instance="gpu-0")]
+        assert 1 <= commits <= operations
         # The salt a caller got never shows in the metrics.
         assert holder.cache_salt and not any(holder.cache_salt in str(k) for k in samples)
 
