@@ -62,8 +62,8 @@ class GroupCommit:
     """When an owner holds a batch open a moment before writing it. Under load (the batch
     before held at least `busy_operations` operations) more are on their way, and a batch
     written at once would commit a few and leave the rest to the next: waiting `wait_seconds`
-    lets them share one commit, which costs the server and PostgreSQL about as much as the
-    few would. An owner with little to do writes at once (one caller alone never waits). A
+    lets them share one commit, and much of what a commit costs the server and PostgreSQL is
+    the same for a few operations as for many. An owner with little to do writes at once (one caller alone never waits). A
     server takes its own from its settings (KVQUOTA_GROUP_COMMIT_*)."""
 
     wait_seconds: float
