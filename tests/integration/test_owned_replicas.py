@@ -34,6 +34,9 @@ pytestmark = [
 ]
 
 LEASE_SECONDS = 2.0
+# A deadline for calls that must be answered at once: a call that is never answered fails the
+# test where it was made (once, in CI, one waited until the test's own timeout, five minutes).
+CALL_SECONDS = 30.0
 BLOCK = 16
 # Clients of each tenant in the fairness flood. Two thirds of the calls take two hops, and on a
 # loaded machine a client's way back into the queue (its Release answered, its next Admit
@@ -88,7 +91,8 @@ async def _register(replica: Replica, *instances: str) -> None:
         await replica.admin.RegisterInstance(
             admin_pb2.RegisterInstanceRequest(
                 instance_id=instance, block_size=BLOCK, max_model_len=8192, num_gpu_blocks=512
-            )
+            ),
+            timeout=CALL_SECONDS,
         )
 
 
@@ -96,7 +100,8 @@ async def _tenant(replica: Replica, tenant: str, max_blocks: int = 10**6) -> Non
     await replica.admin.CreateTenant(
         admin_pb2.CreateTenantRequest(
             tenant_id=tenant, tenant=pb.Tenant(quota=quota(max_blocks=max_blocks))
-        )
+        ),
+        timeout=CALL_SECONDS,
     )
 
 
@@ -310,7 +315,7 @@ async def test_a_paused_owner_commits_nothing_once_another_took_over(
     owner, other, _ = fleet
     await _register(owner, "gpu-a")
     await _tenant(owner, "acme")
-    await owner.gateway.Admit(_admit("acme", "before", "gpu-a"))
+    await owner.gateway.Admit(_admit("acme", "before", "gpu-a"), timeout=CALL_SECONDS)
     _, paused_epoch = (await _owners(engine))["gpu-a"]
     owner.process.send_signal(signal.SIGSTOP)
     try:
@@ -333,7 +338,7 @@ async def test_a_paused_owner_commits_nothing_once_another_took_over(
     # Whatever the old owner answered is what the record holds, under the new owner's epoch.
     assert (recorded.get("stuck") == "ADMITTED") == succeeded
     # Calls to it now are served by the new owner.
-    after = await owner.gateway.Admit(_admit("acme", "after", "gpu-a"))
+    after = await owner.gateway.Admit(_admit("acme", "after", "gpu-a"), timeout=CALL_SECONDS)
     assert after.reservation.state == pb.RESERVATION_STATE_ADMITTED
     assert (await _owners(engine))["gpu-a"] == (address, epoch)
     await assert_invariants(engine)
