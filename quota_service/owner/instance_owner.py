@@ -63,8 +63,9 @@ class GroupCommit:
     before held at least `busy_operations` operations) more are on their way, and a batch
     written at once would commit a few and leave the rest to the next: waiting `wait_seconds`
     lets them share one commit, and much of what a commit costs the server and PostgreSQL is
-    the same for a few operations as for many. An owner with little to do writes at once (one caller alone never waits). A
-    server takes its own from its settings (KVQUOTA_GROUP_COMMIT_*)."""
+    the same for a few operations as for many. An owner with little to do writes at once (one
+    caller alone never waits). A server takes its own from its settings
+    (KVQUOTA_GROUP_COMMIT_*)."""
 
     wait_seconds: float
     busy_operations: int
