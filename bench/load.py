@@ -242,6 +242,18 @@ async def _pair(
         result.pairs += 1
 
 
+async def one_pair(gateway: Gateway, instance: str, tenant: str) -> None:
+    """One Admit and its Release, each answered (a refusal raises): before the load point of a
+    server that has just started, so that what it does once (its first connections, to
+    PostgreSQL and to the other replicas) is not in the point. On a slow machine under other
+    load a forwarding replica's first calls took the whole of a smoke form's point."""
+    stub = gateway.admission(0)
+    request = admit_request(Shape(), tenant, f"one-pair-{next(_SEQUENCE)}", instance)
+    admitted = await stub.Admit(request, metadata=gateway.metadata, timeout=120)
+    release = admission_pb2.ReleaseRequest(name=admitted.reservation.name)
+    await stub.Release(release, metadata=gateway.metadata, timeout=120)
+
+
 async def _progress(label: str, result: LoadResult, deadline: float) -> None:
     """The pairs so far, every second until the deadline and not past it: the load waits
     for this to end, and a smoke form's point lasts well under a second."""

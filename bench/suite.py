@@ -609,6 +609,7 @@ class Suite:
         say(f"forwarded: {clients} clients calling a replica that forwards to the owner")
         with harness.server(database_url, self.server_env) as forwarder:
             async with Gateway([forwarder.address], self.token) as via:
+                await load.one_pair(via, "tput", TENANTS[0])
                 before, forwarding = meter.snapshot(), harness.cpu_seconds(forwarder.pid)
                 result = await load.closed_loop(
                     via,
