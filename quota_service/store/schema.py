@@ -196,9 +196,9 @@ class ReservationRow(Base):
 
     tenant: Mapped[ResourceId] = mapped_column(ForeignKey("tenants.tenant"), primary_key=True)
     request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    # Names the reservation in block_refs (shared id space with pins).
+    # Admission order's tie-break (drawn from the sequence pins' ids come from).
     holder_id: Mapped[int] = mapped_column(
-        BigInteger, HOLDER_IDS, server_default=HOLDER_IDS.next_value(), unique=True
+        BigInteger, HOLDER_IDS, server_default=HOLDER_IDS.next_value()
     )
     instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"))
     prompt_tokens: Mapped[int] = mapped_column(Integer)
@@ -271,25 +271,6 @@ class ReservationRow(Base):
             "AND virtual_start IS NOT NULL)",
             name="queued",
         ),
-        # Dispatch order: strict priority, then fair-queueing start tag, then arrival.
-        Index(
-            "ix_reservations_queue",
-            "instance",
-            text("priority DESC"),
-            "virtual_start",
-            "queued_at",
-            postgresql_where=text("state = 'QUEUED'"),
-        ),
-        Index(
-            "ix_reservations_abort_pending",
-            "abort_requested_at",
-            postgresql_where=text("abort_requested_at IS NOT NULL AND state = 'ADMITTED'"),
-        ),
-        Index(
-            "ix_reservations_wait_deadline",
-            "wait_deadline",
-            postgresql_where=text("state = 'QUEUED'"),
-        ),
         CheckConstraint("reserved_blocks >= 0 AND reserved_tokens >= 0", name="reserved"),
         # Only a session off the GPU can be compressed, and its measurement comes with it.
         CheckConstraint(
@@ -297,23 +278,13 @@ class ReservationRow(Base):
             "AND compress_before_bytes > 0 AND compress_after_bytes >= 0)",
             name="compressed",
         ),
-        # The reaper's scan and the retry-delay estimates read only live reservations.
+        # What reads the record's live reservations (an owner's recovery, reconciliation, the
+        # abort loop, offboarding, reclaim) reads a few thousand rows at most; every index more
+        # costs each journaled write of a reservation an entry.
         Index(
-            "ix_reservations_live_lease",
-            "lease_expires_at",
-            postgresql_where=text("state = 'ADMITTED'"),
-        ),
-        Index(
-            "ix_reservations_live_instance",
+            "ix_reservations_live",
             "instance",
-            "lease_expires_at",
-            postgresql_where=text("state = 'ADMITTED'"),
-        ),
-        Index(
-            "ix_reservations_live_tenant",
-            "tenant",
-            "lease_expires_at",
-            postgresql_where=text("state = 'ADMITTED'"),
+            postgresql_where=text("state IN ('QUEUED', 'ADMITTED')"),
         ),
     )
 

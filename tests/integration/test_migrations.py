@@ -35,3 +35,35 @@ def test_instances_registered_before_0018_are_found_by_engine_address(database_u
         address = conn.execute(text("SELECT engine_address FROM instances")).scalar_one()
     engine.dispose()
     assert address == "10.0.0.5:8000"
+
+
+# What each journaled write of a reservation pays an index entry for, before 0028 and after.
+INDEXES_0027 = {
+    "pk_reservations",
+    "uq_reservations_holder_id",
+    "ix_reservations_queue",
+    "ix_reservations_abort_pending",
+    "ix_reservations_wait_deadline",
+    "ix_reservations_live_lease",
+    "ix_reservations_live_instance",
+    "ix_reservations_live_tenant",
+}
+INDEXES_0028 = {"pk_reservations", "ix_reservations_live"}
+
+
+def test_reservations_keep_their_key_and_one_index_of_the_live_ones(database_url: str) -> None:
+    engine = create_engine(sqlalchemy_url(database_url), poolclass=pool.NullPool)
+
+    def indexes() -> set[str]:
+        with engine.connect() as conn:
+            found = conn.execute(
+                text("SELECT indexname FROM pg_indexes WHERE tablename = 'reservations'")
+            )
+            return set(found.scalars())
+
+    assert indexes() == INDEXES_0028
+    migrate.downgrade(database_url, "0027")
+    assert indexes() == INDEXES_0027
+    migrate.upgrade(database_url)
+    assert indexes() == INDEXES_0028
+    engine.dispose()
