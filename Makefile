@@ -36,10 +36,11 @@ endef
 # Tests run in parallel, each with a database of its own. They wait on PostgreSQL and on the
 # servers they start as much as they compute, so on two cores four workers beat two.
 # --maxschedchunk 1: a worker is handed two tests at a time, so the slow ones, collected
-# first (tests/conftest.py), go to different workers.
+# first (tests/conftest.py), go to different workers. --dist loadgroup: tests of one
+# xdist_group run on one worker, one after the other.
 TEST_WORKERS ?= 4
 test: $(STAMP) ## Unit and integration tests against a real PostgreSQL, in TEST_WORKERS processes
-	$(call PYTEST,-n $(TEST_WORKERS) --maxschedchunk 1)
+	$(call PYTEST,-n $(TEST_WORKERS) --dist loadgroup --maxschedchunk 1)
 
 # The property-based tests (their example counts: tests/examples.py).
 PROPERTY_TESTS := tests/unit/test_instance_machine_model.py \

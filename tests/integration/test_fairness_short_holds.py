@@ -28,6 +28,11 @@ PROMPT, OUTPUT = 1280, 256  # 96 blocks of 16
 
 
 @pytest.mark.slow
+# The share depends on round trips staying short beside the hold: a client whose Release and
+# next Admit are still on their way is not waiting in the queue. Beside the suite's smoke
+# bench (make test starts the slow tests together) the weight-3 tenant once got 66.7%; beside
+# other load, 73-75%. make test runs the two on one worker, one after the other.
+@pytest.mark.xdist_group("round_trips")
 async def test_weights_hold_when_holds_are_short(database_url: str) -> None:
     # The server in a process of its own, as a gateway meets it: the clients' own work does not
     # slow its event loop.
