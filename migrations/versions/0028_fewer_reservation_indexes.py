@@ -1,4 +1,4 @@
-"""Reservations keep two indexes instead of eight
+"""Reservations keep two indexes instead of eight, and the journal's rows no foreign keys
 
 The journal writes a reservation's row when it is admitted or queued and again when it ends,
 and each index whose predicate the row meets costs PostgreSQL an entry on every such write:
@@ -10,6 +10,13 @@ record (an owner's recovery and reconciliation, the abort loop, offboarding, rec
 invariant checks) reads a few thousand rows at most, which one index over the live rows by
 instance serves. `holder_id` named a reservation in the per-block ledger's references; it
 stays as an admission-order tie-break but needs no unique index.
+
+The foreign keys of the rows every batch writes (a reservation's tenant and instance, a pool
+delta's instance) checked each row against its tenant's and instance's rows and locked those
+rows (FOR KEY SHARE) in every batch, which the batch then updates (the tenant's totals, the
+instance's counters). What they guarded, the owner checks before the batch: it admits only for
+tenants it knows, on the instance it owns, and neither tenants nor instances are ever deleted
+(offboarding marks a tenant DELETED).
 
 Revision ID: 0028
 Revises: 0027
@@ -41,6 +48,16 @@ DROPPED = {
     "ix_reservations_live_tenant": ("tenant, lease_expires_at", "state = 'ADMITTED'"),
 }
 LIVE = "ix_reservations_live"
+# (table, column, referenced table) of the foreign keys dropped.
+FOREIGN_KEYS = (
+    ("reservations", "tenant", "tenants"),
+    ("reservations", "instance", "instances"),
+    ("pool_deltas", "instance", "instances"),
+)
+
+
+def _foreign_key(table: str, column: str, referenced: str) -> str:
+    return f"fk_{table}_{column}_{referenced}"
 
 
 def upgrade() -> None:
@@ -50,9 +67,16 @@ def upgrade() -> None:
     op.execute(
         f"CREATE INDEX {LIVE} ON reservations (instance) WHERE state IN ('QUEUED', 'ADMITTED')"
     )
+    for table, column, referenced in FOREIGN_KEYS:
+        op.execute(f"ALTER TABLE {table} DROP CONSTRAINT {_foreign_key(table, column, referenced)}")
 
 
 def downgrade() -> None:
+    for table, column, referenced in FOREIGN_KEYS:
+        op.execute(
+            f"ALTER TABLE {table} ADD CONSTRAINT {_foreign_key(table, column, referenced)} "
+            f"FOREIGN KEY ({column}) REFERENCES {referenced} ({column})"
+        )
     op.execute(f"DROP INDEX {LIVE}")
     op.execute(
         "ALTER TABLE reservations ADD CONSTRAINT uq_reservations_holder_id UNIQUE (holder_id)"

@@ -424,6 +424,8 @@ _NEXT_BATCH = "SELECT journal_next_batch(%(instance)s, %(epoch)s, %(clocks)s::js
 DEPOSED_SQLSTATE = "KQ001"
 # New reservations are inserted unless the request id is recorded already, and then the batch
 # fails with those ids (journal_fresh, migration 0021); the changed ones replace their rows.
+# Which ids were recorded is looked for only when fewer rows were inserted than sent (a hash
+# anti-join that cost a one-operation batch about a tenth of its PostgreSQL CPU).
 _WRITE_RESERVATIONS = (
     f"WITH r AS (SELECT * FROM json_to_recordset(%(new)s::json) AS r({_JSON_RECORD})), "
     f"inserted AS (INSERT INTO reservations ({_COLUMN_NAMES}) SELECT {_COLUMN_VALUES} FROM r "
@@ -432,9 +434,10 @@ _WRITE_RESERVATIONS = (
     f"FROM json_to_recordset(%(changed)s::json) AS r({_JSON_RECORD}) "
     "ON CONFLICT (tenant, request_id) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c, _, _ in _RESERVATION_COLUMNS[2:])
-    + ") SELECT journal_fresh(ARRAY(SELECT r.tenant || '/' || r.request_id FROM r "
+    + ") SELECT CASE WHEN (SELECT count(*) FROM inserted) < (SELECT count(*) FROM r) "
+    "THEN journal_fresh(ARRAY(SELECT r.tenant || '/' || r.request_id FROM r "
     "WHERE NOT EXISTS (SELECT 1 FROM inserted i "
-    "WHERE i.tenant = r.tenant AND i.request_id = r.request_id)))"
+    "WHERE i.tenant = r.tenant AND i.request_id = r.request_id))) END"
 )
 # What journal_fresh fails with.
 REUSED_SQLSTATE = "KQ002"

@@ -194,13 +194,16 @@ class InstanceRow(Base):
 class ReservationRow(Base):
     __tablename__ = "reservations"
 
-    tenant: Mapped[ResourceId] = mapped_column(ForeignKey("tenants.tenant"), primary_key=True)
+    # Not foreign keys (nor the instance): the journal writes these rows in every batch, and a
+    # key's check locked the tenant's and the instance's rows there; the owner writes only
+    # reservations of tenants it knows on the instance it owns, and neither row is ever deleted.
+    tenant: Mapped[ResourceId] = mapped_column(primary_key=True)
     request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     # Admission order's tie-break (drawn from the sequence pins' ids come from).
     holder_id: Mapped[int] = mapped_column(
         BigInteger, HOLDER_IDS, server_default=HOLDER_IDS.next_value()
     )
-    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"))
+    instance: Mapped[ResourceId]
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     max_output_tokens: Mapped[int] = mapped_column(Integer)
     n: Mapped[int] = mapped_column(Integer)
@@ -377,7 +380,8 @@ class PoolDeltaRow(Base):
 
     __tablename__ = "pool_deltas"
 
-    instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
+    # Not a foreign key: the journal writes a delta in most batches (see ReservationRow).
+    instance: Mapped[ResourceId] = mapped_column(primary_key=True)
     batch: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     scopes: Mapped[list[str]] = mapped_column(ARRAY(Text))
     slots: Mapped[list[int]] = mapped_column(ARRAY(Integer))

@@ -37,8 +37,9 @@ def test_instances_registered_before_0018_are_found_by_engine_address(database_u
     assert address == "10.0.0.5:8000"
 
 
-# What each journaled write of a reservation pays an index entry for, before 0028 and after.
-INDEXES_0027 = {
+# What each journaled write of a reservation or a pool delta pays for (an index entry, a foreign
+# key's check), before 0028 and after.
+CHECKED_0027 = {
     "pk_reservations",
     "uq_reservations_holder_id",
     "ix_reservations_queue",
@@ -47,23 +48,34 @@ INDEXES_0027 = {
     "ix_reservations_live_lease",
     "ix_reservations_live_instance",
     "ix_reservations_live_tenant",
+    "fk_reservations_tenant_tenants",
+    "fk_reservations_instance_instances",
+    "pk_pool_deltas",
+    "fk_pool_deltas_instance_instances",
 }
-INDEXES_0028 = {"pk_reservations", "ix_reservations_live"}
+CHECKED_0028 = {"pk_reservations", "ix_reservations_live", "pk_pool_deltas"}
 
 
-def test_reservations_keep_their_key_and_one_index_of_the_live_ones(database_url: str) -> None:
+def test_journaled_rows_keep_their_keys_and_one_index_of_the_live_reservations(
+    database_url: str,
+) -> None:
     engine = create_engine(sqlalchemy_url(database_url), poolclass=pool.NullPool)
 
-    def indexes() -> set[str]:
+    def checked() -> set[str]:
         with engine.connect() as conn:
             found = conn.execute(
-                text("SELECT indexname FROM pg_indexes WHERE tablename = 'reservations'")
+                text(
+                    "SELECT indexname FROM pg_indexes "
+                    "WHERE tablename IN ('reservations', 'pool_deltas') "
+                    "UNION SELECT conname FROM pg_constraint WHERE contype = 'f' "
+                    "AND conrelid IN ('reservations'::regclass, 'pool_deltas'::regclass)"
+                )
             )
             return set(found.scalars())
 
-    assert indexes() == INDEXES_0028
+    assert checked() == CHECKED_0028
     migrate.downgrade(database_url, "0027")
-    assert indexes() == INDEXES_0027
+    assert checked() == CHECKED_0027
     migrate.upgrade(database_url)
-    assert indexes() == INDEXES_0028
+    assert checked() == CHECKED_0028
     engine.dispose()
