@@ -9,9 +9,11 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -88,6 +90,27 @@ LISTEN_TIMEOUT_SECONDS = 30
 MAX_READY_DELAY_SECONDS = 10.0
 # What the end of the shutdown grace leaves callers still waiting to get their answer in.
 HANDBACK_SECONDS = 1.0
+
+
+class _GenericHandlersOnly:
+    """The server as the generated `add_*Servicer_to_server` functions see it: each service's
+    handlers are added as a generic handler only, not as registered methods. For every call
+    it accepts, grpc.aio's server waits on one pending task per registered method (44 here:
+    `asyncio.wait` over all of them, each one's callback added and removed), where a generic
+    handler finds the method by its path in a dict; the bare gRPC floor registers none. That
+    wait cost 63 µs of CPU over 44 tasks against 14 µs over one (uvloop, this machine). The
+    generated functions call only these two methods (hence the cast where it is passed)."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        """Left out (see the class); the generic handler added with them serves them."""
 
 
 @dataclass
@@ -344,21 +367,22 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
         ledger, settings.engine_abort_timeout_seconds, settings.engine_abort_hard_timeout_seconds
     )
     cpu_tier = CpuTierMirror(CpuTierBooks(engine))
+    services = cast(grpc.aio.Server, _GenericHandlersOnly(server))
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(
-        AdmissionServicer(ledger, waiters, termination, cpu_tier, observed, catalog), server
+        AdmissionServicer(ledger, waiters, termination, cpu_tier, observed, catalog), services
     )
     offboarding = hot_path.offboarding(engine, termination)
     inspection = hot_path.inspection(engine)
     reclaim = hot_path.reclaim(engine, settings.cpu_watermarks)
     admin = AdminServicer(catalog, pins, offboarding, inspection, reclaim, api_keys, audit)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, services)
     billing_pb2_grpc.add_BillingServiceServicer_to_server(
-        BillingServicer(UsageBook(engine)), server
+        BillingServicer(UsageBook(engine)), services
     )
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, services)
     reflection.enable_server_reflection(
-        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), services
     )
     await _set_health(health_servicer, False)
     credentials = server_credentials(settings)
