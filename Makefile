@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-long test-unit test-engines test-gateways bench-fidelity stress stress-short lint format proto bench clean
+.PHONY: help venv run test test-timing test-long test-unit test-engines test-gateways bench-fidelity stress stress-short lint format proto bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -36,11 +36,13 @@ endef
 # Tests run in parallel, each with a database of its own. They wait on PostgreSQL and on the
 # servers they start as much as they compute, so on two cores four workers beat two.
 # --maxschedchunk 1: a worker is handed two tests at a time, so the slow ones, collected
-# first (tests/conftest.py), go to different workers. --dist loadgroup: tests of one
-# xdist_group run on one worker, one after the other.
+# first (tests/conftest.py), go to different workers.
 TEST_WORKERS ?= 4
-test: $(STAMP) ## Unit and integration tests against a real PostgreSQL, in TEST_WORKERS processes
-	$(call PYTEST,-n $(TEST_WORKERS) --dist loadgroup --maxschedchunk 1)
+test: $(STAMP) ## Unit and integration tests against a real PostgreSQL, in TEST_WORKERS processes (all but the timing tests)
+	$(call PYTEST,-n $(TEST_WORKERS) --maxschedchunk 1 -m "not timing")
+
+test-timing: $(STAMP) ## The tests whose figures depend on round trips staying short: one at a time, nothing beside them
+	$(call PYTEST,-m timing)
 
 # The property-based tests (their example counts: tests/examples.py).
 PROPERTY_TESTS := tests/unit/test_instance_machine_model.py \

@@ -19,8 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.bench_smoke
 @pytest.mark.slow
-# Not beside the fairness test (see there): this is the load that lengthens round trips most.
-@pytest.mark.xdist_group("round_trips")
 @pytest.mark.timeout(300)
 def test_quick_suite_measures_every_scenario(server_url: str, tmp_path: Path) -> None:
     docs = tmp_path / "benchmarks.md"
