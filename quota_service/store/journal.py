@@ -362,7 +362,7 @@ def _pin_row(instance: str, pin: PinRecord) -> dict[str, Any]:
 # PostgreSQL reads a literal far faster than it converts a JSON array element by element (a
 # table's ids and generations are most of a row). The journal's rows are read as `json`, not
 # `jsonb`: they are read once, and converting them to jsonb first cost PostgreSQL more than
-# reading them (per row, 24 µs against 35 µs of CPU in a probe of 2,000 admitted rows).
+# reading them (in a probe of 2,000 admitted rows, 23-35 µs of CPU per row against 42-57 µs).
 _RESERVATION_COLUMNS = (
     ("tenant", "text", None),
     ("request_id", "text", None),
