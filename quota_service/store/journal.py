@@ -445,14 +445,18 @@ REUSED_SQLSTATE = "KQ002"
 # migration 0027, fails the batch (KQ003) naming the tenants it took past theirs; shadow-mode
 # tenants are admitted past it on purpose), with each tenant's totals on this instance, the
 # batch's usage events and the instance's counters as the catalog shows them: one statement,
-# its rows in one JSON parameter read once.
+# its rows in one JSON parameter read once. The tenants' rows are also named in an array, which
+# PostgreSQL looks up by key: joined with the JSON rows alone (estimated at 100) it read every
+# tenant of the fleet in each batch (with 3,000 tenants, a one-operation batch cost twice its
+# PostgreSQL CPU).
 _MOVE_TOTALS = (
     "WITH m AS (SELECT * FROM json_to_recordset(%(totals)s::json) "
     "AS m(tenant text, blocks bigint, tokens bigint, pinned bigint, queued bigint)), "
     "moved AS (UPDATE tenants t SET blocks_in_use = t.blocks_in_use + m.blocks, "
     "tokens_in_flight = t.tokens_in_flight + m.tokens, "
     "pinned_blocks = t.pinned_blocks + m.pinned, queued_requests = t.queued_requests + m.queued "
-    "FROM m WHERE t.tenant = m.tenant RETURNING t.tenant, NOT t.shadow_mode AND ("
+    "FROM m WHERE t.tenant = m.tenant AND t.tenant = ANY(%(tenants)s::text[]) "
+    "RETURNING t.tenant, NOT t.shadow_mode AND ("
     "(m.blocks > 0 AND t.blocks_in_use > t.max_blocks) "
     "OR (m.tokens > 0 AND t.tokens_in_flight > t.max_tokens_in_flight) "
     "OR (m.pinned > 0 AND t.pinned_blocks > t.max_pinned_blocks)) AS over_quota), "
@@ -736,7 +740,12 @@ class _Batch:
         rows = self.rows
         tenants = sorted(moved["tenant"] for moved in rows.totals)
         lock = [(_LOCK_TENANTS, {"tenants": tenants})] if len(tenants) > 1 else []
-        moved = {**rows.pool, "totals": _json(rows.totals), "usage": _json(rows.usage)}
+        moved = {
+            **rows.pool,
+            "tenants": tenants,
+            "totals": _json(rows.totals),
+            "usage": _json(rows.usage),
+        }
         return [*lock, (_MOVE_TOTALS, moved)]
 
 
