@@ -3,8 +3,9 @@ transaction per batch of operations, and what a new owner reads back to rebuild 
 
 Rows per operation, never per block: a reservation or a pin is one row whose block table is
 arrays; the slots whose contents changed in a batch are one `pool_deltas` row; the machine's small
-scalars (fair clocks, holding times, drift) are merged into the owner's row; tenants' fleet-wide
-totals move by what the batch changed of them, never past a quota (`QuotaRaced`). Every batch
+scalars (fair clocks, holding times, drift) are merged into the owner's row, each tenant's into its
+row of the instance's tenants; tenants' fleet-wide totals move by what the batch changed of them,
+never past a quota (`QuotaRaced`). Every batch
 first moves the owner's row on `WHERE epoch = :mine`, so a deposed owner commits nothing
 (`Deposed`). An owner holds a lease on its instances, and a replica claims an instance only once
 the lease has lapsed (`InstanceHeld`).
@@ -136,6 +137,8 @@ class BatchRows:
     removed_pins: list[dict[str, Any]] = field(default_factory=list)
     delta: dict[str, Any] | None = None
     clocks: dict[str, Any] = field(default_factory=dict)
+    # Each tenant the batch touched: what it moved of the tenant's totals here (zeros when
+    # nothing), and the tenant's clocks here now.
     totals: list[dict[str, Any]] = field(default_factory=list)
     pool: dict[str, Any] = field(default_factory=dict)
     usage: list[dict[str, Any]] = field(default_factory=list)
@@ -209,23 +212,20 @@ def batch_rows(
     }
     for tenant in sorted(touched):
         here = machine.tenants[tenant]
-        rows.clocks[f"tenants/{tenant}"] = {
-            "last_finish": {str(p): t for p, t in here.last_finish.items()},
-            "mean_hold_seconds": here.mean_hold_seconds,
-        }
         now = totals_of(machine, tenant)
         moved = now.minus(written.get(tenant, NO_TOTALS))
         written[tenant] = now
-        if moved != NO_TOTALS:
-            rows.totals.append(
-                {
-                    "tenant": tenant,
-                    "blocks": moved.blocks,
-                    "tokens": moved.tokens,
-                    "pinned": moved.pinned,
-                    "queued": moved.queued,
-                }
-            )
+        rows.totals.append(
+            {
+                "tenant": tenant,
+                "blocks": moved.blocks,
+                "tokens": moved.tokens,
+                "pinned": moved.pinned,
+                "queued": moved.queued,
+                "last_finish": {str(p): t for p, t in here.last_finish.items()},
+                "mean_hold": here.mean_hold_seconds,
+            }
+        )
     return rows
 
 
@@ -443,15 +443,16 @@ _WRITE_RESERVATIONS = (
 REUSED_SQLSTATE = "KQ002"
 # Tenants' fleet-wide totals move, never past a quota they grow in (journal_within_quota,
 # migration 0027, fails the batch (KQ003) naming the tenants it took past theirs; shadow-mode
-# tenants are admitted past it on purpose), with each tenant's totals on this instance, the
-# batch's usage events and the instance's counters as the catalog shows them: one statement,
-# its rows in one JSON parameter read once. The tenants' rows are also named in an array, which
-# PostgreSQL looks up by key: joined with the JSON rows alone (estimated at 100) it read every
-# tenant of the fleet in each batch (with 3,000 tenants, a one-operation batch cost twice its
-# PostgreSQL CPU).
+# tenants are admitted past it on purpose), with each tenant's totals and clocks on this
+# instance, the batch's usage events and the instance's counters as the catalog shows them: one
+# statement, its rows in one JSON parameter read once. Only the tenants whose totals moved are
+# updated, named in an array, which PostgreSQL looks up by key: joined with the JSON rows alone
+# (estimated at 100) it read every tenant of the fleet in each batch (with 3,000 tenants, a
+# one-operation batch cost twice its PostgreSQL CPU).
 _MOVE_TOTALS = (
     "WITH m AS (SELECT * FROM json_to_recordset(%(totals)s::json) "
-    "AS m(tenant text, blocks bigint, tokens bigint, pinned bigint, queued bigint)), "
+    "AS m(tenant text, blocks bigint, tokens bigint, pinned bigint, queued bigint, "
+    "last_finish jsonb, mean_hold float8)), "
     "moved AS (UPDATE tenants t SET blocks_in_use = t.blocks_in_use + m.blocks, "
     "tokens_in_flight = t.tokens_in_flight + m.tokens, "
     "pinned_blocks = t.pinned_blocks + m.pinned, queued_requests = t.queued_requests + m.queued "
@@ -461,13 +462,15 @@ _MOVE_TOTALS = (
     "OR (m.tokens > 0 AND t.tokens_in_flight > t.max_tokens_in_flight) "
     "OR (m.pinned > 0 AND t.pinned_blocks > t.max_pinned_blocks)) AS over_quota), "
     "here AS (INSERT INTO instance_tenant_totals AS x (tenant, instance, blocks_in_use, "
-    "tokens_in_flight, pinned_blocks, queued_requests) "
-    "SELECT m.tenant, %(instance)s, m.blocks, m.tokens, m.pinned, m.queued FROM m "
+    "tokens_in_flight, pinned_blocks, queued_requests, last_finish, mean_hold_seconds) "
+    "SELECT m.tenant, %(instance)s, m.blocks, m.tokens, m.pinned, m.queued, m.last_finish, "
+    "m.mean_hold FROM m "
     "ON CONFLICT (tenant, instance) DO UPDATE SET "
     "blocks_in_use = x.blocks_in_use + EXCLUDED.blocks_in_use, "
     "tokens_in_flight = x.tokens_in_flight + EXCLUDED.tokens_in_flight, "
     "pinned_blocks = x.pinned_blocks + EXCLUDED.pinned_blocks, "
-    "queued_requests = x.queued_requests + EXCLUDED.queued_requests), "
+    "queued_requests = x.queued_requests + EXCLUDED.queued_requests, "
+    "last_finish = EXCLUDED.last_finish, mean_hold_seconds = EXCLUDED.mean_hold_seconds), "
     "usage AS (INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, "
     "compressed_bytes, tokens_reserved, output_tokens, admitted, queued, refused, shadow_refused) "
     "SELECT u.tenant, %(instance)s, u.blocks, u.pinned, u.cpu_bytes, u.compressed_bytes, "
@@ -629,6 +632,10 @@ _ENDED_RESERVATION = text(
     "AND instance = :instance AND state = 'ENDED'"
 )
 _ACTIVE_PINS = text("SELECT * FROM pins WHERE instance = :instance AND state = 'ACTIVE'")
+_TENANT_CLOCKS = text(
+    "SELECT tenant, last_finish, mean_hold_seconds FROM instance_tenant_totals "
+    "WHERE instance = :instance AND (last_finish <> '{}' OR mean_hold_seconds IS NOT NULL)"
+)
 # A tenant's salt is its namespace's when it has one: the hashes of its prefixes are then the
 # namespace's (hash_scope), shared with the namespace's other tenants.
 _TENANT_SETTINGS = text(
@@ -738,7 +745,7 @@ class _Batch:
         statements, so that the tenants' rows stay locked only from there to the commit. Several
         tenants' rows are locked first, in the one order every commit of every replica follows."""
         rows = self.rows
-        tenants = sorted(moved["tenant"] for moved in rows.totals)
+        tenants = sorted(here["tenant"] for here in rows.totals if _moved(here))
         lock = [(_LOCK_TENANTS, {"tenants": tenants})] if len(tenants) > 1 else []
         moved = {
             **rows.pool,
@@ -747,6 +754,14 @@ class _Batch:
             "usage": _json(rows.usage),
         }
         return [*lock, (_MOVE_TOTALS, moved)]
+
+
+def _moved(totals: Mapping[str, Any]) -> bool:
+    return any(totals[name] for name in _MOVED)
+
+
+# What a batch's row of a tenant moves of its totals.
+_MOVED = ("blocks", "tokens", "pinned", "queued")
 
 
 class Journal:
@@ -1065,6 +1080,7 @@ async def _recorded(
     pins = await conn.execute(_ACTIVE_PINS, {"instance": instance})
     pin_records = tuple(_pin_from_row(r) for r in pins.mappings())
     clocks = owner["clocks"]
+    tenant_clocks = await conn.execute(_TENANT_CLOCKS, {"instance": instance})
     image = InstanceImage(
         _slot_contents(rows),
         tuple(rows[-1].scopes if rows else ()),
@@ -1072,11 +1088,8 @@ async def _recorded(
         pin_records,
         {int(p): t for p, t in clocks.get("virtual_time", {}).items()},
         {
-            name.split("/", 1)[1]: TenantClocks(
-                {int(p): t for p, t in value["last_finish"].items()}, value["mean_hold_seconds"]
-            )
-            for name, value in clocks.items()
-            if name.startswith("tenants/")
+            tenant: TenantClocks({int(p): t for p, t in last_finish.items()}, mean_hold)
+            for tenant, last_finish, mean_hold in tenant_clocks
         },
         clocks.get("mean_hold_seconds"),
         clocks.get("drift_blocks", 0),

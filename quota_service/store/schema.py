@@ -325,8 +325,9 @@ class PinRow(Base):
 class InstanceOwnerRow(Base):
     """Who serves an instance from memory, under which epoch, and the journal's position: every
     batch's transaction moves `batch` on with `WHERE epoch = :mine`, so a deposed owner's batch
-    changes nothing. `clocks` holds the machine's small scalars (fair-queueing virtual times,
-    tenants' finish tags and mean holding times, drift), merged per batch."""
+    changes nothing. `clocks` holds the machine's own scalars (fair-queueing virtual times, mean
+    holding time, drift), merged per batch; each tenant's are in its `instance_tenant_totals`
+    row."""
 
     __tablename__ = "instance_owners"
 
@@ -342,7 +343,9 @@ class InstanceOwnerRow(Base):
 class InstanceTenantTotalsRow(Base):
     """What a tenant holds on one instance, as the tenant's fleet-wide totals count it: moved
     by each batch of the instance's owner with the tenant's totals (the journal's _MOVE_TOTALS), and
-    read by the other replicas' owners, whose quota decisions need what it holds elsewhere."""
+    read by the other replicas' owners, whose quota decisions need what it holds elsewhere. With
+    it, the tenant's fair-queueing clocks there (finish tag per priority, mean holding time),
+    written by each batch that touched the tenant and read back by a new owner."""
 
     __tablename__ = "instance_tenant_totals"
 
@@ -352,6 +355,9 @@ class InstanceTenantTotalsRow(Base):
     tokens_in_flight: Mapped[Count]
     pinned_blocks: Mapped[Count]
     queued_requests: Mapped[Count]
+    # Priority (as text: a JSON key) -> virtual finish tag.
+    last_finish: Mapped[dict[str, float]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    mean_hold_seconds: Mapped[float | None]
 
 
 class PoolCheckpointRow(Base):

@@ -70,12 +70,6 @@ def prompt(
 DATA = Path(__file__).parent / "data"
 
 
-def _within_quota() -> str:
-    """The function migration 0027 makes, which today's journal calls."""
-    made: str = migrate.revision_module("0027").WITHIN_QUOTA
-    return made
-
-
 @pytest.fixture
 async def ledger_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
     """The test's database at the revision before the migration, as the per-block ledger
@@ -96,23 +90,29 @@ def per_block_answers() -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def later_functions(engine: AsyncEngine) -> AsyncIterator[None]:
-    """Today's journal writing to a database at an earlier revision: the function of a later
-    migration it calls, made for the while."""
+async def today_on_an_earlier_revision(engine: AsyncEngine) -> AsyncIterator[None]:
+    """Today's journal reading and writing a database at an earlier revision: what later
+    migrations made that it uses (the function of 0027 it calls, the tenants' clock columns of
+    0029), made for the while, and then undone as those migrations' downgrades undo them (the
+    tenants' clocks go back into their owners' rows)."""
+    quota, clocks = migrate.revision_module("0027"), migrate.revision_module("0029")
     async with engine.begin() as conn:
-        await conn.execute(text(_within_quota()))
+        await conn.execute(text(quota.WITHIN_QUOTA))
+        await conn.execute(text(clocks.ADD_COLUMNS))
     try:
         yield
     finally:
         async with engine.begin() as conn:
             await conn.execute(text("DROP FUNCTION journal_within_quota(text[])"))
+            await conn.execute(text(clocks.TO_OWNER_ROWS))
+            await conn.execute(text(clocks.DROP_COLUMNS))
 
 
 async def served_from_memory(engine: AsyncEngine, journal: Journal) -> None:
     """gpu-2, served from memory before the migration, with a reservation in its journal."""
     await add_instance(engine, JOURNALED, blocks=16)
-    owner = await owner_of(engine, journal, JOURNALED, "replica-0")
-    async with later_functions(engine):
+    async with today_on_an_earlier_revision(engine):
+        owner = await owner_of(engine, journal, JOURNALED, "replica-0")
         await owner.apply(
             lambda m, now: m.admit(prompt("mem", tokens(11, 2), instance=JOURNALED), now)
         )
@@ -552,9 +552,9 @@ async def test_downgrade_clears_what_was_carried_until_an_owner_writes(
     # Once an owner has committed a batch, the per-block tables no longer hold all there is:
     # the downgrade refuses, and changes nothing.
     journal = Journal(engine)
-    owner = await owner_of(engine, journal, "gpu-1")
     after = request("after", 2 * BS, BS, instance="gpu-1")
-    async with later_functions(engine):
+    async with today_on_an_earlier_revision(engine):
+        owner = await owner_of(engine, journal, "gpu-1")
         await owner.apply(lambda m, now: m.admit(after, now))
     await journal.close()
     written = await rows_of(engine, _JOURNAL)
@@ -607,7 +607,11 @@ async def test_the_per_block_tables_go_and_the_journal_stays(
     carried = await rows_of(engine, _JOURNAL)
     migrate.upgrade(database_url)
     assert await rows_of(engine, _PER_BLOCK_TABLES) == (0,)
+    # As 0028 keeps it (0029 moves the tenants' clocks out of their owners' rows, and its
+    # downgrade back), the journal is what was carried.
+    migrate.downgrade(database_url, "0028")
     assert await rows_of(engine, _JOURNAL) == carried
+    migrate.upgrade(database_url)
 
     # Back, the tables are made again only when they would hold all there is: not while the
     # journal holds live block tables and cached slots.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, pool, text
@@ -78,4 +80,60 @@ def test_journaled_rows_keep_their_keys_and_one_index_of_the_live_reservations(
     assert checked() == CHECKED_0027
     migrate.upgrade(database_url)
     assert checked() == CHECKED_0028
+    engine.dispose()
+
+
+# Owners' rows as 0028 keeps them: the instance's own clocks and each tenant's.
+OWNER_CLOCKS_0028 = {
+    "virtual_time": {"0": 12.5},
+    "mean_hold_seconds": 0.25,
+    "drift_blocks": 3,
+    # With totals on the instance, and without (the upgrade makes it a row holding nothing).
+    "tenants/acme": {"last_finish": {"0": 12.5, "2": 4.0}, "mean_hold_seconds": 0.5},
+    "tenants/beta": {"last_finish": {"0": 7.0}, "mean_hold_seconds": None},
+}
+
+
+def test_tenants_clocks_move_beside_their_totals_and_back(database_url: str) -> None:
+    migrate.downgrade(database_url, "0028")
+    engine = create_engine(sqlalchemy_url(database_url), poolclass=pool.NullPool)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO instances (instance, block_size, capacity_blocks, free_blocks, "
+                "max_model_len) VALUES ('gpu-0', 16, 8, 8, 64)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO instance_owners (instance, owner, epoch, clocks) "
+                "VALUES ('gpu-0', 'replica-a', 1, CAST(:clocks AS jsonb))"
+            ),
+            {"clocks": json.dumps(OWNER_CLOCKS_0028)},
+        )
+        conn.execute(
+            text(
+                "INSERT INTO instance_tenant_totals (tenant, instance, blocks_in_use, "
+                "tokens_in_flight) VALUES ('acme', 'gpu-0', 4, 64)"
+            )
+        )
+    migrate.upgrade(database_url)
+    with engine.connect() as conn:
+        owner = conn.execute(text("SELECT clocks FROM instance_owners")).scalar_one()
+        tenants = conn.execute(
+            text(
+                "SELECT tenant, blocks_in_use, tokens_in_flight, last_finish, mean_hold_seconds "
+                "FROM instance_tenant_totals ORDER BY tenant"
+            )
+        ).all()
+    assert owner == {"virtual_time": {"0": 12.5}, "mean_hold_seconds": 0.25, "drift_blocks": 3}
+    assert tenants == [
+        ("acme", 4, 64, {"0": 12.5, "2": 4.0}, 0.5),
+        ("beta", 0, 0, {"0": 7.0}, None),
+    ]
+    migrate.downgrade(database_url, "0028")
+    with engine.connect() as conn:
+        owner = conn.execute(text("SELECT clocks FROM instance_owners")).scalar_one()
+    assert owner == OWNER_CLOCKS_0028
+    migrate.upgrade(database_url)
     engine.dispose()
