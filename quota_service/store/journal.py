@@ -878,9 +878,15 @@ class Journal:
             self._writers.discard(writer)
         # Autocommit: the driver adds no BEGIN of its own (a round trip). No prepare_threshold:
         # every batch's query text is new, so the driver's count of texts seen is work for
-        # nothing (the statements are PREPAREd by name, `_Writer`).
+        # nothing (the statements are PREPAREd by name, `_Writer`). Generic plans always: left
+        # to choose, PostgreSQL planned the tenants' statements again for every batch once the
+        # fleet had thousands of tenants (its generic plan's estimate for an array of tenants
+        # looked dearer than one tenant's custom plan), a third of a batch's CPU.
         connection = await psycopg.AsyncConnection.connect(
-            self._url, autocommit=True, prepare_threshold=None
+            self._url,
+            autocommit=True,
+            prepare_threshold=None,
+            options="-c plan_cache_mode=force_generic_plan",
         )
         if self._closed:  # closed while this one connected: nothing else would close it
             await connection.close()

@@ -1,7 +1,8 @@
 """A batch must read and write only what is its own tenants', however many tenants the fleet
-has. How PostgreSQL runs a batch's statements as the journal prepares them (generic plans):
-joined with the batch's JSON rows alone (which PostgreSQL estimates at 100), the tenants' rows
-were read whole in every batch (with 3,000 tenants, a one-operation batch cost twice its CPU).
+has. How PostgreSQL runs a batch's statements as the journal prepares them: joined with the
+batch's JSON rows alone (which PostgreSQL estimates at 100), the tenants' rows were read whole
+in every batch (with 3,000 tenants, a one-operation batch cost twice its CPU); and planned
+again for every batch, unless the journal's connections keep to the generic plans.
 And what a batch writes: every tenant's fair clocks were kept in the owner's one row, which each
 batch read and wrote whole (with 3,000 tenants served once, 13 ms of CPU instead of 1)."""
 
@@ -18,14 +19,16 @@ from quota_service.core.model import EndReason
 from quota_service.core.queueing import QueuePolicy
 from quota_service.owner.instance_owner import InstanceOwner, take_over
 from quota_service.store.catalog import Catalog
-from quota_service.store.journal import BatchRows, Journal, _Batch, _Writer
+from quota_service.store.journal import BatchRows, Journal, _Batch
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
 from tests.unit.machine_fixtures import assert_same_machine
 
 TENANTS = 5_000
 
 
-async def test_a_batch_moves_its_tenants_totals_by_their_key(database_url: str) -> None:
+async def test_a_batch_moves_its_tenants_totals_by_their_key(
+    database_url: str, engine: AsyncEngine
+) -> None:
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
         await conn.execute(
             "INSERT INTO tenants (tenant, max_blocks, max_tokens_in_flight, max_queued_requests, "
@@ -34,30 +37,38 @@ async def test_a_batch_moves_its_tenants_totals_by_their_key(database_url: str) 
             (TENANTS,),
         )
         await conn.execute("ANALYZE tenants")
-        moved = {"blocks": 96, "tokens": 1536, "pinned": 0, "queued": 0}
-        rows = BatchRows(
-            totals=[{"tenant": "t1", **moved}, {"tenant": "t2", **moved}],
-            pool={
-                "instance": "gpu-0",
-                "free": 0,
-                "cached": 0,
-                "in_use": 0,
-                "pinned": 0,
-                "queued": 0,
-                "queued_tokens": 0,
-                "mean_hold": None,
-                "drift": 0,
-            },
-        )
-        writer = _Writer(conn)
-        await conn.execute("SET plan_cache_mode = force_generic_plan")
-        plans = []
-        for sql, params in _Batch("gpu-0", 1, rows).totals_moved():
-            for prepare in writer.prepare([sql]):
-                await conn.execute(prepare)
-            execute = writer.cursor.mogrify(writer.executes[sql], params)
-            cursor = await conn.execute(f"EXPLAIN {execute}")
-            plans.append("\n".join(str(line) for (line,) in await cursor.fetchall()))
+    moved = {"blocks": 96, "tokens": 1536, "pinned": 0, "queued": 0}
+    clocks = {"last_finish": {"0": 1.5}, "mean_hold": 0.2}
+    rows = BatchRows(
+        totals=[{"tenant": "t1", **moved, **clocks}, {"tenant": "t2", **moved, **clocks}],
+        pool={
+            "instance": "gpu-0",
+            "free": 0,
+            "cached": 0,
+            "in_use": 0,
+            "pinned": 0,
+            "queued": 0,
+            "queued_tokens": 0,
+            "mean_hold": None,
+            "drift": 0,
+        },
+    )
+    # The journal's own write connection: it runs the plans PostgreSQL makes once per statement
+    # (a custom plan per batch would cost a planning per batch).
+    journal = Journal(engine)
+    writer = await journal._connected()
+    conn = writer.connection
+    assert (await (await conn.execute("SHOW plan_cache_mode")).fetchone()) == (
+        "force_generic_plan",
+    )
+    plans = []
+    for sql, params in _Batch("gpu-0", 1, rows).totals_moved():
+        for prepare in writer.prepare([sql]):
+            await conn.execute(prepare)
+        execute = writer.cursor.mogrify(writer.executes[sql], params)
+        cursor = await conn.execute(f"EXPLAIN {execute}")
+        plans.append("\n".join(str(line) for (line,) in await cursor.fetchall()))
+    await journal.close()
     assert len(plans) == 2  # the tenants' lock, then their totals moved
     for plan in plans:
         assert "Index Cond: ((tenant)::text = ANY" in plan, plan
