@@ -118,8 +118,11 @@ def totals_of(machine: InstanceMachine, tenant: str) -> TenantTotals:
     return TenantTotals(here.blocks, here.tokens, len(here.pinned), here.queued)
 
 
-# Slots per row of a checkpoint: a statement of a few MB, however large the pool.
-CHECKPOINT_CHUNK_SLOTS = 65_536
+# Slots per row of a checkpoint: a statement of about a MB, however large the pool. A chunk's
+# columns are Python objects while it is turned into its row (about 300 bytes a slot): at
+# 65,536 slots a chunk, a checkpoint of a 1,000,000-slot instance took 20-30 MB more of the
+# server's memory for a moment, its peak.
+CHECKPOINT_CHUNK_SLOTS = 16_384
 
 # A statement in the driver's placeholders (%(name)s) with its parameters.
 Statement = tuple[str, Mapping[str, Any]]
@@ -878,19 +881,23 @@ class Journal:
             self._writers.discard(writer)
         # Autocommit: the driver adds no BEGIN of its own (a round trip). No prepare_threshold:
         # every batch's query text is new, so the driver's count of texts seen is work for
-        # nothing (the statements are PREPAREd by name, `_Writer`). Generic plans always: left
-        # to choose, PostgreSQL planned the tenants' statements again for every batch once the
-        # fleet had thousands of tenants (its generic plan's estimate for an array of tenants
-        # looked dearer than one tenant's custom plan), a third of a batch's CPU.
+        # nothing (the statements are PREPAREd by name, `_Writer`).
         connection = await psycopg.AsyncConnection.connect(
-            self._url,
-            autocommit=True,
-            prepare_threshold=None,
-            options="-c plan_cache_mode=force_generic_plan",
+            self._url, autocommit=True, prepare_threshold=None
         )
         if self._closed:  # closed while this one connected: nothing else would close it
             await connection.close()
             self._raise_if_closed()
+        # Generic plans always: left to choose, PostgreSQL planned the tenants' statements
+        # again for every batch once the fleet had thousands of tenants (its generic plan's
+        # estimate for an array of tenants looked dearer than one tenant's custom plan), a
+        # third of a batch's CPU. Set here rather than as a connection option, which would
+        # replace the options the database URL or PGOPTIONS give.
+        try:
+            await connection.execute("SET plan_cache_mode = force_generic_plan")
+        except BaseException:
+            await connection.close()
+            raise
         writer = _Writer(connection)
         self._writers.add(writer)
         return writer
