@@ -8,6 +8,9 @@ which PostgreSQL reads and writes whole: with 3,000 tenants each served once on 
 clocks now go with the tenant's totals on the instance, which the batch writes anyway, and the
 owner's row keeps only the instance's own scalars (virtual times, mean holding time, drift).
 
+The rows' key leads with the instance (it led with the tenant), so that a new owner reads its
+instance's rows by key rather than all rows of the fleet.
+
 The upgrade moves each `tenants/` key into its tenant's row (making the row, with nothing held,
 where there was none) and strips it from the owner's row; the downgrade puts the clocks back.
 
@@ -33,12 +36,21 @@ DROP_COLUMNS = (
     "ALTER TABLE instance_tenant_totals DROP COLUMN last_finish, DROP COLUMN mean_hold_seconds"
 )
 
+
+def _key(columns: str) -> str:
+    return (
+        "ALTER TABLE instance_tenant_totals DROP CONSTRAINT pk_instance_tenant_totals, "
+        f"ADD CONSTRAINT pk_instance_tenant_totals PRIMARY KEY ({columns})"
+    )
+
+
 # What the owners' rows keep of each tenant, moved into the tenants' rows.
 TO_TENANT_ROWS = """
 INSERT INTO instance_tenant_totals AS x (tenant, instance, blocks_in_use, tokens_in_flight,
     pinned_blocks, queued_requests, last_finish, mean_hold_seconds)
 SELECT substr(c.key, length('tenants/') + 1), o.instance, 0, 0, 0, 0,
-    coalesce(c.value -> 'last_finish', '{}'), CAST(c.value ->> 'mean_hold_seconds' AS float8)
+    coalesce(nullif(c.value -> 'last_finish', 'null'), '{}'),
+    CAST(c.value ->> 'mean_hold_seconds' AS float8)
 FROM instance_owners o, jsonb_each(o.clocks) AS c
 WHERE c.key LIKE 'tenants/%'
 ON CONFLICT (tenant, instance) DO UPDATE SET last_finish = EXCLUDED.last_finish,
@@ -63,6 +75,7 @@ WHERE c.instance = o.instance
 
 
 def upgrade() -> None:
+    op.execute(_key("instance, tenant"))
     op.execute(ADD_COLUMNS)
     op.execute(TO_TENANT_ROWS)
     op.execute(STRIP_OWNER_ROWS)
@@ -71,3 +84,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute(TO_OWNER_ROWS)
     op.execute(DROP_COLUMNS)
+    op.execute(_key("tenant, instance"))

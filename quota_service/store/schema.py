@@ -349,8 +349,9 @@ class InstanceTenantTotalsRow(Base):
 
     __tablename__ = "instance_tenant_totals"
 
-    tenant: Mapped[ResourceId] = mapped_column(primary_key=True)
+    # The key by instance first: a new owner reads its instance's rows.
     instance: Mapped[ResourceId] = mapped_column(ForeignKey("instances.instance"), primary_key=True)
+    tenant: Mapped[ResourceId] = mapped_column(primary_key=True)
     blocks_in_use: Mapped[Count]
     tokens_in_flight: Mapped[Count]
     pinned_blocks: Mapped[Count]

@@ -94,9 +94,22 @@ OWNER_CLOCKS_0028 = {
 }
 
 
-def test_tenants_clocks_move_beside_their_totals_and_back(database_url: str) -> None:
+def test_tenants_clocks_move_beside_their_totals_keyed_by_instance_and_back(
+    database_url: str,
+) -> None:
     migrate.downgrade(database_url, "0028")
     engine = create_engine(sqlalchemy_url(database_url), poolclass=pool.NullPool)
+
+    def key() -> str:
+        with engine.connect() as conn:
+            found: str = conn.execute(
+                text(
+                    "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+                    "WHERE conname = 'pk_instance_tenant_totals'"
+                )
+            ).scalar_one()
+            return found
+
     with engine.begin() as conn:
         conn.execute(
             text(
@@ -117,7 +130,9 @@ def test_tenants_clocks_move_beside_their_totals_and_back(database_url: str) -> 
                 "tokens_in_flight) VALUES ('acme', 'gpu-0', 4, 64)"
             )
         )
+    assert key() == "PRIMARY KEY (tenant, instance)"
     migrate.upgrade(database_url)
+    assert key() == "PRIMARY KEY (instance, tenant)"
     with engine.connect() as conn:
         owner = conn.execute(text("SELECT clocks FROM instance_owners")).scalar_one()
         tenants = conn.execute(
@@ -135,5 +150,6 @@ def test_tenants_clocks_move_beside_their_totals_and_back(database_url: str) -> 
     with engine.connect() as conn:
         owner = conn.execute(text("SELECT clocks FROM instance_owners")).scalar_one()
     assert owner == OWNER_CLOCKS_0028
+    assert key() == "PRIMARY KEY (tenant, instance)"
     migrate.upgrade(database_url)
     engine.dispose()
