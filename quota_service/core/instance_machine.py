@@ -404,12 +404,13 @@ class InstanceMachine:
         limits: AdmissionLimits,
         queue_policy: QueuePolicy | None = None,
         state: InstanceState = InstanceState.ACTIVE,
+        pool: BlockPool | None = None,
     ) -> None:
         self.spec = spec
         self.state = state
         self.limits = limits
         self.queue_policy = queue_policy or QueuePolicy()
-        self.pool = BlockPool(spec.capacity_blocks)
+        self.pool = pool if pool is not None else BlockPool(spec.capacity_blocks)
         self.mean_hold_seconds: float | None = None
         self.tenants: dict[str, TenantHere] = {}
         self.reservations: dict[tuple[str, str], ReservationRecord] = {}
@@ -468,19 +469,19 @@ class InstanceMachine:
     ) -> InstanceMachine:
         """The machine an image describes. Free slots start at `generation_floor`, which the
         caller takes above every generation issued before (the new owner's epoch does)."""
-        machine = cls(spec, limits, queue_policy, state)
-        for settings in tenants:
-            machine.set_tenant(settings)
-        for scope in image.scopes:
-            machine._scope_id(scope)
         reservations = [r.copy() for r in image.reservations]
         pins = [p.copy() for p in image.pins]
         tables = [r.table for r in reservations if r.table is not None]
         tables += [p.table for p in pins]
         references = [(b, g, t.pinned) for t in tables for b, g in t.live_handles()]
-        machine.pool = BlockPool.rebuild(
-            spec.capacity_blocks, generation_floor, image.slots, references
-        )
+        # The machine is made with the rebuilt pool: an empty one made first and then replaced
+        # held a 1,000,000-slot instance's arrays twice for a moment (~75 MB).
+        pool = BlockPool.rebuild(spec.capacity_blocks, generation_floor, image.slots, references)
+        machine = cls(spec, limits, queue_policy, state, pool)
+        for settings in tenants:
+            machine.set_tenant(settings)
+        for scope in image.scopes:
+            machine._scope_id(scope)
         for record in reservations:
             here = machine.tenants[record.key[0]]
             machine.reservations[record.key] = record
