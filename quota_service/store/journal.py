@@ -3,12 +3,11 @@ transaction per batch of operations, and what a new owner reads back to rebuild 
 
 Rows per operation, never per block: a reservation or a pin is one row whose block table is
 arrays; the slots whose contents changed in a batch are one `pool_deltas` row; the machine's small
-scalars (fair clocks, holding times, drift) are merged into the owner's row, each tenant's into its
-row of the instance's tenants; tenants' fleet-wide totals move by what the batch changed of them,
-never past a quota (`QuotaRaced`). Every batch
-first moves the owner's row on `WHERE epoch = :mine`, so a deposed owner commits nothing
-(`Deposed`). An owner holds a lease on its instances, and a replica claims an instance only once
-the lease has lapsed (`InstanceHeld`).
+scalars (fair clocks, holding times, drift) are merged into the owner's row, each tenant's into
+its row of `instance_tenant_totals`; tenants' fleet-wide totals move by what the batch changed of
+them, never past a quota (`QuotaRaced`). Every batch first moves the owner's row on
+`WHERE epoch = :mine`, so a deposed owner commits nothing (`Deposed`). An owner holds a lease on
+its instances, and a replica claims an instance only once the lease has lapsed (`InstanceHeld`).
 """
 
 from __future__ import annotations
@@ -759,12 +758,13 @@ class _Batch:
         return [*lock, (_MOVE_TOTALS, moved)]
 
 
+# What a batch's row of a tenant moves of its totals (`batch_rows` writes a row for every
+# tenant it touched, these zero where its totals did not move).
+_MOVED = ("blocks", "tokens", "pinned", "queued")
+
+
 def _moved(totals: Mapping[str, Any]) -> bool:
     return any(totals[name] for name in _MOVED)
-
-
-# What a batch's row of a tenant moves of its totals.
-_MOVED = ("blocks", "tokens", "pinned", "queued")
 
 
 class Journal:
