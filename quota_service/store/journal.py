@@ -1,5 +1,6 @@
-"""The instance journal: what an instance's owner writes of its in-memory machine, one
-transaction per batch of operations, and what a new owner reads back to rebuild it.
+"""The instance journal: what an instance's owner writes of its in-memory machine, in batches
+of operations (a replica's owners' batches that wait for the same commit share its
+transaction), and what a new owner reads back to rebuild it.
 
 Rows per operation, never per block: a reservation or a pin is one row whose block table is
 arrays; the slots whose contents changed in a batch are one `pool_deltas` row; the machine's small
@@ -12,6 +13,7 @@ its instances, and a replica claims an instance only once the lease has lapsed (
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -193,7 +195,9 @@ def batch_rows(
         rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changed)}
         rows.delta["dropped"] = _int_array(changes.dropped_slots)
     rows.usage = [
-        row for tenant, usage in sorted(changes.usage.items()) if (row := _usage_row(tenant, usage))
+        row
+        for tenant, usage in sorted(changes.usage.items())
+        if (row := _usage_row(instance, tenant, usage))
     ]
     counts = machine.pool.counts()
     rows.pool = {
@@ -219,6 +223,7 @@ def batch_rows(
         written[tenant] = now
         rows.totals.append(
             {
+                "instance": instance,
                 "tenant": tenant,
                 "blocks": moved.blocks,
                 "tokens": moved.tokens,
@@ -231,7 +236,7 @@ def batch_rows(
     return rows
 
 
-def _usage_row(tenant: str, usage: Usage) -> dict[str, Any] | None:
+def _usage_row(instance: str, tenant: str, usage: Usage) -> dict[str, Any] | None:
     """One usage event (store/usage.py integrates them), or None when nothing changed."""
     counts = {
         "pinned": usage.pinned,
@@ -249,7 +254,7 @@ def _usage_row(tenant: str, usage: Usage) -> dict[str, Any] | None:
     }
     if not any(counts.values()) and not any(keyed.values()):
         return None
-    return {"tenant": tenant, **counts, **keyed}
+    return {"instance": instance, "tenant": tenant, **counts, **keyed}
 
 
 def _slot_arrays(scopes: Sequence[str], slots: ContentColumns) -> dict[str, Any]:
@@ -444,30 +449,36 @@ _WRITE_RESERVATIONS = (
 # What journal_fresh fails with.
 REUSED_SQLSTATE = "KQ002"
 # Tenants' fleet-wide totals move, never past a quota they grow in (journal_within_quota,
-# migration 0027, fails the batch (KQ003) naming the tenants it took past theirs; shadow-mode
-# tenants are admitted past it on purpose), with each tenant's totals and clocks on this
-# instance, the batch's usage events and the instance's counters as the catalog shows them: one
-# statement, its rows in one JSON parameter read once. Only the tenants whose totals moved are
-# updated, named in an array, which PostgreSQL looks up by key: joined with the JSON rows alone
-# (estimated at 100) it read every tenant of the fleet in each batch (with 3,000 tenants, a
-# one-operation batch cost twice its PostgreSQL CPU).
+# migration 0027, fails the transaction (KQ003) naming the tenants it took past theirs; shadow-
+# mode tenants are admitted past it on purpose), with each tenant's totals and clocks on each
+# instance, the usage events and the instances' counters as the catalog shows them: one
+# statement for every batch of a transaction, its rows in JSON parameters read once. A tenant
+# moves by the sum of what the batches moved of it, and is past its quota when it ends up there
+# and some batch grew it. Only the tenants and instances that moved are updated, named in arrays,
+# which PostgreSQL looks up by key: joined with the JSON rows alone (estimated at 100) it read
+# every tenant of the fleet in each batch (with 3,000 tenants, a one-operation batch cost twice
+# its PostgreSQL CPU).
 _MOVE_TOTALS = (
     "WITH m AS (SELECT * FROM json_to_recordset(%(totals)s::json) "
-    "AS m(tenant text, blocks bigint, tokens bigint, pinned bigint, queued bigint, "
-    "last_finish jsonb, mean_hold float8)), "
-    "moved AS (UPDATE tenants t SET blocks_in_use = t.blocks_in_use + m.blocks, "
-    "tokens_in_flight = t.tokens_in_flight + m.tokens, "
-    "pinned_blocks = t.pinned_blocks + m.pinned, queued_requests = t.queued_requests + m.queued "
-    "FROM m WHERE t.tenant = m.tenant AND t.tenant = ANY(%(tenants)s::text[]) "
+    "AS m(instance text, tenant text, blocks bigint, tokens bigint, pinned bigint, "
+    "queued bigint, last_finish jsonb, mean_hold float8)), "
+    "f AS (SELECT tenant, sum(blocks) AS blocks, sum(tokens) AS tokens, sum(pinned) AS pinned, "
+    "sum(queued) AS queued, bool_or(blocks > 0) AS grew_blocks, "
+    "bool_or(tokens > 0) AS grew_tokens, bool_or(pinned > 0) AS grew_pinned "
+    "FROM m GROUP BY tenant), "
+    "moved AS (UPDATE tenants t SET blocks_in_use = t.blocks_in_use + f.blocks, "
+    "tokens_in_flight = t.tokens_in_flight + f.tokens, "
+    "pinned_blocks = t.pinned_blocks + f.pinned, queued_requests = t.queued_requests + f.queued "
+    "FROM f WHERE t.tenant = f.tenant AND t.tenant = ANY(%(tenants)s::text[]) "
     "RETURNING t.tenant, NOT t.shadow_mode AND ("
-    "(m.blocks > 0 AND t.blocks_in_use > t.max_blocks) "
-    "OR (m.tokens > 0 AND t.tokens_in_flight > t.max_tokens_in_flight) "
-    "OR (m.pinned > 0 AND t.pinned_blocks > t.max_pinned_blocks)) AS over_quota), "
+    "(f.grew_blocks AND t.blocks_in_use > t.max_blocks) "
+    "OR (f.grew_tokens AND t.tokens_in_flight > t.max_tokens_in_flight) "
+    "OR (f.grew_pinned AND t.pinned_blocks > t.max_pinned_blocks)) AS over_quota), "
     "here AS (INSERT INTO instance_tenant_totals AS x (tenant, instance, blocks_in_use, "
     "tokens_in_flight, pinned_blocks, queued_requests, last_finish, mean_hold_seconds) "
-    "SELECT m.tenant, %(instance)s, m.blocks, m.tokens, m.pinned, m.queued, m.last_finish, "
+    "SELECT m.tenant, m.instance, m.blocks, m.tokens, m.pinned, m.queued, m.last_finish, "
     "m.mean_hold FROM m "
-    "ON CONFLICT (tenant, instance) DO UPDATE SET "
+    "ON CONFLICT (instance, tenant) DO UPDATE SET "
     "blocks_in_use = x.blocks_in_use + EXCLUDED.blocks_in_use, "
     "tokens_in_flight = x.tokens_in_flight + EXCLUDED.tokens_in_flight, "
     "pinned_blocks = x.pinned_blocks + EXCLUDED.pinned_blocks, "
@@ -475,15 +486,18 @@ _MOVE_TOTALS = (
     "last_finish = EXCLUDED.last_finish, mean_hold_seconds = EXCLUDED.mean_hold_seconds), "
     "usage AS (INSERT INTO usage_events (tenant, instance, blocks, pinned, cpu_bytes, "
     "compressed_bytes, tokens_reserved, output_tokens, admitted, queued, refused, shadow_refused) "
-    "SELECT u.tenant, %(instance)s, u.blocks, u.pinned, u.cpu_bytes, u.compressed_bytes, "
+    "SELECT u.tenant, u.instance, u.blocks, u.pinned, u.cpu_bytes, u.compressed_bytes, "
     "u.tokens_reserved, u.output_tokens, u.admitted, u.queued, u.refused, u.shadow_refused "
-    "FROM json_to_recordset(%(usage)s::json) AS u(tenant text, blocks jsonb, pinned int, "
-    "cpu_bytes bigint, compressed_bytes bigint, tokens_reserved bigint, output_tokens bigint, "
-    "admitted int, queued int, refused jsonb, shadow_refused jsonb)), "
-    "counters AS (UPDATE instances SET free_blocks = %(free)s, cached_blocks = %(cached)s, "
-    "blocks_in_use = %(in_use)s, pinned_blocks = %(pinned)s, queued_requests = %(queued)s, "
-    "queued_prompt_tokens = %(queued_tokens)s, mean_hold_seconds = %(mean_hold)s, "
-    "drift_blocks = %(drift)s WHERE instance = %(instance)s) "
+    "FROM json_to_recordset(%(usage)s::json) AS u(instance text, tenant text, blocks jsonb, "
+    "pinned int, cpu_bytes bigint, compressed_bytes bigint, tokens_reserved bigint, "
+    "output_tokens bigint, admitted int, queued int, refused jsonb, shadow_refused jsonb)), "
+    "counters AS (UPDATE instances i SET free_blocks = p.free, cached_blocks = p.cached, "
+    "blocks_in_use = p.in_use, pinned_blocks = p.pinned, queued_requests = p.queued, "
+    "queued_prompt_tokens = p.queued_tokens, mean_hold_seconds = p.mean_hold, "
+    "drift_blocks = p.drift FROM json_to_recordset(%(pools)s::json) AS p(instance text, "
+    "free bigint, cached bigint, in_use bigint, pinned bigint, queued bigint, "
+    "queued_tokens bigint, mean_hold float8, drift bigint) "
+    "WHERE i.instance = p.instance AND i.instance = ANY(%(instances)s::text[])) "
     "SELECT journal_within_quota(ARRAY(SELECT tenant FROM moved WHERE over_quota ORDER BY tenant))"
 )
 # What journal_within_quota fails with.
@@ -715,7 +729,7 @@ class _Writer:
 
 @dataclass(slots=True)
 class CommitStats:
-    """How a replica's commits are doing: transactions, one per owner's batch."""
+    """How a replica's commits are doing: transactions, each of one or more owners' batches."""
 
     commits: int = 0
 
@@ -729,33 +743,17 @@ class _Batch:
     rows: BatchRows
 
     def statements(self) -> list[Statement]:
+        """Its fence first (the ones after take the batch number from the owner's row), then
+        its pins and slot changes."""
         rows = self.rows
         fenced = {"instance": self.instance, "epoch": self.epoch}
         clocks = _JSON.encode(rows.clocks).decode()
         statements: list[Statement] = [(_NEXT_BATCH, {**fenced, "clocks": clocks})]
-        if rows.new_reservations or rows.reservations:
-            written = {"new": _json(rows.new_reservations), "changed": _json(rows.reservations)}
-            statements.append((_WRITE_RESERVATIONS, written))
         statements += [(_UPSERT_PIN, pin) for pin in rows.pins]
         statements += [(_REMOVE_PIN, pin) for pin in rows.removed_pins]
         if rows.delta is not None:
             statements.append((_INSERT_DELTA, {**rows.delta, **fenced}))
         return statements
-
-    def totals_moved(self) -> list[Statement]:
-        """The batch's tenants' totals, usage and instance counters: after its other
-        statements, so that the tenants' rows stay locked only from there to the commit. Several
-        tenants' rows are locked first, in the one order every commit of every replica follows."""
-        rows = self.rows
-        tenants = sorted(here["tenant"] for here in rows.totals if _moved(here))
-        lock = [(_LOCK_TENANTS, {"tenants": tenants})] if len(tenants) > 1 else []
-        moved = {
-            **rows.pool,
-            "tenants": tenants,
-            "totals": _json(rows.totals),
-            "usage": _json(rows.usage),
-        }
-        return [*lock, (_MOVE_TOTALS, moved)]
 
 
 # What a batch's row of a tenant moves of its totals (`batch_rows` writes a row for every
@@ -767,13 +765,72 @@ def _moved(totals: Mapping[str, Any]) -> bool:
     return any(totals[name] for name in _MOVED)
 
 
+def transaction_statements(batches: Sequence[_Batch]) -> list[Statement]:
+    """The journal's statements of a transaction that commits `batches` (of different
+    instances): each batch's own, then one for all their reservations, then one for their
+    tenants' totals, so that the tenants' rows stay locked only from there to the commit.
+    Several tenants' rows are locked first, in the one order every commit of every replica
+    follows (no two transactions then wait on each other's, a deadlock PostgreSQL would break
+    only after a second)."""
+    statements = [statement for batch in batches for statement in batch.statements()]
+    every = [batch.rows for batch in batches]
+    new = [row for rows in every for row in rows.new_reservations]
+    changed = [row for rows in every for row in rows.reservations]
+    if new or changed:
+        statements.append((_WRITE_RESERVATIONS, {"new": _json(new), "changed": _json(changed)}))
+    totals = [here for rows in every for here in rows.totals]
+    tenants = sorted({here["tenant"] for here in totals if _moved(here)})
+    if len(tenants) > 1:
+        statements.append((_LOCK_TENANTS, {"tenants": tenants}))
+    moved = {
+        "tenants": tenants,
+        "totals": _json(totals),
+        "usage": _json([row for rows in every for row in rows.usage]),
+        "pools": _json([rows.pool for rows in every]),
+        "instances": [batch.instance for batch in batches],
+    }
+    statements.append((_MOVE_TOTALS, moved))
+    return statements
+
+
+@dataclass(slots=True, eq=False)
+class _Queued:
+    """A batch and its caller, waiting for the commit in flight to end: then the caller is
+    answered, or leads the next commit, of every batch that waited (`turn`'s result)."""
+
+    batch: _Batch
+    turn: asyncio.Future[list[_Queued] | None]
+    number: int = 0
+    error: BaseException | None = None
+    answered: bool = False
+
+    def answer(self, number: int = 0, error: BaseException | None = None) -> None:
+        self.number, self.error, self.answered = number, error, True
+        if not self.turn.done():
+            self.turn.set_result(None)
+
+
+class _Failed(Exception):
+    """A transaction failed; `rolled_back` when it surely committed nothing."""
+
+    def __init__(self, cause: psycopg.Error, rolled_back: bool) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.rolled_back = rolled_back
+
+
 class Journal:
-    """Reads and writes of the instance journal. Writes are the owners' alone. Each batch
-    commits in a transaction of its own, on a write connection no other commit uses meanwhile,
-    so that the instances' commits overlap and each locks only its own tenants' rows
-    (PostgreSQL flushes the WAL of commits that end together once). Shared across instances, a
-    transaction held many tenants' rows to its commit and the others in flight waited on them:
-    eight instances served 0.53 of one instance's pairs."""
+    """Reads and writes of the instance journal. Writes are the owners' alone.
+
+    A replica commits one transaction at a time: the batches of its owners that arrive while
+    one is in flight wait, and then commit together in the next, which the first of their
+    callers leads (`write`). A fleet's owners thus share commits: eight instances with four
+    clients each committed a batch of one or two operations each, in eight transactions in
+    flight at once, at four times one instance's PostgreSQL CPU per pair. One transaction holds
+    many tenants' rows to its commit, which no other commit of the replica waits on; other
+    replicas' commits lock them in the same order (`transaction_statements`). A transaction of
+    several batches that one of them fails (its fence, a quota, a request id) is rolled back,
+    and its batches commit again one by one, so that each fails or commits on its own."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
@@ -783,51 +840,117 @@ class Journal:
         self._idle: list[_Writer] = []
         self._closed = False
         self.stats = CommitStats()
+        # Whether a commit is in flight, and the batches waiting for it to end.
+        self._committing = False
+        self._queued: list[_Queued] = []
 
     async def write(self, instance: str, epoch: int, rows: BatchRows) -> int:
         """Commit one batch of an owner's (the owner groups its operations into batches, and
-        writes one at a time), in the caller's task: no hop to another task and back on the
-        way to PostgreSQL, which a caller waiting alone would feel in its answer. Returns the
-        batch's number in the record. Raises Deposed when a newer owner exists
-        (RequestIdsReused, QuotaRaced, PinIdTaken as they say)."""
-        return await self._commit(_Batch(instance, epoch, rows))
+        writes one at a time). With no commit in flight the caller commits its batch in its own
+        task: no hop to another task and back on the way to PostgreSQL, which a caller waiting
+        alone would feel in its answer. Returns the batch's number in the record. Raises
+        Deposed when a newer owner exists (RequestIdsReused, QuotaRaced, PinIdTaken as they
+        say)."""
+        me = _Queued(_Batch(instance, epoch, rows), asyncio.get_running_loop().create_future())
+        if self._committing:
+            self._queued.append(me)
+            try:
+                group = await me.turn
+            except asyncio.CancelledError:
+                # Cancelled just as the turn to lead came: the others of the group go on.
+                if me.turn.done() and not me.turn.cancelled():
+                    self._pass_on(me.turn.result(), me)
+                raise
+        else:
+            self._committing = True
+            group = [me]
+        if group is not None:
+            await self._lead(group)
+        if me.error is not None:
+            raise me.error
+        return me.number
 
-    async def _commit(self, batch: _Batch) -> int:
-        """One transaction in one round trip: the batch's statements, bound here, go as one
+    async def _lead(self, group: list[_Queued]) -> None:
+        """Commit a group of batches and answer each, then hand the batches that waited
+        meanwhile to the first of their callers."""
+        try:
+            await self._settle(group)
+        finally:
+            for queued in group:
+                if not queued.answered:  # cut short (cancelled): whether it took is unknown
+                    queued.answer(error=psycopg.OperationalError("the commit was cut short"))
+            self._hand_over()
+
+    def _pass_on(self, group: list[_Queued] | None, leaving: _Queued) -> None:
+        self._queued[:0] = [queued for queued in group or () if queued is not leaving]
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        waiting = [queued for queued in self._queued if not queued.turn.done()]
+        self._queued = []
+        if waiting:
+            waiting[0].turn.set_result(waiting)
+        else:
+            self._committing = False
+
+    async def _settle(self, group: list[_Queued]) -> None:
+        # In the instances' order, as other replicas' transactions that touch the same rows
+        # (an instance taken over meanwhile) take them.
+        group.sort(key=lambda queued: queued.batch.instance)
+        try:
+            numbers = await self._commit([queued.batch for queued in group])
+        except _Failed as failed:
+            if failed.rolled_back and len(group) > 1:
+                for queued in group:
+                    await self._settle([queued])
+                return
+            for queued in group:
+                queued.answer(error=_error_of(queued.batch.instance, failed.cause))
+            return
+        for queued, number in zip(group, numbers, strict=True):
+            queued.answer(number)
+
+    async def _commit(self, batches: list[_Batch]) -> list[int]:
+        """One transaction in one round trip: the batches' statements, bound here, go as one
         query between BEGIN and COMMIT. The journal's own statements run prepared (`_Writer`),
         the record's that ride along (`BatchRows.statements`) as they are. A statement that
-        fails fails the rest, and the transaction is rolled back: the batch fails (Deposed when
-        it was its fence). Any other failure (the connection lost, a COMMIT cut short that may
-        have taken) fails it too, and the connection is not trusted again."""
+        fails fails the rest, and the transaction is rolled back: `_Failed`. Any other failure
+        (the connection lost, a COMMIT cut short that may have taken) fails it too, and the
+        connection is not trusted again. Returns each batch's number in the record."""
         writer = await self._connected()
         cursor = writer.cursor
-        own = [*batch.statements(), *batch.totals_moved()]
+        own = transaction_statements(batches)
         prepares = writer.prepare(sql for sql, _ in own)
         query = ";".join(
             [
                 *prepares,
                 "BEGIN",
                 *(cursor.mogrify(writer.executes[sql], params) for sql, params in own),
-                *(cursor.mogrify(sql, params) for sql, params in batch.rows.statements),
+                *(
+                    cursor.mogrify(sql, params)
+                    for batch in batches
+                    for sql, params in batch.rows.statements
+                ),
                 "COMMIT",
             ]
         )
         try:
             await cursor.execute(query)
-            number = await _batch_number(cursor)
+            numbers = await _batch_numbers(cursor, len(batches))
         except psycopg.Error as exc:
-            if await _rolled_back(writer.connection):
+            rolled_back = await _rolled_back(writer.connection)
+            if rolled_back:
                 self._idle.append(writer)
             else:
                 await self._drop(writer)
-            raise _error_of(batch.instance, exc)  # noqa: B904 (its cause is set)
+            raise _Failed(exc, rolled_back) from exc
         except BaseException:
             # Cut short (cancelled): whether the transaction took is unknown.
             await self._drop(writer)
             raise
         self._idle.append(writer)
         self.stats.commits += 1
-        return number
+        return numbers
 
     async def write_checkpoint(
         self, instance: str, epoch: int, batch: int, chunks: Sequence[Mapping[str, Any]]
@@ -1035,16 +1158,21 @@ class Journal:
 _IN_ERROR = psycopg.pq.TransactionStatus.INERROR
 
 
-async def _batch_number(cursor: psycopg.AsyncClientCursor[Any]) -> int:
-    """A committed batch's number: its fence's result (each statement's result is the
-    cursor's in turn)."""
-    while not (cursor.description and cursor.description[0].name == "journal_next_batch"):
+async def _batch_numbers(cursor: psycopg.AsyncClientCursor[Any], count: int) -> list[int]:
+    """The numbers of a committed transaction's batches: their fences' results, in order
+    (each statement's result is the cursor's in turn)."""
+    numbers: list[int] = []
+    while len(numbers) < count:
+        if cursor.description and cursor.description[0].name == "journal_next_batch":
+            row = await cursor.fetchone()
+            if row is None:
+                break
+            numbers.append(int(row[0]))
         if not cursor.nextset():
-            raise psycopg.ProgrammingError("a batch's fence returned nothing")
-    row = await cursor.fetchone()
-    if row is None:
+            break
+    if len(numbers) < count:
         raise psycopg.ProgrammingError("a batch's fence returned nothing")
-    return int(row[0])
+    return numbers
 
 
 async def _rolled_back(connection: psycopg.AsyncConnection[Any]) -> bool:

@@ -1,7 +1,8 @@
-"""A replica's instances commit apart and at once, each batch in a transaction of its own that
-passes its own fence: a stale instance's batch fails alone while the others commit, and
-PostgreSQL dying in the middle of a commit acknowledges nothing of it. An owner under load holds
-its next batch open a moment, so that more operations share a commit."""
+"""A replica's owners share commits: the batches that wait while one commit is in flight go in
+the next transaction together, each passing its own fence; a stale instance's batch fails alone
+while the others commit, and PostgreSQL dying in the middle of a commit acknowledges nothing of
+it. An owner under load holds its next batch open a moment, so that more operations share a
+commit."""
 
 from __future__ import annotations
 
@@ -59,9 +60,9 @@ class GatedJournal(Journal):
         await self.gate.wait()
         return await super().write(instance, epoch, rows)
 
-    async def _commit(self, batch: _Batch) -> int:
-        self.transactions.append([batch.instance])
-        return await super()._commit(batch)
+    async def _commit(self, batches: list[_Batch]) -> list[int]:
+        self.transactions.append([batch.instance for batch in batches])
+        return await super()._commit(batches)
 
 
 @pytest.fixture
@@ -104,18 +105,17 @@ def assert_moving(outcome: object) -> None:
     assert outcome.reason is Reason.INSTANCE_MOVING
 
 
-async def test_several_instances_commit_apart_and_at_once(
+async def test_batches_that_wait_for_a_commit_share_the_next(
     engine: AsyncEngine, journal: GatedJournal
 ) -> None:
     owners = [await owner_of(engine, journal, name) for name in INSTANCES]
-    # Batches that wait while the commits are held go in a transaction each, all in flight at
-    # once (each on a connection of its own).
+    # Released together: the first batch commits alone, the three that wait for it together.
     journal.hold(len(owners))
     first = [asyncio.create_task(admit(o, f"{o.instance}-first")) for o in owners]
     await journal.all_waiting.wait()
     journal.gate.set()
     assert set(await asyncio.gather(*first)) == {ReservationState.ADMITTED}
-    assert sorted(journal.transactions) == [[name] for name in INSTANCES]
+    assert journal.transactions == [["gpu-0"], ["gpu-1", "gpu-2", "gpu-3"]]
 
     async def pair(owner: InstanceOwner, i: int) -> None:
         assert await admit(owner, f"{owner.instance}-r{i}") is ReservationState.ADMITTED
@@ -126,7 +126,8 @@ async def test_several_instances_commit_apart_and_at_once(
 
     await asyncio.gather(*(pair(owner, i) for owner in owners for i in range(8)))
     batches = sum(owner.stats.batches for owner in owners)
-    assert journal.stats.commits == batches
+    # The owners shared commits: fewer transactions than batches.
+    assert journal.stats.commits < batches
     # Each owner grouped its operations: fewer batches than operations.
     assert batches < sum(owner.stats.operations for owner in owners)
     for owner in owners:
@@ -136,25 +137,29 @@ async def test_several_instances_commit_apart_and_at_once(
 
 
 async def test_a_stale_instance_fails_alone(engine: AsyncEngine, journal: GatedJournal) -> None:
+    first = await owner_of(engine, journal, "gpu-2")
     stale = await owner_of(engine, journal, "gpu-0")
     kept = await owner_of(engine, journal, "gpu-1")
     # Another replica takes gpu-0 over: the epoch this replica holds for it is stale now.
     elsewhere = Journal(engine)
     newer = await owner_of(engine, elsewhere, "gpu-0", "replica-b")
-    journal.hold(2)
-    admitting = [asyncio.create_task(admit(o, f"{o.instance}-after")) for o in (stale, kept)]
+    journal.hold(3)
+    admitting = [asyncio.create_task(admit(o, f"{o.instance}-after")) for o in (first, stale, kept)]
     await journal.all_waiting.wait()
     journal.gate.set()
-    lost, admitted = await asyncio.gather(*admitting, return_exceptions=True)
+    alone, lost, admitted = await asyncio.gather(*admitting, return_exceptions=True)
+    assert alone is ReservationState.ADMITTED
     assert_moving(lost)
     assert admitted is ReservationState.ADMITTED
-    # Apart: the stale batch failed its fence alone.
-    assert sorted(journal.transactions) == [["gpu-0"], ["gpu-1"]]
-    assert stale.failure is not None and kept.failure is None
+    # The stale batch failed the transaction it shared, which committed nothing; each of its
+    # batches then went alone, and the stale one failed its fence alone.
+    assert journal.transactions == [["gpu-2"], ["gpu-0", "gpu-1"], ["gpu-0"], ["gpu-1"]]
+    assert stale.failure is not None and kept.failure is None and first.failure is None
     assert await admit(kept, "gpu-1-later") is ReservationState.ADMITTED
     assert await recorded(engine) == [
         ("gpu-1", "gpu-1-after", "ADMITTED"),
         ("gpu-1", "gpu-1-later", "ADMITTED"),
+        ("gpu-2", "gpu-2-after", "ADMITTED"),
     ]
     with pytest.raises(KvQuotaError) as missing:
         await newer.apply(lambda m, now: m.get("acme", "gpu-0-after"))
@@ -237,6 +242,54 @@ async def test_a_batch_that_takes_a_tenant_past_its_quota_commits_nothing(
         )
         assert totals.all() == [("fleet", 8), ("gpu-0", 8)]
     assert await recorded(engine) == [("gpu-0", "kept", "ADMITTED")]
+
+
+@pytest.mark.parametrize("max_blocks", [16, 12], ids=["both-fit", "one-fits"])
+async def test_batches_sharing_a_commit_move_a_tenant_by_their_sum(
+    engine: AsyncEngine, journal: GatedJournal, max_blocks: int
+) -> None:
+    # gpu-2's batch commits alone; gpu-0's and gpu-1's wait for it and share the next
+    # transaction, each taking 8 of the tenant's blocks. Where the two do not fit, the shared
+    # transaction fails, and each batch then commits or fails on its own: the quota holds.
+    await add_tenant(engine, "capped", replace(UNLIMITED, max_blocks=max_blocks))
+    leading, shared, other = [
+        await owner_of(engine, journal, n) for n in ("gpu-2", "gpu-0", "gpu-1")
+    ]
+
+    async def admit_capped(owner: InstanceOwner) -> ReservationState:
+        wanted = request(owner.instance, 100, 20, tenant="capped", instance=owner.instance)
+        return await owner.apply(lambda m, now: m.admit(wanted, now).state)
+
+    journal.hold(3)
+    admitting = [asyncio.create_task(admit(leading, "first"))]
+    admitting += [asyncio.create_task(admit_capped(o)) for o in (shared, other)]
+    await journal.all_waiting.wait()
+    journal.gate.set()
+    first, *capped = await asyncio.gather(*admitting, return_exceptions=True)
+    assert first is ReservationState.ADMITTED
+    async with engine.connect() as conn:
+        totals = await conn.execute(
+            text(
+                "SELECT 'fleet', blocks_in_use FROM tenants WHERE tenant = 'capped' UNION ALL "
+                "SELECT instance, blocks_in_use FROM instance_tenant_totals "
+                "WHERE tenant = 'capped' AND blocks_in_use > 0 ORDER BY 1"
+            )
+        )
+        found = totals.all()
+    if max_blocks == 16:
+        assert capped == [ReservationState.ADMITTED] * 2
+        assert journal.transactions == [["gpu-2"], ["gpu-0", "gpu-1"]]
+        assert found == [("fleet", 16), ("gpu-0", 8), ("gpu-1", 8)]
+    else:
+        assert capped[0] is ReservationState.ADMITTED
+        assert_moving(capped[1])
+        assert journal.transactions == [["gpu-2"], ["gpu-0", "gpu-1"], ["gpu-0"], ["gpu-1"]]
+        assert found == [("fleet", 8), ("gpu-0", 8)]
+    for owner in (shared, other):
+        if owner.failure is None:
+            fresh = await owner_of(engine, journal, owner.instance, "replica-b")
+            recount(fresh.machine)
+            assert_same_machine(owner.machine, fresh.machine)
 
 
 # Long beside the steps of these tests, so that what arrives while an owner waits is certain to

@@ -19,7 +19,7 @@ from quota_service.core.model import EndReason
 from quota_service.core.queueing import QueuePolicy
 from quota_service.owner.instance_owner import InstanceOwner, take_over
 from quota_service.store.catalog import Catalog
-from quota_service.store.journal import BatchRows, Journal, _Batch
+from quota_service.store.journal import BatchRows, Journal, _Batch, transaction_statements
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
 from tests.unit.machine_fixtures import assert_same_machine
 
@@ -40,7 +40,9 @@ async def test_a_batch_moves_its_tenants_totals_by_their_key(
     moved = {"blocks": 96, "tokens": 1536, "pinned": 0, "queued": 0}
     clocks = {"last_finish": {"0": 1.5}, "mean_hold": 0.2}
     rows = BatchRows(
-        totals=[{"tenant": "t1", **moved, **clocks}, {"tenant": "t2", **moved, **clocks}],
+        totals=[
+            {"instance": "gpu-0", "tenant": tenant, **moved, **clocks} for tenant in ("t1", "t2")
+        ],
         pool={
             "instance": "gpu-0",
             "free": 0,
@@ -62,7 +64,8 @@ async def test_a_batch_moves_its_tenants_totals_by_their_key(
         "force_generic_plan",
     )
     plans = []
-    for sql, params in _Batch("gpu-0", 1, rows).totals_moved():
+    batch = _Batch("gpu-0", 1, rows)
+    for sql, params in transaction_statements([batch])[len(batch.statements()) :]:
         for prepare in writer.prepare([sql]):
             await conn.execute(prepare)
         execute = writer.cursor.mogrify(writer.executes[sql], params)
