@@ -454,12 +454,17 @@ REUSED_SQLSTATE = "KQ002"
 # instance, the usage events and the instances' counters as the catalog shows them: one
 # statement for every batch of a transaction, its rows in JSON parameters read once. A tenant
 # moves by the sum of what the batches moved of it, and is past its quota when it ends up there
-# and some batch grew it. Only the tenants and instances that moved are updated, named in arrays,
+# and some batch grew it. Its tenants' rows are locked first (`locked`, which a one-time filter
+# of the update counts before it moves any), in the one order every commit of every replica
+# follows, so that no two transactions wait on each other's (a deadlock PostgreSQL would break
+# only after a second). Only the tenants and instances that moved are updated, named in arrays,
 # which PostgreSQL looks up by key: joined with the JSON rows alone (estimated at 100) it read
 # every tenant of the fleet in each batch (with 3,000 tenants, a one-operation batch cost twice
 # its PostgreSQL CPU).
 _MOVE_TOTALS = (
-    "WITH m AS (SELECT * FROM json_to_recordset(%(totals)s::json) "
+    "WITH locked AS (SELECT 1 FROM tenants WHERE tenant = ANY(%(tenants)s::text[]) "
+    "ORDER BY tenant FOR NO KEY UPDATE), "
+    "m AS (SELECT * FROM json_to_recordset(%(totals)s::json) "
     "AS m(instance text, tenant text, blocks bigint, tokens bigint, pinned bigint, "
     "queued bigint, last_finish jsonb, mean_hold float8)), "
     "f AS (SELECT tenant, sum(blocks) AS blocks, sum(tokens) AS tokens, sum(pinned) AS pinned, "
@@ -470,6 +475,7 @@ _MOVE_TOTALS = (
     "tokens_in_flight = t.tokens_in_flight + f.tokens, "
     "pinned_blocks = t.pinned_blocks + f.pinned, queued_requests = t.queued_requests + f.queued "
     "FROM f WHERE t.tenant = f.tenant AND t.tenant = ANY(%(tenants)s::text[]) "
+    "AND (SELECT count(*) FROM locked) >= 0 "
     "RETURNING t.tenant, NOT t.shadow_mode AND ("
     "(f.grew_blocks AND t.blocks_in_use > t.max_blocks) "
     "OR (f.grew_tokens AND t.tokens_in_flight > t.max_tokens_in_flight) "
@@ -504,14 +510,6 @@ _MOVE_TOTALS = (
 OVER_QUOTA_SQLSTATE = "KQ003"
 # What journal_pin_taken fails with.
 PIN_TAKEN_SQLSTATE = "KQ004"
-# A transaction that moves several tenants' totals (once per batch it holds) locks their rows
-# before the first move, in one order every commit of every replica follows, so that no two
-# transactions wait on each other's (a deadlock PostgreSQL would break only after a second).
-_LOCK_TENANTS = (
-    "SELECT count(*) FROM (SELECT 1 FROM tenants WHERE tenant = ANY(%(tenants)s::text[]) "
-    "ORDER BY tenant FOR NO KEY UPDATE) AS locked"
-)
-
 # A pin, and what the instance's CPU tier must pin too, as it is now (salt, coordinator): an
 # unpin later reaches the same pins there whatever changed meanwhile. It replaces a recorded pin
 # of its id only when that one was removed or is on the same instance; one active on another
@@ -768,10 +766,7 @@ def _moved(totals: Mapping[str, Any]) -> bool:
 def transaction_statements(batches: Sequence[_Batch]) -> list[Statement]:
     """The journal's statements of a transaction that commits `batches` (of different
     instances): each batch's own, then one for all their reservations, then one for their
-    tenants' totals, so that the tenants' rows stay locked only from there to the commit.
-    Several tenants' rows are locked first, in the one order every commit of every replica
-    follows (no two transactions then wait on each other's, a deadlock PostgreSQL would break
-    only after a second)."""
+    tenants' totals, so that the tenants' rows stay locked only from there to the commit."""
     statements = [statement for batch in batches for statement in batch.statements()]
     every = [batch.rows for batch in batches]
     new = [row for rows in every for row in rows.new_reservations]
@@ -780,8 +775,6 @@ def transaction_statements(batches: Sequence[_Batch]) -> list[Statement]:
         statements.append((_WRITE_RESERVATIONS, {"new": _json(new), "changed": _json(changed)}))
     totals = [here for rows in every for here in rows.totals]
     tenants = sorted({here["tenant"] for here in totals if _moved(here)})
-    if len(tenants) > 1:
-        statements.append((_LOCK_TENANTS, {"tenants": tenants}))
     moved = {
         "tenants": tenants,
         "totals": _json(totals),
