@@ -6,7 +6,7 @@ the plan in the same transaction, so the decision is atomic whichever replica ma
 from __future__ import annotations
 
 import hashlib
-import struct
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -86,22 +86,31 @@ class Shortfall:
     queued_ahead: int = 0
 
 
-def validate(request: AdmitRequest, limits: AdmissionLimits) -> None:
+def validate(request: AdmitRequest, limits: AdmissionLimits) -> bytes | None:
     """Refuse malformed requests before any database work (INVALID_REQUEST), naming every
-    fault."""
+    fault. Returns the prompt's digest (`prompt_digest`): checking its token ids packs them."""
     p = request.params
+    packed = _packed_for_checking(request.prompt_token_ids)
     refuse_invalid(
         [
             check_resource_id(p.tenant, "tenant"),
             check_resource_id(p.instance, "instance"),
-            *request_violations(request, limits),
+            *_request_violations(request, limits, packed),
         ]
     )
+    return _digest(packed) if packed is not None else None
 
 
 def request_violations(request: AdmitRequest, limits: AdmissionLimits) -> list[FieldViolation]:
     """Every fault of an Admit but its tenant's and instance's ids, which the API reads from
     resource names (or an engine's address) and checks as it reads them."""
+    return _request_violations(request, limits, _packed_for_checking(request.prompt_token_ids))
+
+
+def _request_violations(
+    request: AdmitRequest, limits: AdmissionLimits, packed: array[int] | None
+) -> list[FieldViolation]:
+    """`request_violations`, given the prompt's token ids as `_packed_for_checking` packs them."""
     p = request.params
     violations = [v for v in (check_request_id(p.request_id, "request_id"),) if v is not None]
     if p.prompt_tokens < 1:
@@ -112,15 +121,17 @@ def request_violations(request: AdmitRequest, limits: AdmissionLimits) -> list[F
         violations.append(FieldViolation("n", f"must be between 1 and {limits.max_n}"))
     if not 0 <= p.priority <= MAX_PRIORITY:
         violations.append(FieldViolation("priority", f"must be between 0 and {MAX_PRIORITY}"))
-    if request.prompt_token_ids:
-        if len(request.prompt_token_ids) > MAX_CONTEXT_TOKENS:
+    token_ids = request.prompt_token_ids
+    if token_ids:
+        if len(token_ids) > MAX_CONTEXT_TOKENS:
             # Longer than any instance's context: refused before any hashing.
             violations.append(
                 FieldViolation("prompt_token_ids", f"at most {MAX_CONTEXT_TOKENS} token ids")
             )
-        elif len(request.prompt_token_ids) != p.prompt_tokens:
+        elif len(token_ids) != p.prompt_tokens:
             violations.append(FieldViolation("prompt_token_ids", "length must equal prompt_tokens"))
-        if min(request.prompt_token_ids) < 0:
+        negative = min(token_ids) < 0 if packed is None else packed.typecode == "q"
+        if negative:
             violations.append(FieldViolation("prompt_token_ids", "token ids are never negative"))
     return [
         *violations,
@@ -197,10 +208,32 @@ def prompt_of(stored_token_ids: Sequence[int], prompt_tokens: int) -> tuple[int,
 def prompt_digest(token_ids: Sequence[int]) -> bytes | None:
     """SHA-256 of a prompt's token ids (as signed 64-bit integers); None when none were given.
     A repeated Admit must carry the same prompt, not only as many tokens."""
-    if not token_ids:
+    return _digest(_packed(token_ids)) if token_ids else None
+
+
+def _digest(packed: array[int]) -> bytes:
+    return hashlib.sha256(packed).digest()
+
+
+def _packed(token_ids: Sequence[int]) -> array[int]:
+    """Token ids in the bytes of struct's "q" (signed 64-bit, native order). As unsigned ("Q")
+    where none is negative, the same bytes: array packs those faster than struct does, or than
+    min() looks for a negative one, and its typecode then says whether one is."""
+    try:
+        return array("Q", token_ids)
+    except OverflowError:
+        return array("q", token_ids)
+
+
+def _packed_for_checking(token_ids: Sequence[int]) -> array[int] | None:
+    """An Admit's token ids `_packed`; None when there are none, more than any context holds
+    (refused without packing them), or one past 64 bits (min() then looks for a negative one)."""
+    if not token_ids or len(token_ids) > MAX_CONTEXT_TOKENS:
         return None
-    # struct packs a tuple of ints into the same bytes as array("q") does, in half the time.
-    return hashlib.sha256(struct.pack(f"{len(token_ids)}q", *token_ids)).digest()
+    try:
+        return _packed(token_ids)
+    except OverflowError:
+        return None
 
 
 def check_replay(request: AdmitRequest, existing: Reservation) -> Reservation:

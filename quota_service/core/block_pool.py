@@ -25,10 +25,12 @@ that takes the instance over evicts at once, as the ledger always did.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import repeat
+from operator import itemgetter, mul
 from typing import Any, NamedTuple
 
 from quota_service.core.hashing import DIGEST_BYTES, event_hash
@@ -38,6 +40,8 @@ _CHUNK_BITS = 1024
 _CHUNK_SHIFT = 10
 _CHUNK_MASK = _CHUNK_BITS - 1
 NO_SCOPE = -1
+# What a lookup by key gives for a key no slot holds.
+_NO_SLOT = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +102,11 @@ class BlockPool:
         if capacity < 1:
             raise ValueError("a pool has at least one slot")
         self.capacity = capacity
-        self._generation = array("q", [generation_floor]) * capacity
-        self._refs = array("i", bytes(4 * capacity))
-        self._pins = array("i", bytes(4 * capacity))
+        # Unsigned typecodes wherever no value is negative: array converts an int for them without
+        # PyArg_Parse, a third faster per write (and builds an array from a list twice as fast).
+        self._generation = array("Q", [generation_floor]) * capacity
+        self._refs = array("I", bytes(4 * capacity))
+        self._pins = array("I", bytes(4 * capacity))
         # Copies the engine reports holding of a slot's contents (KV events).
         self._copies = array("i", bytes(4 * capacity))
         # The scope (a tenant's or a namespace's salt) a slot's hash was made under; NO_SCOPE
@@ -115,11 +121,11 @@ class BlockPool:
         # The LRU list of cached slots, doubly linked through the arrays; index `capacity` is
         # the sentinel: its next is the head (evicted first), its prev the tail.
         sentinel = capacity
-        self._next = array("i", [sentinel]) * (capacity + 1)
-        self._prev = array("i", [sentinel]) * (capacity + 1)
+        self._next = array("I", [sentinel]) * (capacity + 1)
+        self._prev = array("I", [sentinel]) * (capacity + 1)
         # Each slot's place in that order as a number, so that the record can keep the order
         # as one value per slot that changed (not as a list rewritten on every release).
-        self._lru_seq = array("q", bytes(8 * capacity))
+        self._lru_seq = array("Q", bytes(8 * capacity))
         self._lru_clock = 0
         # Slots whose recorded contents (hash, generation, copies, LRU place) changed since the
         # journal last took them (`drain_dirty`).
@@ -144,8 +150,8 @@ class BlockPool:
 
     def generations(self, blocks: Sequence[int]) -> array[int]:
         if len(blocks) < 2:
-            return array("q", [self._generation[b] for b in blocks])
-        return array("q", itemgetter(*blocks)(self._generation))
+            return array("Q", [self._generation[b] for b in blocks])
+        return array("Q", itemgetter(*blocks)(self._generation))
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -197,11 +203,24 @@ class BlockPool:
         """The slots holding the longest prefix of `digests`; `prefer` picks among several slots
         holding the same digest. Chained hashes make a gap final: a block past a missing one
         cannot be the same prefix."""
-        found: list[int] = []
-        by_key, more_by_key, data = self._by_key, self._more_by_key, self._digests
-        from_bytes = int.from_bytes
-        for digest in digests:
-            key = from_bytes(digest[-8:], "big")  # event_hash, without a call per block
+        if not digests:
+            return []
+        # Each digest's key (its low 64 bits, big-endian: `event_hash`), unpacked in one call.
+        keys = struct.unpack(f">{'24xQ' * len(digests)}", b"".join(digests))
+        by_key, more_by_key = self._by_key, self._more_by_key
+        if more_by_key.keys().isdisjoint(keys):
+            # The common case, done in C: each key names one slot at most, which holds the
+            # digest if all its bytes match.
+            found = list(map(by_key.get, keys, repeat(_NO_SLOT)))
+            if _NO_SLOT in found:
+                del found[found.index(_NO_SLOT) :]
+            starts = map(mul, found, repeat(DIGEST_BYTES))
+            matched = list(map(self._digests.startswith, digests, starts))
+            if False in matched:
+                del found[matched.index(False) :]
+            return found
+        found = []
+        for digest, key in zip(digests, keys, strict=True):
             block = by_key.get(key)
             if block is None:
                 break
@@ -210,7 +229,7 @@ class BlockPool:
                 if not candidates:
                     break
                 block = prefer(candidates) if len(candidates) > 1 else candidates[0]
-            elif data[block * DIGEST_BYTES : (block + 1) * DIGEST_BYTES] != digest:
+            elif not self._digest_is(block, digest):
                 break
             found.append(block)
         return found
@@ -243,60 +262,75 @@ class BlockPool:
     def reference_all(self, blocks: Iterable[int], pinned: bool) -> None:
         """`reference` each; the common cases (a cached or in-use block joining a table) are
         done here without a call each."""
+        if pinned:
+            for block in blocks:
+                self.reference(block, pinned)
+            return
         refs, pins, nxt, prev = self._refs, self._pins, self._next, self._prev
+        uncached = 0  # taken off the cached count once, not per block
         for block in blocks:
             count = refs[block]
-            if pinned:
-                self.reference(block, pinned)
-            elif count == 0:
+            if count == 0:
                 before, after = prev[block], nxt[block]
                 nxt[before] = after
                 prev[after] = before
-                self.cached_count -= 1
+                uncached += 1
                 refs[block] = 1
             elif count != pins[block]:
                 refs[block] = count + 1
             else:
                 self.reference(block, pinned)
+        self.cached_count -= uncached
 
     def unreference_all(self, blocks: Iterable[int], pinned: bool) -> None:
-        """`unreference` each, in order (callers give a table's entries tail first)."""
+        """`unreference` each, in order (callers give a table's entries tail first); the common
+        cases (a shared block, a last reference to a hashed or a private block) are done here
+        without a call each."""
         refs, pins, scopes = self._refs, self._pins, self._scope
         nxt, prev, sentinel = self._next, self._prev, self.capacity
         lru_seq, dirty, displaced = self._lru_seq, self._dirty, self._displaced
         generations, free_chunks = self._generation, self._free_chunks
-        freed = 0
+        # Counted here and added once. The LRU clock and tail are kept in locals too: a block
+        # appended links to the tail, and the last one to the sentinel once, after the loop (or
+        # before a call, which finds the list whole).
+        freed = cached = 0
+        clock, tail = self._lru_clock, prev[sentinel]
         for block in blocks:
             count = refs[block]
             if count > 1 and count != pins[block] and count - 1 != pins[block] - pinned:
                 # Still in use after this entry: the common case of a shared prefix.
                 refs[block] = count - 1
                 pins[block] -= pinned
-            elif count == 1 and not pinned:
-                refs[block] = 0
-                if scopes[block] == NO_SCOPE:
-                    if displaced and block in displaced:
-                        self._restore(block)
-                        continue
-                    # A private tail block: freed at once (`_mark_free`, without a call).
-                    generations[block] += 1
-                    chunk = block >> _CHUNK_SHIFT
-                    free_chunks[chunk] |= 1 << (block & _CHUNK_MASK)
-                    self._free_nonempty |= 1 << chunk
-                    freed += 1
-                else:
-                    tail = prev[sentinel]
-                    nxt[tail] = block
-                    prev[block] = tail
-                    nxt[block] = sentinel
-                    prev[sentinel] = block
-                    self.cached_count += 1
-                    self._lru_clock += 1
-                    lru_seq[block] = self._lru_clock
-                    dirty.add(block)
-            else:
+            elif count != 1 or pinned or (displaced and block in displaced):
+                # Anything else goes through `unreference`, the list made whole first.
+                nxt[tail] = sentinel
+                prev[sentinel] = tail
+                self._lru_clock = clock
                 self.unreference(block, pinned)
+                clock, tail = self._lru_clock, prev[sentinel]
+            elif scopes[block] == NO_SCOPE:
+                # A private tail block: freed at once (`_mark_free`, without a call).
+                refs[block] = 0
+                generations[block] += 1
+                chunk = block >> _CHUNK_SHIFT
+                free_chunks[chunk] |= 1 << (block & _CHUNK_MASK)
+                self._free_nonempty |= 1 << chunk
+                freed += 1
+            else:
+                # A hashed block: cached at the LRU tail (`_append_lru`, without a call).
+                refs[block] = 0
+                nxt[tail] = block
+                prev[block] = tail
+                tail = block
+                cached += 1
+                clock += 1
+                lru_seq[block] = clock
+                dirty.add(block)
+        nxt[tail] = sentinel
+        prev[sentinel] = tail
+        self._lru_clock = clock
         self.free_count += freed
+        self.cached_count += cached
 
     def reference(self, block: int, pinned: bool) -> None:
         """One more table entry (or pin) names the slot; a cached slot leaves the LRU list."""

@@ -2,8 +2,9 @@
 object per slot: a 1,000,000-slot instance filled to 90% held its tenants' slots in dicts of
 ~100 bytes an entry (two of them, ~150 MiB); here a slot costs 8 bytes.
 
-Nearly every held slot has one holder: its number and its entries are kept in two arrays. The
-few slots several tenants hold (a namespace's shared prefix) are kept in a dict, slot by slot.
+Nearly every held slot has one holder: its number and its entries beyond the first (nearly
+always none) are kept in two arrays. The few slots several tenants hold (a namespace's shared
+prefix) are kept in a dict, slot by slot.
 
 Metering charges a slot shared k ways 1/k to each holder (core/metering.py): as holders join
 and leave a slot, each holder's count of slots by sharing ways (`Shares`) moves with it.
@@ -28,7 +29,10 @@ class Holdings:
     def __init__(self, capacity: int, shares_of: Callable[[int], Shares]) -> None:
         """`shares_of(holder)`: the counter that holder's slots by sharing ways are kept in."""
         self._sole = array("i", [NOBODY]) * capacity
-        self._entries = array("i", bytes(4 * capacity))
+        # The sole holder's entries beyond its first, zero for any other slot: a table taking
+        # or giving back a slot it alone holds writes only its holder. Unsigned: written faster
+        # (block_pool.BlockPool's arrays).
+        self._more_entries = array("I", bytes(4 * capacity))
         self._shared: dict[int, dict[int, int]] = {}
         self._shares_of = shares_of
 
@@ -56,18 +60,17 @@ class Holdings:
     def hold(self, holder: int, blocks: Iterable[int]) -> int:
         """One entry more of `holder` (a number >= 0) on each block (a table names each block
         once). Returns how many of them it did not hold before."""
-        sole, entries, shared = self._sole, self._entries, self._shared
+        sole, more_entries, shared = self._sole, self._more_entries, self._shared
         alone = 0  # blocks no one held before: the common case, counted once
         joined = 0
         for block in blocks:
             current = sole[block]
             if current == NOBODY:
                 sole[block] = holder
-                entries[block] = 1
                 alone += 1
                 continue
             if current == holder:
-                entries[block] += 1
+                more_entries[block] += 1
                 continue
             if current == SEVERAL:
                 holders = shared[block]
@@ -76,9 +79,9 @@ class Holdings:
                     holders[holder] = mine + 1
                     continue
             else:
-                holders = shared[block] = {current: entries[block]}
+                holders = shared[block] = {current: more_entries[block] + 1}
                 sole[block] = SEVERAL
-                entries[block] = 0
+                more_entries[block] = 0
             ways = len(holders)
             for other in holders:
                 theirs = self._shares_of(other)
@@ -94,14 +97,15 @@ class Holdings:
     def release(self, holder: int, blocks: Iterable[int]) -> int:
         """One entry fewer of `holder` on each block; it stops holding a block with its last.
         Returns how many it stopped holding."""
-        sole, entries, shared = self._sole, self._entries, self._shared
+        sole, more_entries, shared = self._sole, self._more_entries, self._shared
         alone = 0  # blocks it held alone: the common case, counted once
         left = 0
         for block in blocks:
             if sole[block] == holder:
-                remaining = entries[block] - 1
-                entries[block] = remaining
-                if not remaining:
+                more = more_entries[block]
+                if more:
+                    more_entries[block] = more - 1
+                else:
                     sole[block] = NOBODY
                     alone += 1
                 continue
@@ -120,7 +124,7 @@ class Holdings:
             if ways == 2:
                 ((last, its_entries),) = holders.items()
                 sole[block] = last
-                entries[block] = its_entries
+                more_entries[block] = its_entries - 1
                 del shared[block]
             left += 1
         if alone:
@@ -129,8 +133,12 @@ class Holdings:
 
     def held_by(self, holder: int) -> dict[int, int]:
         """The blocks `holder` holds, with its entries on each (a scan of the pool)."""
-        entries = self._entries
-        found = {block: entries[block] for block, sole in enumerate(self._sole) if sole == holder}
+        more_entries = self._more_entries
+        found = {
+            block: more_entries[block] + 1
+            for block, sole in enumerate(self._sole)
+            if sole == holder
+        }
         for block, holders in self._shared.items():
             if holder in holders:
                 found[block] = holders[holder]

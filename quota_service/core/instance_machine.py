@@ -110,8 +110,9 @@ class HeldTable:
     __slots__ = ("blocks", "generations", "live_entries", "pinned", "released")
 
     def __init__(self, blocks: Sequence[int], generations: Sequence[int], pinned: bool) -> None:
-        self.blocks = array("i", blocks)
-        self.generations = array("q", generations)
+        # Unsigned: built faster (block_pool.BlockPool's arrays).
+        self.blocks = array("I", blocks)
+        self.generations = array("Q", generations)
         self.released = bytearray(len(self.blocks))
         self.pinned = pinned
         self.live_entries = len(self.blocks)
@@ -172,10 +173,18 @@ class ReservationRecord:
         "written",
     )
 
-    def __init__(self, request: AdmitRequest, blocks: int, tokens: int, ttl: float) -> None:
+    def __init__(
+        self,
+        request: AdmitRequest,
+        blocks: int,
+        tokens: int,
+        ttl: float,
+        prompt_digest: bytes | None = None,
+    ) -> None:
+        """`prompt_digest`: the prompt's, when the caller has it already (from validating it)."""
         self.params = request.params
         self.prompt_token_ids = request.prompt_token_ids
-        self.prompt_digest = admission.prompt_digest(request.prompt_token_ids)
+        self.prompt_digest = prompt_digest or admission.prompt_digest(request.prompt_token_ids)
         self.state = ReservationState.QUEUED
         self.end_reason: EndReason | None = None
         self.table: HeldTable | None = None
@@ -618,7 +627,7 @@ class InstanceMachine:
     ) -> ReservationRecord:
         """Reserve a block table now, queue the request when it has a wait budget, or refuse it.
         A repeated Admit (same tenant and request_id) answers the reservation as it is."""
-        admission.validate(request, self.limits)
+        digest = admission.validate(request, self.limits)
         p = request.params
         key = (p.tenant, p.request_id)
         existing = self.reservations.get(key) or self.ended.get(key)
@@ -640,7 +649,7 @@ class InstanceMachine:
         ahead = self._queued_ahead(p.priority)
         # Requests already waiting go first: nobody jumps the queue, however small.
         if isinstance(verdict, Grant) and ahead == 0:
-            record = ReservationRecord(request, verdict.blocks, verdict.tokens, 0.0)
+            record = ReservationRecord(request, verdict.blocks, verdict.tokens, 0.0, digest)
             self._charge_fair_share(record, here)
             self._grant(record, verdict, hit_blocks, table, here, now)
             return record
@@ -669,7 +678,7 @@ class InstanceMachine:
         )
         tokens = geometry.tokens_in_flight(p.prompt_tokens, p.max_output_tokens, p.n)
         ttl = request.lease_ttl_seconds or self.limits.default_lease_ttl_seconds
-        record = ReservationRecord(request, table.total, tokens, ttl)
+        record = ReservationRecord(request, table.total, tokens, ttl, digest)
         record.shadow_refusal = shadow_refusal
         self._enqueue(record, here, now, request.wait_timeout_seconds)
         self.dispatch(now)
