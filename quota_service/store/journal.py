@@ -850,9 +850,11 @@ class Journal:
             try:
                 group = await me.turn
             except asyncio.CancelledError:
-                # Cancelled just as the turn to lead came: the others of the group go on.
-                if me.turn.done() and not me.turn.cancelled():
-                    self._pass_on(me.turn.result(), me)
+                # Cancelled just as the turn to lead came: the others of the group go on. (Just
+                # as it was answered, or while it waited, there is nothing to pass on.)
+                led = me.turn.result() if me.turn.done() and not me.turn.cancelled() else None
+                if led is not None:
+                    self._pass_on(led, me)
                 raise
         else:
             self._committing = True
@@ -874,8 +876,8 @@ class Journal:
                     queued.answer(error=psycopg.OperationalError("the commit was cut short"))
             self._hand_over()
 
-    def _pass_on(self, group: list[_Queued] | None, leaving: _Queued) -> None:
-        self._queued[:0] = [queued for queued in group or () if queued is not leaving]
+    def _pass_on(self, group: list[_Queued], leaving: _Queued) -> None:
+        self._queued[:0] = [queued for queued in group if queued is not leaving]
         self._hand_over()
 
     def _hand_over(self) -> None:
