@@ -69,11 +69,20 @@ async def settled() -> None:
         await asyncio.sleep(0)
 
 
+async def written(journal: Journal, *instances: str) -> list[asyncio.Task[int]]:
+    """Batches of these instances written, in this order, once they wait (or commit)."""
+    tasks = [write(journal, instance) for instance in instances]
+    await settled()
+    return tasks
+
+
+async def behind_a(journal: Journal, *instances: str) -> list[asyncio.Task[int]]:
+    """a's batch, committing alone, then these written while it is in flight."""
+    return [*await written(journal, "a"), *await written(journal, *instances)]
+
+
 async def test_batches_written_during_a_commit_share_the_next(journal: TurnsJournal) -> None:
-    first = write(journal, "a")
-    await settled()
-    waiting = [write(journal, name) for name in ("c", "b")]
-    await settled()
+    first, *waiting = await behind_a(journal, "c", "b")
     await journal.end(0)
     await journal.end(1)
     assert await first == 1
@@ -86,10 +95,7 @@ async def test_batches_written_during_a_commit_share_the_next(journal: TurnsJour
 async def test_a_caller_cancelled_while_it_waits_leaves_the_others_to_commit(
     journal: TurnsJournal,
 ) -> None:
-    first = write(journal, "a")
-    await settled()
-    gone, kept = write(journal, "b"), write(journal, "c")
-    await settled()
+    first, gone, kept = await behind_a(journal, "b", "c")
     gone.cancel()
     await journal.end(0)
     await journal.end(1)
@@ -102,22 +108,17 @@ async def test_a_caller_cancelled_while_it_waits_leaves_the_others_to_commit(
 async def test_a_caller_cancelled_as_it_was_answered_starts_no_commit_beside_the_next(
     journal: TurnsJournal,
 ) -> None:
-    first = write(journal, "a")
-    await settled()
-    leading, answered = write(journal, "b"), write(journal, "c")
-    await settled()
+    first, leading, answered = await behind_a(journal, "b", "c")
     journal.cancel_when_answered["c"] = answered
     await journal.end(0)
     # b leads b and c; d waits for that commit, and leads the next once it ends, while c, answered
     # and cancelled, goes.
-    later = write(journal, "d")
-    await settled()
+    [later] = await written(journal, "d")
     await journal.end(1)
     with pytest.raises(asyncio.CancelledError):
         await answered
     # e is written while d's commit is in flight: it waits for it.
-    last = write(journal, "e")
-    await settled()
+    [last] = await written(journal, "e")
     await journal.end(2)
     await journal.end(3)
     assert [await first, await leading, await later, await last] == [1, 1, 1, 1]
@@ -128,14 +129,10 @@ async def test_a_caller_cancelled_as_it_was_answered_starts_no_commit_beside_the
 async def test_a_leader_cancelled_mid_commit_fails_the_others_and_hands_on(
     journal: TurnsJournal,
 ) -> None:
-    first = write(journal, "a")
-    await settled()
-    leading, led = write(journal, "b"), write(journal, "c")
-    await settled()
+    first, leading, led = await behind_a(journal, "b", "c")
     await journal.end(0)
     # b commits b and c; cut short, whether it took is unknown to both.
-    later = write(journal, "d")
-    await settled()
+    [later] = await written(journal, "d")
     leading.cancel()
     with pytest.raises(asyncio.CancelledError):
         await leading
