@@ -89,6 +89,13 @@ class Displaced(NamedTuple):
     lru_seq: int
 
 
+def _read(values: array[int], blocks: Sequence[int]) -> tuple[int, ...]:
+    if len(blocks) < 2:
+        return tuple(values[block] for block in blocks)
+    read: tuple[int, ...] = itemgetter(*blocks)(values)
+    return read
+
+
 def _picked(pick: itemgetter[Any], values: array[int], count: int) -> list[int]:
     picked = pick(values)
     return [picked] if count == 1 else list(picked)
@@ -236,10 +243,14 @@ class BlockPool:
 
     def unreferenced(self, blocks: Sequence[int]) -> int:
         """How many of `blocks` nothing references (cached: evictable until referenced)."""
-        if len(blocks) < 2:
-            return sum(1 for block in blocks if self._refs[block] == 0)
-        counts: tuple[int, ...] = itemgetter(*blocks)(self._refs)
-        return counts.count(0)
+        return self.ref_counts(blocks).count(0)
+
+    def ref_counts(self, blocks: Sequence[int]) -> tuple[int, ...]:
+        """Each block's reference count, read in one call (not one per block)."""
+        return _read(self._refs, blocks)
+
+    def pin_counts(self, blocks: Sequence[int]) -> tuple[int, ...]:
+        return _read(self._pins, blocks)
 
     def holding_key(self, key: int) -> list[int]:
         """The slots whose digest's low 64 bits are `key` (what a KV event names)."""

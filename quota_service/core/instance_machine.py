@@ -24,7 +24,8 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from operator import itemgetter
+from itertools import compress
+from operator import itemgetter, not_
 
 from quota_service.core import admission, block_table, geometry, pins, queueing
 from quota_service.core.admission import (
@@ -125,6 +126,14 @@ class HeldTable:
 
     def live_blocks(self) -> list[int]:
         return [b for b, gone in zip(self.blocks, self.released, strict=True) if not gone]
+
+    def live_columns(self) -> tuple[Sequence[int], Sequence[int]]:
+        """The live entries' blocks and generations, as two columns (the arrays themselves
+        when nothing was released)."""
+        if self.live_entries == len(self.blocks):
+            return self.blocks, self.generations
+        live = list(map(not_, self.released))
+        return list(compress(self.blocks, live)), list(compress(self.generations, live))
 
     def live_handles(self) -> list[tuple[int, int]]:
         return [

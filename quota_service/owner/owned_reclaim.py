@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from itertools import compress, repeat
+from operator import gt
 
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -259,7 +261,11 @@ def pool_blocks(machine: InstanceMachine) -> PoolBlocks:
     reservations = []
     for seq, record in enumerate(admitted, start=1):
         assert record.table is not None
-        live = record.table.live_handles()
+        blocks, generations = record.table.live_columns()
+        # Each block's counts read in one call per table, and the shared ones found in C: a
+        # 1,000,000-slot pool's plan read ~800,000 blocks one method call at a time.
+        refs, pins = pool.ref_counts(blocks), pool.pin_counts(blocks)
+        shared = compress(range(len(refs)), map(gt, refs, repeat(1)))
         reservations.append(
             LiveReservation(
                 record.key[0],
@@ -267,12 +273,10 @@ def pool_blocks(machine: InstanceMachine) -> PoolBlocks:
                 record.params.priority,
                 seq,
                 record.suspended_at is not None,
-                len(live),
-                sum(1 for b, _ in live if pool.pin_count(b) > 0),
+                len(blocks),
+                len(pins) - pins.count(0),
                 tuple(
-                    SharedEntry(b, g, pool.ref_count(b))
-                    for b, g in live
-                    if pool.ref_count(b) > 1 and pool.pin_count(b) == 0
+                    SharedEntry(blocks[i], generations[i], refs[i]) for i in shared if not pins[i]
                 ),
             )
         )

@@ -507,3 +507,13 @@ def test_past_the_ended_reservations_kept_whole_their_ids_are_kept(
     assert admit(m, "r2") is ReservationState.ADMITTED
     recount(m)
     check_recovery(m)
+
+
+@pytest.mark.parametrize("released", [(), (0,), (1, 3), (0, 1, 2, 3)])
+def test_a_tables_live_columns_are_its_live_handles(released: tuple[int, ...]) -> None:
+    table = instance_machine.HeldTable([7, 3, 9, 4], [70, 30, 90, 40], pinned=False)
+    for position in released:
+        table.released[position] = 1
+        table.live_entries -= 1
+    blocks, generations = table.live_columns()
+    assert list(zip(blocks, generations, strict=True)) == table.live_handles()
