@@ -933,12 +933,7 @@ class Journal:
             await cursor.execute(query)
             numbers = await _batch_numbers(cursor, len(batches))
         except psycopg.Error as exc:
-            rolled_back = await _rolled_back(writer.connection)
-            if rolled_back:
-                self._idle.append(writer)
-            else:
-                await self._drop(writer)
-            raise _Failed(exc, rolled_back) from exc
+            raise _Failed(exc, await self._kept_if_rolled_back(writer)) from exc
         except BaseException:
             # Cut short (cancelled): whether the transaction took is unknown.
             await self._drop(writer)
@@ -973,10 +968,7 @@ class Journal:
             deposed = await cursor.fetchone() is None
             await cursor.execute("ROLLBACK" if deposed else "COMMIT")
         except psycopg.Error as exc:
-            if await _rolled_back(writer.connection):
-                self._idle.append(writer)
-            else:
-                await self._drop(writer)
+            await self._kept_if_rolled_back(writer)
             raise _error_of(instance, exc)  # noqa: B904 (its cause is set)
         except BaseException:
             await self._drop(writer)
@@ -984,6 +976,15 @@ class Journal:
         self._idle.append(writer)
         if deposed:
             raise Deposed(instance)
+
+    async def _kept_if_rolled_back(self, writer: _Writer) -> bool:
+        """After a failed transaction: the connection is used again when the transaction surely
+        committed nothing (returns True), and closed otherwise."""
+        if await _rolled_back(writer.connection):
+            self._idle.append(writer)
+            return True
+        await self._drop(writer)
+        return False
 
     async def _drop(self, writer: _Writer) -> None:
         self._writers.discard(writer)
