@@ -145,11 +145,12 @@ proto: $(STAMP) ## Regenerate kvquota/v1, quota_service/core/reasons.py and the 
 
 # The suite writes docs/benchmarks.md; e.g. `make bench BENCH_ARGS="--servers 2 --auth both"`.
 BENCH_ARGS ?=
-bench: $(STAMP) ## The hot path against pgbench -N and every scenario of docs/benchmarks.md; KV-event rate; usage export at 1M records; the instance state machine beside vLLM's KVCacheManager
+bench: $(STAMP) ## The hot path against pgbench -N and every scenario of docs/benchmarks.md; KV-event rate; usage export at 1M records; the instance state machine beside vLLM's KVCacheManager; instructions per pair (callgrind)
 	$(BIN)/python -m bench.suite $(BENCH_ARGS)
 	$(BIN)/python -m bench.kv_events
 	$(BIN)/python -m bench.usage_export
 	$(BIN)/python -m bench.state_machine
+	$(BIN)/python -m bench.instructions
 
 clean: ## Remove the virtual environment and the embedded database
 	rm -rf $(VENV) $(ENGINES) $(LMCACHE) $(GATEWAYS) .kvquota

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,9 +77,15 @@ class Server:
 
 
 @contextmanager
-def server(database_url: str, env: Mapping[str, str] | None = None) -> Iterator[Server]:
+def server(
+    database_url: str,
+    env: Mapping[str, str] | None = None,
+    wrapper: Sequence[str] = (),
+    source: Path | None = None,
+) -> Iterator[Server]:
     """A `kvquota serve` process on the database, stopped (SIGTERM) afterwards. Authentication
-    is off unless KVQUOTA_AUTH_REQUIRED (in `env` or this process's environment) says otherwise."""
+    is off unless KVQUOTA_AUTH_REQUIRED (in `env` or this process's environment) says otherwise.
+    `wrapper` runs it under another program (valgrind); `source` from another checkout."""
     environment = {
         **os.environ,
         "KVQUOTA_DATABASE_URL": database_url,
@@ -88,9 +94,31 @@ def server(database_url: str, env: Mapping[str, str] | None = None) -> Iterator[
         "KVQUOTA_AUTH_REQUIRED": os.environ.get("KVQUOTA_AUTH_REQUIRED", "false"),
         **(env or {}),
     }
+    with _serving(["quota_service.cli", "serve"], environment, wrapper, source) as running:
+        yield running
+
+
+@contextmanager
+def grpc_floor(wrapper: Sequence[str] = ()) -> Iterator[Server]:
+    """The bare gRPC floor (bench/grpc_floor.py) in a process of its own, stopped afterwards."""
+    with _serving(["bench.grpc_floor"], dict(os.environ), wrapper, None) as running:
+        yield running
+
+
+@contextmanager
+def _serving(
+    module: Sequence[str],
+    env: Mapping[str, str],
+    wrapper: Sequence[str],
+    source: Path | None,
+) -> Iterator[Server]:
+    """`python -m module` until it says where it serves; stopped (SIGTERM) afterwards."""
+    if source is not None:
+        env = {**env, "PYTHONPATH": str(source)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "quota_service.cli", "serve"],
-        env=environment,
+        [*wrapper, sys.executable, "-m", *module],
+        env=env,
+        cwd=source,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -99,7 +127,7 @@ def server(database_url: str, env: Mapping[str, str] | None = None) -> Iterator[
         assert process.stdout is not None
         address = next((m.group(1) for line in process.stdout if (m := ADDRESS.search(line))), None)
         if address is None:
-            raise RuntimeError(f"kvquota serve exited ({process.wait()}) before serving")
+            raise RuntimeError(f"{module[0]} exited ({process.wait()}) before serving")
         # Keep reading what it prints, so that a full pipe never blocks it.
         threading.Thread(target=process.stdout.read, daemon=True).start()
         yield Server(address, process)
@@ -110,23 +138,6 @@ def server(database_url: str, env: Mapping[str, str] | None = None) -> Iterator[
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-@contextmanager
-def grpc_floor() -> Iterator[Server]:
-    """The bare gRPC floor (bench/grpc_floor.py) in a process of its own, stopped afterwards."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bench.grpc_floor"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert process.stdout is not None
-        address = next((m.group(1) for line in process.stdout if (m := ADDRESS.search(line))), None)
-        if address is None:
-            raise RuntimeError(f"the gRPC floor exited ({process.wait()}) before serving")
-        yield Server(address, process)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 @contextmanager

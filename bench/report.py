@@ -199,6 +199,7 @@ def markdown(document: dict[str, Any], analysis: str) -> str:
         "python -m bench.suite            # --runs 3 --seconds 10 --concurrency 1 4 16 32",
         "python -m bench.suite --servers 2 --auth both   # two server processes; auth on and off",
         "python -m bench.suite --quick --docs ''         # the smoke form the tests run",
+        "python -m bench.instructions     # instructions per pair (callgrind), against the floor",
         "```",
         "",
         "How far the ledger drifts from a real vLLM under a mixed load (blocks and prefix hits "

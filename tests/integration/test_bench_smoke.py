@@ -91,3 +91,27 @@ def test_quick_suite_measures_every_scenario(server_url: str, tmp_path: Path) ->
     report = docs.read_text()
     assert "## Targets" in report and "pgbench -N -c 1" in report
     assert "<!-- BEGIN ANALYSIS -->" in report
+
+
+@pytest.mark.bench_smoke
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_instruction_count_of_server_and_floor(server_url: str) -> None:
+    """`python -m bench.instructions` counts both processes' instructions over the pairs alone:
+    a server does more per pair than the bare floor, and both do some."""
+    counting = processes.popen(
+        [sys.executable, "-m", "bench.instructions", "--clients", "2", "--pairs", "3", "--json"],
+        cwd=ROOT,
+        env={**os.environ, "KVQUOTA_DATABASE_URL": server_url},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        stdout, stderr = counting.communicate(timeout=280)
+    finally:
+        processes.stop(counting)  # and the servers it started under valgrind, if any are left
+    assert counting.returncode == 0, stderr[-3000:]
+    result = json.loads(stdout)
+    assert result["server"]["pairs"] == result["floor"]["pairs"] == 6
+    assert result["floor"]["instructions_per_pair"] > 100_000
+    assert result["server_of_floor"] > 1
