@@ -728,10 +728,9 @@ class _Writer:
         self.connection = connection
         # Binds the statements client-side: a batch is one query text, however many.
         self.cursor = psycopg.AsyncClientCursor(connection)
-        # Each prepared statement's EXECUTE, in the driver's placeholders, and as a template of
-        # its parameters' literals (in the order of its placeholders).
-        self.executes: dict[str, str] = {}
-        self._templates: dict[str, tuple[str, list[str]]] = {}
+        # Each prepared statement's EXECUTE as a template of its parameters' literals, and
+        # their names (in the order of its placeholders).
+        self._executes: dict[str, tuple[str, list[str]]] = {}
         # Literals made here need the standard quoting (the server's default since 9.1);
         # under the old one the driver binds every parameter.
         conforming = connection.info.parameter_status("standard_conforming_strings")
@@ -742,21 +741,16 @@ class _Writer:
         that appears more than once is one parameter, numbered as it first appears)."""
         prepares = []
         for sql in statements:
-            if sql in self.executes:
+            if sql in self._executes:
                 continue
-            name = f"journal_{len(self.executes)}"
+            name = f"journal_{len(self._executes)}"
             keys = list(dict.fromkeys(_PLACEHOLDER.findall(sql)))
             numbered = sql
             for number, key in enumerate(keys, 1):
                 numbered = numbered.replace(f"%({key})s", f"${number}")
             prepares.append(f"PREPARE {name} AS {numbered}")
-            if keys:
-                arguments = ", ".join(f"%({key})s" for key in keys)
-                self.executes[sql] = f"EXECUTE {name}({arguments})"
-                template = f"EXECUTE {name}({', '.join('{}' for _ in keys)})"
-            else:
-                self.executes[sql] = template = f"EXECUTE {name}"
-            self._templates[sql] = (template, keys)
+            arguments = f"({', '.join('{}' for _ in keys)})" if keys else ""
+            self._executes[sql] = (f"EXECUTE {name}{arguments}", keys)
         return prepares
 
     def bound(self, sql: str, params: Mapping[str, Any]) -> str:
@@ -764,13 +758,13 @@ class _Writer:
         (the driver's binding, a Python call per parameter and copies of each batch's JSON,
         cost a served Admit+Release more than the batch's own rows); a parameter of a kind
         `_literal` does not make is bound by the driver, with the rest of its statement."""
+        template, keys = self._executes[sql]
         if self._literals:
-            template, keys = self._templates[sql]
             try:
                 return template.format(*[_literal(params[key]) for key in keys])
             except _Unbound:
                 pass
-        return self.cursor.mogrify(self.executes[sql], params)
+        return self.cursor.mogrify(template.format(*(f"%({key})s" for key in keys)), params)
 
 
 @dataclass(slots=True)

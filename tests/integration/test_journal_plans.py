@@ -68,7 +68,7 @@ async def test_a_batch_moves_its_tenants_totals_by_their_key(
     for sql, params in transaction_statements([batch])[len(batch.statements()) :]:
         for prepare in writer.prepare([sql]):
             await conn.execute(prepare)
-        execute = writer.cursor.mogrify(writer.executes[sql], params)
+        execute = writer.bound(sql, params)
         cursor = await conn.execute(f"EXPLAIN {execute}")
         plans.append("\n".join(str(line) for (line,) in await cursor.fetchall()))
     await journal.close()
