@@ -274,7 +274,7 @@ class FidelityRun:
 
     async def _admit(
         self, prompt: list[int], max_tokens: int
-    ) -> tuple[str, int, int, str, tuple[BlockHandle, ...]]:
+    ) -> tuple[str, int, int, str, Sequence[BlockHandle]]:
         self._served += 1
         request_id = f"fid-{self._served}"
         params = AdmitParams(

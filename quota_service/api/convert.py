@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 from google.protobuf.duration_pb2 import Duration
@@ -14,7 +14,7 @@ from kvquota.v1 import resources_pb2 as pb
 from quota_service.core import admission, engine_address, geometry, names
 from quota_service.core.access import ApiKey, AuditEvent, Role
 from quota_service.core.admission import AdmissionLimits, AdmitRequest
-from quota_service.core.block_table import BlockHandle
+from quota_service.core.block_table import BlockHandle, BlockHandles
 from quota_service.core.errors import FieldViolation, invalid_request, quoted, refuse_invalid
 from quota_service.core.hashing import HashAlgo, event_hash
 from quota_service.core.model import (
@@ -238,13 +238,14 @@ def block_handle(value: BlockHandle) -> pb.BlockHandle:
 
 
 def add_block_handles(
-    field: RepeatedCompositeFieldContainer[pb.BlockHandle], values: Iterable[BlockHandle]
+    field: RepeatedCompositeFieldContainer[pb.BlockHandle], values: Sequence[BlockHandle]
 ) -> None:
     """Append handles to a message's repeated field. Filled in place: a whole table (96
     entries and more on every Admit) costs a third of building each handle as a message of
-    its own and copying it in."""
+    its own and copying it in. A table's columns are read as pairs, not as named tuples."""
     add = field.add
-    for block_id, generation in values:
+    pairs = values.pairs() if isinstance(values, BlockHandles) else values
+    for block_id, generation in pairs:
         entry = add()
         entry.block_id = block_id
         entry.generation = generation

@@ -8,9 +8,9 @@ under the same salt land on the same blocks; without them every block is private
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 from quota_service.core import geometry
 from quota_service.core.errors import FieldViolation, KvQuotaError, invalid_request
@@ -25,6 +25,52 @@ class BlockHandle(NamedTuple):
 
     block_id: int
     generation: int
+
+
+class BlockHandles(Sequence[BlockHandle]):
+    """A table's handles as its two columns (block ids, generations), made into BlockHandles
+    only when read one by one. Every Admit answers 96 and more, read as pairs (`pairs`): making
+    a named tuple of each first cost as much as writing them into the answer. The columns are
+    not copied: a table's never change once made."""
+
+    __slots__ = ("_block_ids", "_generations")
+
+    def __init__(self, block_ids: Sequence[int], generations: Sequence[int]) -> None:
+        self._block_ids = block_ids
+        self._generations = generations
+
+    def pairs(self) -> Iterator[tuple[int, int]]:
+        """(block id, generation) of each handle, in order."""
+        return zip(self._block_ids, self._generations, strict=True)
+
+    def __len__(self) -> int:
+        return len(self._block_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> BlockHandle: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[BlockHandle, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> BlockHandle | tuple[BlockHandle, ...]:
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        return BlockHandle(self._block_ids[index], self._generations[index])
+
+    def __iter__(self) -> Iterator[BlockHandle]:
+        return map(BlockHandle, self._block_ids, self._generations)
+
+    def __eq__(self, other: object) -> bool:
+        # Equal to any sequence of the same handles (a table read from the record is a tuple).
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"BlockHandles({list(self)!r})"
 
 
 @dataclass(frozen=True, slots=True)

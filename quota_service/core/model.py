@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -123,7 +124,7 @@ class Reservation:
     end_reason: EndReason | None
     output_tokens: int | None
     # The live entries of its block table, in order (empty once it ended).
-    block_table: tuple[BlockHandle, ...] = ()
+    block_table: Sequence[BlockHandle] = ()
     # Set while (and after) it waited in the queue; the position only while it waits.
     queued_at: datetime | None = None
     wait_deadline: datetime | None = None
@@ -280,7 +281,7 @@ class Pin:
     pinned_blocks: int
     state: PinState
     created_at: datetime
-    blocks: tuple[BlockHandle, ...] = ()
+    blocks: Sequence[BlockHandle] = ()
 
 
 class BlockState(enum.Enum):

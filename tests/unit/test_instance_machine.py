@@ -517,3 +517,25 @@ def test_a_tables_live_columns_are_its_live_handles(released: tuple[int, ...]) -
         table.live_entries -= 1
     blocks, generations = table.live_columns()
     assert list(zip(blocks, generations, strict=True)) == table.live_handles()
+
+
+@pytest.mark.parametrize("released", [(), (0,), (1, 3), (0, 1, 2, 3)])
+def test_a_tables_handles_read_as_the_named_tuples_of_its_live_entries(
+    released: tuple[int, ...],
+) -> None:
+    table = instance_machine.HeldTable([7, 3, 9, 4], [70, 30, 90, 40], pinned=False)
+    for position in released:
+        table.released[position] = 1
+        table.live_entries -= 1
+    expected = tuple(BlockHandle(b, g) for b, g in table.live_handles())
+    handles = table.handles()
+    assert list(handles.pairs()) == table.live_handles()
+    assert tuple(handles) == expected and len(handles) == len(expected)
+    assert all(type(h) is BlockHandle for h in handles)
+    # Equal to the same handles however held (a table read from the record is a tuple).
+    assert handles == expected and expected == handles and handles == list(expected)
+    assert hash(handles) == hash(expected)
+    assert handles[1:] == expected[1:] and bool(handles) == bool(expected)
+    if expected:
+        assert handles[0] == expected[0] and handles[-1] == expected[-1]
+        assert handles != expected[1:] and handles != "not handles"
