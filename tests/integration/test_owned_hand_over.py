@@ -29,9 +29,10 @@ PROMPT, OUTPUT = 16 * BLOCK - 1, 1
 async def replicas(engine: AsyncEngine) -> AsyncIterator[tuple[Owners, Owners]]:
     await add_instance(engine, blocks=16, block_size=BLOCK)
     await add_tenant(engine, "acme")
-    # The stopping replica looks for a new owner for a third of its lease (0.1 s) before it
-    # tells a caller to retry.
-    stopping = Owners(engine, LIMITS, QueuePolicy(), "replica-a", lease_seconds=0.3)
+    # The stopping replica looks for a new owner for a third of its lease (a third of a
+    # second) before it tells a caller to retry. (A lease of 0.3 s lapsed between its claim
+    # and its first call on a machine loaded far past its cores.)
+    stopping = Owners(engine, LIMITS, QueuePolicy(), "replica-a", lease_seconds=1.0)
     staying = Owners(engine, LIMITS, QueuePolicy(), "replica-b", lease_seconds=30.0)
     yield stopping, staying
     for owners in (stopping, staying):
