@@ -23,12 +23,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -51,6 +52,23 @@ EVENT_LAG_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300,
 )  # fmt: skip
 
+_Metric = TypeVar("_Metric", bound=MetricWrapperBase)
+
+
+class _Children(Generic[_Metric]):
+    """A labelled metric whose child for each set of label values is looked up once:
+    prometheus_client's labels() takes a lock and makes a tuple of their strings every time."""
+
+    def __init__(self, metric: _Metric) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], _Metric] = {}
+
+    def labels(self, *values: str) -> _Metric:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
 
 class ServiceMetrics:
     """This process's own figures, and the registry /metrics serves (with the collectors of
@@ -58,41 +76,52 @@ class ServiceMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._rpc_duration = Histogram(
-            "kvquota_rpc_duration_seconds",
-            "Time to answer an RPC (a server stream: until it ended), by gRPC method and status.",
-            ["service", "method", "code"],
-            buckets=RPC_BUCKETS,
-            registry=self.registry,
+        self._rpc_duration = _Children(
+            Histogram(
+                "kvquota_rpc_duration_seconds",
+                "Time to answer an RPC (a server stream: until it ended), by gRPC method and "
+                "status.",
+                ["service", "method", "code"],
+                buckets=RPC_BUCKETS,
+                registry=self.registry,
+            )
         )
-        self._admissions = Counter(
-            "kvquota_admissions",
-            "Answers to Admit and ResumeReservation: outcome admitted (at once), queued "
-            "(admitted after waiting in the instance's queue), refused (with the error's "
-            "reason), abandoned (the caller went away), or the state a repeat found.",
-            ["method", "outcome", "reason"],
-            registry=self.registry,
+        self._admissions = _Children(
+            Counter(
+                "kvquota_admissions",
+                "Answers to Admit and ResumeReservation: outcome admitted (at once), queued "
+                "(admitted after waiting in the instance's queue), refused (with the error's "
+                "reason), abandoned (the caller went away), or the state a repeat found.",
+                ["method", "outcome", "reason"],
+                registry=self.registry,
+            )
         )
-        self._queue_wait = Histogram(
-            "kvquota_queue_wait_seconds",
-            "How long a caller waited in an instance's queue for its answer, by how the wait "
-            "ended: admitted, timeout, ended (cancelled or offboarded), abandoned, error.",
-            ["engine_instance", "result"],
-            buckets=QUEUE_WAIT_BUCKETS,
-            registry=self.registry,
+        self._queue_wait = _Children(
+            Histogram(
+                "kvquota_queue_wait_seconds",
+                "How long a caller waited in an instance's queue for its answer, by how the wait "
+                "ended: admitted, timeout, ended (cancelled or offboarded), abandoned, error.",
+                ["engine_instance", "result"],
+                buckets=QUEUE_WAIT_BUCKETS,
+                registry=self.registry,
+            )
         )
-        self._event_lag = Histogram(
-            "kvquota_engine_event_lag_seconds",
-            "From an engine's KV-event batch timestamp to its application to the ledger.",
-            ["engine_instance"],
-            buckets=EVENT_LAG_BUCKETS,
-            registry=self.registry,
+        self._event_lag = _Children(
+            Histogram(
+                "kvquota_engine_event_lag_seconds",
+                "From an engine's KV-event batch timestamp to its application to the ledger.",
+                ["engine_instance"],
+                buckets=EVENT_LAG_BUCKETS,
+                registry=self.registry,
+            )
         )
-        self._event_applied = Gauge(
-            "kvquota_engine_event_last_batch_timestamp_seconds",
-            "The engine's timestamp of the last KV-event batch this replica applied.",
-            ["engine_instance"],
-            registry=self.registry,
+        self._event_applied = _Children(
+            Gauge(
+                "kvquota_engine_event_last_batch_timestamp_seconds",
+                "The engine's timestamp of the last KV-event batch this replica applied.",
+                ["engine_instance"],
+                registry=self.registry,
+            )
         )
 
     def observe_rpc(self, service: str, method: str, code: str, seconds: float) -> None:

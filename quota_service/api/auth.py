@@ -25,12 +25,15 @@ from quota_service import logs
 from quota_service.api.error_status import (
     REQUEST_ID_KEY,
     Behavior,
+    Metadata,
     Request,
     Response,
     StreamBehavior,
     WrappingInterceptor,
     answered_with,
+    call_metadata,
     echoed,
+    metadata_value,
 )
 from quota_service.core import access, names
 from quota_service.core.access import ANONYMOUS, ApiKey, AuditEvent, Principal, Role
@@ -164,7 +167,7 @@ class Authenticator:
     async def principal(self, metadata: Sequence[tuple[str, str | bytes]]) -> Principal:
         if not self._required:
             return ANONYMOUS
-        header = next((v for k, v in metadata if k == "authorization"), None)
+        header = metadata_value(metadata, "authorization")
         if not isinstance(header, str) or not header:
             raise access.unauthenticated("missing `authorization: Bearer <API key>` metadata")
         scheme, _, token = header.partition(" ")
@@ -210,10 +213,6 @@ class Authenticator:
             done.exception()  # its callers may all have gone away: then no one reads it
 
 
-# A call's metadata, as invocation_metadata() gives it.
-Metadata = Sequence[tuple[str, str | bytes]]
-
-
 # The ids made here for calls that bring none: this process's random half and a count, 32 hex
 # digits as a UUID's, unique across replicas and restarts. A uuid4 read the kernel's random
 # source on every call.
@@ -222,7 +221,7 @@ _MADE_IDS = itertools.count()
 
 
 def _request_id(metadata: Metadata) -> str:
-    given = next((v for k, v in metadata if k == REQUEST_ID_KEY), None)
+    given = metadata_value(metadata, REQUEST_ID_KEY)
     if isinstance(given, str) and names.REQUEST_ID.fullmatch(given):
         return given
     return f"{_MADE_ID_PREFIX}{next(_MADE_IDS):016x}"
@@ -269,7 +268,7 @@ class AccessInterceptor(WrappingInterceptor):
         async def checked(
             request: Request, context: grpc.aio.ServicerContext[Request, Response]
         ) -> Response:
-            metadata = tuple(context.invocation_metadata() or ())
+            metadata = call_metadata(context)
             # Back in the trailers: they go out with the answer, where headers of their own
             # would cost gRPC a batch of its own (~5% of a server's CPU under load). A refusal's
             # trailers carry it too (error_status.trailers).
@@ -308,7 +307,7 @@ class AccessInterceptor(WrappingInterceptor):
         async def checked(
             request: Request, context: grpc.aio.ServicerContext[Request, Response]
         ) -> AsyncIterator[Response]:
-            metadata = tuple(context.invocation_metadata() or ())
+            metadata = call_metadata(context)
             # A stream's trailers come at its end: its headers carry the id at once.
             self._identify(metadata)
             await context.send_initial_metadata(echoed())

@@ -26,6 +26,8 @@ from quota_service.api.error_status import (
     Response,
     StreamBehavior,
     WrappingInterceptor,
+    call_metadata,
+    metadata_value,
     responses,
 )
 from quota_service.api.waiting import Waiters
@@ -194,8 +196,8 @@ class ForwardingInterceptor(WrappingInterceptor):
         async def forwarding(
             request: Request, context: grpc.aio.ServicerContext[Request, Response]
         ) -> Response:
-            metadata = tuple(context.invocation_metadata() or ())
-            forwarded_call.set(any(key == FORWARDED_BY_KEY for key, _ in metadata))
+            metadata = call_metadata(context)
+            forwarded_call.set(metadata_value(metadata, FORWARDED_BY_KEY) is not None)
             try:
                 return await behavior(request, context)
             except ServedElsewhere as elsewhere:
@@ -235,8 +237,8 @@ class ForwardingInterceptor(WrappingInterceptor):
         async def forwarding(
             request: Request, context: grpc.aio.ServicerContext[Request, Response]
         ) -> AsyncIterator[Response]:
-            metadata = tuple(context.invocation_metadata() or ())
-            forwarded_call.set(any(key == FORWARDED_BY_KEY for key, _ in metadata))
+            metadata = call_metadata(context)
+            forwarded_call.set(metadata_value(metadata, FORWARDED_BY_KEY) is not None)
             try:
                 async for item in responses(behavior, request, context):
                     yield item
