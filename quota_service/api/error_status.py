@@ -149,17 +149,23 @@ def answered_with(
 # A call's metadata, as invocation_metadata() gives it.
 Metadata = tuple[tuple[str, str | bytes], ...]
 
-# The metadata of the call being served, once read (`call_metadata`).
-_call_metadata: ContextVar[Metadata | None] = ContextVar("call_metadata", default=None)
+# The call being served and its metadata, once read (`call_metadata`).
+_call_metadata: ContextVar[tuple[object, Metadata] | None] = ContextVar(
+    "call_metadata", default=None
+)
 
 
 def call_metadata(context: grpc.aio.ServicerContext[Any, Any]) -> Metadata:
     """The call's metadata, read once a call: grpc builds it anew on every invocation_metadata()
-    (~4 µs with a gateway's three keys), and more than one interceptor reads it."""
-    metadata = _call_metadata.get()
-    if metadata is None:
-        metadata = tuple(context.invocation_metadata() or ())
-        _call_metadata.set(metadata)
+    (~4 µs with a gateway's three keys), and more than one interceptor reads it. Kept with the
+    call's context and given only for it: it carries the caller's credentials, which no other
+    call may ever be served with (grpc runs each call in a task of its own, but this does not
+    lean on it)."""
+    read = _call_metadata.get()
+    if read is not None and read[0] is context:
+        return read[1]
+    metadata = tuple(context.invocation_metadata() or ())
+    _call_metadata.set((context, metadata))
     return metadata
 
 

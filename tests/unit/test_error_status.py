@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import psycopg
 import pytest
 from google.rpc import error_details_pb2
 from sqlalchemy.exc import OperationalError
 
-from quota_service.api.error_status import domain_error, rich_status, trailers
+from quota_service.api.error_status import call_metadata, domain_error, rich_status, trailers
 from quota_service.core.errors import Code, FieldViolation, KvQuotaError, QuotaViolation
 from quota_service.core.reasons import Reason
 
@@ -76,3 +78,26 @@ def test_lost_database_is_unavailable() -> None:
     error = domain_error(lost, "/kvquota.v1.AdmissionService/Admit")
     assert (error.code, error.reason) == (Code.UNAVAILABLE, "DATABASE_UNAVAILABLE")
     assert error.retry_delay_seconds is not None
+
+
+class _Call:
+    """What call_metadata reads of a servicer context: its metadata, counting the reads."""
+
+    def __init__(self, *metadata: tuple[str, str]) -> None:
+        self.metadata, self.reads = metadata, 0
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        self.reads += 1
+        return self.metadata
+
+
+def test_a_calls_metadata_is_read_once_and_given_to_that_call_alone() -> None:
+    first = _Call(("authorization", "Bearer one"))
+    second = _Call(("authorization", "Bearer two"))
+    context: Any = first
+    assert call_metadata(context) == call_metadata(context) == first.metadata
+    assert first.reads == 1
+    # Another call served in the same context (were grpc to reuse a task) reads its own: never
+    # the credentials of the one before.
+    context = second
+    assert call_metadata(context) == second.metadata and second.reads == 1
