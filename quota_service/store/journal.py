@@ -14,6 +14,7 @@ its instances, and a replica claims an instance only once the lease has lapsed (
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -280,8 +281,14 @@ def _at(seconds: float | None) -> datetime | None:
     return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
 
 
-def _iso(seconds: float | None) -> str | None:
-    return None if seconds is None else datetime.fromtimestamp(seconds, UTC).isoformat()
+def _micros(seconds: float | None) -> int | None:
+    """Microseconds since the epoch, rounded as `datetime.fromtimestamp(seconds, UTC)` rounds
+    them (the fraction after `modf` to the microsecond, half to even), which is what recovery
+    reads back; without making the datetime."""
+    if seconds is None:
+        return None
+    fraction, whole = math.modf(seconds)
+    return int(whole) * 1_000_000 + round(fraction * 1e6)
 
 
 def _seconds(at: datetime | None) -> float | None:
@@ -289,8 +296,9 @@ def _seconds(at: datetime | None) -> float | None:
 
 
 def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]:
-    """A reservation's row as JSON takes it: times as ISO 8601 (rounded to the microsecond as
-    the record's readers round them), the prompt's digest in hex, and its NULL columns left out
+    """A reservation's row as JSON takes it: times as integer microseconds since the epoch
+    (rounded as `datetime.fromtimestamp` rounds them, as the record's readers do; half the
+    length of ISO 8601), the prompt's digest in hex, and its NULL columns left out
     (a key not there reads as NULL; most of a row's columns are NULL at any time, and
     PostgreSQL's CPU per row follows the JSON's length)."""
     p = record.params
@@ -309,13 +317,13 @@ def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]
         "reserved_tokens": record.tokens,
         "prefix_hit_blocks": record.prefix_hit_blocks,
         "lease_ttl_seconds": record.lease_ttl_seconds,
-        "lease_expires_at": _iso(record.lease_expires_at),
-        "admitted_at": _iso(record.admitted_at),
-        "ended_at": _iso(record.ended_at),
+        "lease_expires_at": _micros(record.lease_expires_at),
+        "admitted_at": _micros(record.admitted_at),
+        "ended_at": _micros(record.ended_at),
         "end_reason": record.end_reason.value if record.end_reason is not None else None,
         "output_tokens": record.output_tokens,
-        "queued_at": _iso(record.queued_at),
-        "wait_deadline": _iso(record.wait_deadline),
+        "queued_at": _micros(record.queued_at),
+        "wait_deadline": _micros(record.wait_deadline),
         "virtual_start": record.tags.start,
         "virtual_finish": record.tags.finish,
         # A queued request's prompt, or a suspended session's tokens (the CPU tier's keys).
@@ -324,7 +332,7 @@ def _reservation_row(instance: str, record: ReservationRecord) -> dict[str, Any]
         ),
         "prompt_digest": digest.hex() if digest is not None else None,
         "shadow_refusal": record.shadow_refusal,
-        "suspended_at": _iso(record.suspended_at),
+        "suspended_at": _micros(record.suspended_at),
         "offloaded_bytes": record.offloaded_bytes,
         "compressed_bytes": record.compressed_bytes,
         "compress_before_bytes": record.compress_before_bytes,
@@ -383,19 +391,19 @@ _RESERVATION_COLUMNS = (
     ("reserved_tokens", "bigint", None),
     ("prefix_hit_blocks", "int", None),
     ("lease_ttl_seconds", "float8", None),
-    ("lease_expires_at", "timestamptz", None),
-    ("admitted_at", "timestamptz", None),
-    ("ended_at", "timestamptz", None),
+    ("lease_expires_at", "bigint", "micros"),
+    ("admitted_at", "bigint", "micros"),
+    ("ended_at", "bigint", "micros"),
     ("end_reason", "text", None),
     ("output_tokens", "int", None),
-    ("queued_at", "timestamptz", None),
-    ("wait_deadline", "timestamptz", None),
+    ("queued_at", "bigint", "micros"),
+    ("wait_deadline", "bigint", "micros"),
     ("virtual_start", "float8", None),
     ("virtual_finish", "float8", None),
     ("prompt_token_ids", "text", "int[]"),
     ("prompt_digest", "text", "hex"),
     ("shadow_refusal", "text", None),
-    ("suspended_at", "timestamptz", None),
+    ("suspended_at", "bigint", "micros"),
     ("offloaded_bytes", "bigint", None),
     ("compressed_bytes", "bigint", None),
     ("compress_before_bytes", "bigint", None),
@@ -409,6 +417,10 @@ _RESERVATION_COLUMNS = (
 
 
 def _from_json(name: str, converted: str | None) -> str:
+    if converted == "micros":
+        # Exact: the microseconds go through float8 (interval * float8), exact below 2**53 (the
+        # year 2255), and an interval of whole microseconds adds to a timestamptz as an integer.
+        return f"timestamptz 'epoch' + r.{name} * interval '1 microsecond'"
     if converted == "hex":
         return f"decode(r.{name}, 'hex')"
     if converted is not None:
