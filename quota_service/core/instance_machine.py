@@ -35,7 +35,7 @@ from quota_service.core.admission import (
     PrefixHits,
     Shortfall,
 )
-from quota_service.core.block_pool import BlockPool, ContentColumns, SlotContents
+from quota_service.core.block_pool import BlockPool, ContentColumns
 from quota_service.core.block_table import BlockHandle, BlockHandles, CachedBlock, EntryLookup
 from quota_service.core.errors import KvQuotaError, invalid_request, not_found, refuse_invalid
 from quota_service.core.hashing import block_hashes
@@ -404,7 +404,7 @@ class Changes:
 
     reservations: dict[tuple[str, str], ReservationRecord] = field(default_factory=dict)
     pins: dict[tuple[str, str], PinRecord | None] = field(default_factory=dict)
-    slots: list[SlotContents] = field(default_factory=list)
+    slots: ContentColumns = field(default_factory=ContentColumns.empty)
     dropped_slots: list[int] = field(default_factory=list)
     usage: dict[str, Usage] = field(default_factory=dict)
 

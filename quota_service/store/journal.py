@@ -192,8 +192,7 @@ def batch_rows(
             for number, chunk in enumerate(chunks)
         ]
     if changes.slots or changes.dropped_slots:
-        changed = ContentColumns.of(changes.slots)
-        rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changed)}
+        rows.delta = {"instance": instance, **_slot_arrays(machine.scopes, changes.slots)}
         rows.delta["dropped"] = _int_array(changes.dropped_slots)
     rows.usage = [
         row

@@ -4,10 +4,12 @@ of everything the machine keeps incrementally (DESIGN.md invariants 1-4)."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import replace
 
 from quota_service.config import Settings
-from quota_service.core.block_pool import ContentColumns, SlotContents
+from quota_service.core.block_pool import ContentColumns
+from quota_service.core.hashing import DIGEST_BYTES
 from quota_service.core.instance_machine import HeldTable, InstanceMachine, TenantSettings
 from quota_service.core.machine_comparison import machine_differences
 from quota_service.core.model import InstanceSpec, QueueBounds, TenantQuota, TenantState
@@ -110,13 +112,45 @@ def shares_held(machine: InstanceMachine) -> dict[str, Counter[int]]:
     }
 
 
-def check_recovery(live: InstanceMachine, recorded: dict[int, SlotContents] | None = None) -> None:
+# A slot's contents as the journal records them: (slot, generation, digest, scope, engine
+# copies, LRU place).
+SlotRecord = tuple[int, int, bytes, int, int, int]
+
+
+def slot_records(columns: ContentColumns) -> list[SlotRecord]:
+    """The slots of `columns` one by one."""
+    width = DIGEST_BYTES
+    digests = [columns.digests[i * width : (i + 1) * width] for i in range(len(columns))]
+    return list(
+        zip(
+            columns.blocks,
+            columns.generations,
+            digests,
+            columns.scopes,
+            columns.engine_copies,
+            columns.lru_seqs,
+            strict=True,
+        )
+    )
+
+
+def columns_of(records: Iterable[SlotRecord]) -> ContentColumns:
+    """Slots as the columns a pool gives them in, in slot order."""
+    ordered = sorted(records)
+    if not ordered:
+        return ContentColumns.empty()
+    columns = (list(column) for column in zip(*ordered, strict=True))
+    blocks, generations, digests, scopes, copies, lru_seqs = columns
+    return ContentColumns(blocks, generations, b"".join(digests), scopes, copies, lru_seqs)
+
+
+def check_recovery(live: InstanceMachine, recorded: dict[int, SlotRecord] | None = None) -> None:
     """A new owner rebuilding the machine from its image must hold exactly what the live one
     holds. With `recorded` (slot contents kept from the machine's changes, as the journal keeps
     them), the image's slots are those, and they must be the pool's contents."""
     image = live.image()
     if recorded is not None:
-        kept = ContentColumns.of(sorted(recorded.values(), key=lambda slot: slot.block))
+        kept = columns_of(recorded.values())
         assert kept == image.slots
         image = replace(image, slots=kept)
     settings = [here.settings for here in live.tenants.values()]

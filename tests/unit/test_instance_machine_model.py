@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from quota_service.core.admission import AdmitRequest
-from quota_service.core.block_pool import SlotContents
+from quota_service.core.block_pool import ContentColumns
 from quota_service.core.block_table import BlockHandle
 from quota_service.core.instance_machine import Elsewhere, InstanceMachine, TenantSettings
 from quota_service.core.model import AdmitParams, EndReason, InstanceSpec, TenantState
@@ -33,18 +33,25 @@ from tests.model.rules import (
     SlotRow,
     TenantRow,
 )
-from tests.unit.machine_fixtures import check_recovery, recount, shares_held, slot_rows
+from tests.unit.machine_fixtures import (
+    SlotRecord,
+    check_recovery,
+    recount,
+    shares_held,
+    slot_records,
+    slot_rows,
+)
 
 NOW = 1_700_000_000.0
 
 
 def record_slot_changes(
-    recorded: dict[int, SlotContents], held: Iterable[SlotContents], dropped: Iterable[int]
+    recorded: dict[int, SlotRecord], held: ContentColumns, dropped: Iterable[int]
 ) -> None:
     """Bring a record of slot contents (slot: contents) up to date with what `drain_dirty`
     gave, in order: a checkpoint followed by its deltas is the pool's contents now."""
-    for slot in held:
-        recorded[slot.block] = slot
+    for slot in slot_records(held):
+        recorded[slot[0]] = slot
     for block in dropped:
         recorded.pop(block, None)
 
@@ -58,7 +65,7 @@ class MachinesVersusModel(LedgerRules):
             for name, blocks in INSTANCES.items()
         }
         # Each machine's slot contents as the journal records them, from its changes.
-        self.recorded: dict[str, dict[int, SlotContents]] = {name: {} for name in INSTANCES}
+        self.recorded: dict[str, dict[int, SlotRecord]] = {name: {} for name in INSTANCES}
         # Tenants' own salts and the namespace's, as the fleet was built with them.
         self.salts: dict[str, str] = {}
         self.namespace_salt = ""
