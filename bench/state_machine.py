@@ -26,6 +26,7 @@ from pathlib import Path
 
 from quota_service.config import Settings
 from quota_service.core.admission import AdmitRequest
+from quota_service.core.hashing import forget_digests
 from quota_service.core.instance_machine import InstanceMachine, TenantSettings
 from quota_service.core.model import (
     AdmitParams,
@@ -57,6 +58,9 @@ def pair_seconds(slots: int, pairs: int) -> float:
     token_ids = tuple(range(PROMPT_TOKENS))
 
     def pair(i: int) -> None:
+        # Every block hashed each time, as vLLM's block hasher hashes each new Request's: the
+        # digests the machine keeps for a shared prefix are forgotten first.
+        forget_digests()
         params = AdmitParams("t", f"r{i}", "bench", PROMPT_TOKENS, OUTPUT_TOKENS, 1, 0)
         machine.admit(AdmitRequest(params, token_ids, 0.0, None), NOW)
         machine.end("t", f"r{i}", EndReason.RELEASED, NOW)

@@ -40,6 +40,22 @@ def _digest(value: object, algo: HashAlgo) -> bytes:
     return hashlib.sha256(_encoder(algo)(value)).digest()
 
 
+# Digests made lately, by algorithm and by what was hashed (parent, block tokens, extra keys):
+# a prefix many requests share (a system prompt) is hashed once, not again on every Admit that
+# sends it (pickling and SHA-256 of 80 blocks were most of an Admit's cost in the state machine).
+# Emptied when full: a few MB at most, and a shared prefix is hashed again once per refill.
+MEMO_ENTRIES = 4096
+_memos: dict[HashAlgo, dict[tuple[bytes, tuple[int, ...], object], bytes]] = {
+    algo: {} for algo in HashAlgo
+}
+
+
+def forget_digests() -> None:
+    """Empty the digests kept (a benchmark that must hash every block each time)."""
+    for memo in _memos.values():
+        memo.clear()
+
+
 @cache
 def none_hash(algo: HashAlgo, python_hash_seed: str | None = None) -> bytes:
     """The parent of a sequence's first block."""
@@ -66,10 +82,17 @@ def block_hashes(
     extra = (("cache_salt", cache_salt),) if cache_salt else None
     # zip over one iterator, block_size times: each full block as a tuple (the values hashed
     # are exactly vLLM's), cut in C; a partial tail is left out.
+    memo = _memos[algo]
     for block in zip(*[iter(token_ids)] * block_size, strict=False):
         value = (parent, block, extra)
-        parent = sha256(dumps(value, protocol) if encode is None else encode(value)).digest()
-        append(parent)
+        digest = memo.get(value)
+        if digest is None:
+            digest = sha256(dumps(value, protocol) if encode is None else encode(value)).digest()
+            if len(memo) >= MEMO_ENTRIES:
+                memo.clear()
+            memo[value] = digest
+        parent = digest
+        append(digest)
         extra = None
     return digests
 

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from quota_service.core.hashing import HashAlgo, block_hashes, event_hash, none_hash
+from quota_service.core import hashing
+from quota_service.core.hashing import (
+    MEMO_ENTRIES,
+    HashAlgo,
+    block_hashes,
+    event_hash,
+    forget_digests,
+    none_hash,
+)
 
 VECTORS = json.loads((Path(__file__).parents[1] / "data" / "vllm_block_hashes.json").read_text())
 
@@ -23,10 +31,11 @@ def test_matches_vllm(vector: dict[str, object]) -> None:
     block_size = vector["block_size"]
     assert isinstance(tokens, list) and isinstance(block_size, int)
     salt = vector["cache_salt"]
-    ours = block_hashes(
-        tokens, block_size, salt if isinstance(salt, str) else None, HashAlgo(vector["algo"])
-    )
+    given = (tokens, block_size, salt if isinstance(salt, str) else None, HashAlgo(vector["algo"]))
+    forget_digests()
+    ours = block_hashes(*given)
     assert [h.hex() for h in ours] == vector["hashes"]
+    assert block_hashes(*given) == ours  # again, from the digests kept
 
 
 def test_vectors_cover_salts_block_sizes_and_algorithms() -> None:
@@ -66,3 +75,29 @@ def test_python_hash_seed_changes_the_root() -> None:
 def test_event_hash_is_the_low_64_bits() -> None:
     digest = bytes(range(32))
     assert event_hash(digest) == int.from_bytes(bytes(range(24, 32)), "big")
+
+
+@pytest.mark.parametrize("algo", list(HashAlgo))
+def test_digests_kept_for_a_shared_prefix_are_the_digests_made(algo: HashAlgo) -> None:
+    shared = list(range(1000, 1064))
+    forget_digests()
+    made = block_hashes([*shared, *range(16)], 16, "salt", algo)
+    # The shared blocks come from what was kept, the new one is made: the same chain either way.
+    kept = block_hashes([*shared, *range(16, 32)], 16, "salt", algo)
+    assert kept[:4] == made[:4] and kept[4] != made[4]
+    forget_digests()
+    assert block_hashes([*shared, *range(16, 32)], 16, "salt", algo) == kept
+    # What was kept under one salt, seed or algorithm is never another's.
+    assert block_hashes(shared, 16, "other", algo)[0] != made[0]
+    assert block_hashes(shared, 16, "salt", algo, python_hash_seed="0")[0] != made[0]
+    other = next(a for a in HashAlgo if a is not algo)
+    assert block_hashes(shared, 16, "salt", other)[0] != made[0]
+
+
+def test_the_digests_kept_stay_bounded() -> None:
+    forget_digests()
+    first = block_hashes(range(64), 16, None)
+    for start in range(64, 64 * (MEMO_ENTRIES // 4 + 8), 64):
+        block_hashes(range(start, start + 64), 16, None)
+        assert len(hashing._memos[HashAlgo.SHA256]) <= MEMO_ENTRIES
+    assert block_hashes(range(64), 16, None) == first
