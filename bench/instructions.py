@@ -1,7 +1,8 @@
 """Instructions a server executes per Admit+Release, counted by valgrind's callgrind, beside the
 bare gRPC floor's: a figure the machine's other load does not move, for comparing two versions of
 the hot path. (CPU seconds per pair moved by a third between runs of the same code on a shared
-machine; the same run under callgrind gives the same count to a few tenths of a percent.)
+machine; under callgrind the same code counts within a percent or two, and beside other heavy
+processes a few percent more, the floor's count too: compare versions in alternate runs.)
 
 - `kvquota serve` starts under callgrind with counting off. The load generator (this process)
   registers an instance of 8,192 slots and four tenants, warms up, turns counting on
