@@ -4,7 +4,8 @@ Admit+Release, and how long a new owner takes to recover a large instance, the w
 - Commits: owners served in this process (no gRPC), each of --clients looping Admit (96 blocks,
   no prompt ids, as the suite's no-prefix load) then Release on one of --instances instances;
   pairs/s, operations per commit (one commit may hold the batches of several instances), and
-  the CPU of the PostgreSQL backends serving the database per pair.
+  the CPU of the PostgreSQL backends serving the database per pair, and this process's (the
+  owners' and the journal's, with the clients' loop: a served pair's cost without gRPC).
 - Recovery: a 1,000,000-slot instance with 100,000 cached blocks and 400 live reservations of 96
   blocks, recorded by its owner; another replica then takes it over as `take_over` does (reads
   the tenants, claims the instance and reads its record with `Journal.load`, rebuilds the
@@ -111,11 +112,13 @@ async def commit_point(
     operations_before = sum(o.stats.operations for o in owners)
     commits_before = journal.stats.commits
     before_cpu = _backend_cpu(url)
+    own_before = time.process_time()
     started = time.monotonic()
     await asyncio.gather(
         *(client(owners[i % len(owners)], TENANTS[i % len(TENANTS)]) for i in range(clients))
     )
     elapsed = time.monotonic() - started
+    own = time.process_time() - own_before
     after_cpu = _backend_cpu(url)
     postgres = sum(cpu - before_cpu.get(pid, 0.0) for pid, cpu in after_cpu.items())
     operations = sum(o.stats.operations for o in owners) - operations_before
@@ -126,6 +129,7 @@ async def commit_point(
         "pairs_per_s": pairs / elapsed,
         "operations_per_commit": operations / max(commits, 1),
         "postgres_cpu_ms_per_pair": postgres * 1000 / max(pairs, 1),
+        "owners_cpu_ms_per_pair": own * 1000 / max(pairs, 1),
     }
 
 
@@ -150,7 +154,9 @@ async def commits(
             point = await commit_point(url, journal, owners, n, seconds)
             progress(
                 f"  {point['pairs_per_s']:.0f} pairs/s, {point['operations_per_commit']:.1f} "
-                f"operations per commit, PostgreSQL {point['postgres_cpu_ms_per_pair']:.3f} ms/pair"
+                f"operations per commit, PostgreSQL "
+                f"{point['postgres_cpu_ms_per_pair']:.3f} ms/pair, owners and journal "
+                f"{point['owners_cpu_ms_per_pair']:.3f} ms/pair"
             )
             points.append(point)
         await journal.close()
