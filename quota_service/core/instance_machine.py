@@ -125,7 +125,7 @@ class HeldTable:
         return copied
 
     def live_blocks(self) -> list[int]:
-        return [b for b, gone in zip(self.blocks, self.released, strict=True) if not gone]
+        return list(self.live_columns()[0])
 
     def live_columns(self) -> tuple[Sequence[int], Sequence[int]]:
         """The live entries' blocks and generations, as two columns (the arrays themselves
@@ -136,11 +136,7 @@ class HeldTable:
         return list(compress(self.blocks, live)), list(compress(self.generations, live))
 
     def live_handles(self) -> list[tuple[int, int]]:
-        return [
-            (b, g)
-            for b, g, gone in zip(self.blocks, self.generations, self.released, strict=True)
-            if not gone
-        ]
+        return list(zip(*self.live_columns(), strict=True))
 
     def handles(self) -> BlockHandles:
         return BlockHandles(*self.live_columns())

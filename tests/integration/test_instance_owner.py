@@ -27,8 +27,8 @@ from quota_service.store import journal as journal_module
 from quota_service.store.catalog import Catalog
 from quota_service.store.journal import BatchRows, Journal
 from tests.integration.ledger_fixtures import add_instance, add_tenant, request
+from tests.times import tricky_times
 from tests.unit.machine_fixtures import assert_same_machine, next_generation, recount
-from tests.unit.test_journal_times import tricky_times
 
 LIMITS = Settings().admission_limits
 

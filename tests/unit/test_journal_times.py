@@ -1,18 +1,18 @@
 """The journal writes a reservation's times as integer microseconds since the epoch
 (store/journal.py, `_micros`): exactly the microseconds `datetime.fromtimestamp(seconds, UTC)`
 makes of them, which the record held when they went as ISO 8601 and which recovery reads back
-(tests/integration/test_journal_times.py writes them to PostgreSQL)."""
+(`test_times_read_back_as_iso_8601_recorded_them` in tests/integration/test_instance_owner.py
+writes them to PostgreSQL)."""
 
 from __future__ import annotations
 
-import math
-import random
 from datetime import UTC, datetime, timedelta
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from quota_service.store.journal import _micros
+from tests.times import tricky_times
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 MICROSECOND = timedelta(microseconds=1)
@@ -20,26 +20,6 @@ MICROSECOND = timedelta(microseconds=1)
 
 def as_datetime_makes_it(seconds: float) -> int:
     return (datetime.fromtimestamp(seconds, UTC) - EPOCH) // MICROSECOND
-
-
-def tricky_times(count: int, seed: int = 0) -> list[float]:
-    """Times around 1.7e9 where rounding to the microsecond could go either way: halves of a
-    microsecond (exact ones and nearly) and the floats beside them, the last half microsecond of
-    a second and the first, whole seconds and the float below them; and times anywhere."""
-    rng = random.Random(seed)
-    times: list[float] = []
-    for _ in range(count):
-        second = rng.randrange(1_600_000_000, 1_900_000_000)
-        micro = rng.randrange(1_000_000)
-        half = second + (micro + 0.5) / 1e6
-        times += [half, math.nextafter(half, 0), math.nextafter(half, math.inf)]
-        times += [second + (micro - 0.5) / 1e6, second + micro / 1e6]
-        times += [second + 0.9999995, second + 0.99999949, second + 0.9999996, second + 5e-7]
-        times += [float(second), math.nextafter(float(second), 0), second + 0.999999]
-        # Exactly an odd number of half microseconds (see below).
-        times.append(second + rng.randrange(1, 128, 2) / 128)
-        times.append(rng.uniform(1_600_000_000, 1_900_000_000))
-    return times
 
 
 def test_the_microseconds_are_those_fromtimestamp_makes() -> None:
