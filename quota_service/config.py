@@ -88,9 +88,10 @@ class Settings:
     # Memory hot path: how long an instance's owner holds it without renewing (it renews every
     # third of that); another replica takes the instance over once the lease has lapsed.
     owner_lease_seconds: float = 5.0
-    # Group commit: an owner whose batch before held at least GROUP_COMMIT_BUSY_OPERATIONS
-    # operations (it is under load) holds the next open this long before writing it, so that
-    # more operations share one commit (instance_owner.GroupCommit); 0 writes at once.
+    # Group commit: a replica whose last transaction carried at least
+    # GROUP_COMMIT_BUSY_OPERATIONS operations (it is under load) holds its owners' next batches
+    # open this long, to one moment for all, so that more operations share one commit
+    # (journal.GroupCommit); 0 writes at once.
     group_commit_wait_seconds: float = 0.003
     group_commit_busy_operations: int = 4
     # Where the other replicas reach this one to forward calls for the instances it owns

@@ -54,7 +54,6 @@ from quota_service.metrics import (
     ServiceMetrics,
     serve_metrics,
 )
-from quota_service.owner.instance_owner import GroupCommit
 from quota_service.owner.owned_inspection import OwnedInspection
 from quota_service.owner.owned_offboarding import OwnedOffboarding
 from quota_service.owner.owned_pins import OwnedPins
@@ -65,6 +64,7 @@ from quota_service.store import migrate
 from quota_service.store.access import ApiKeys, AuditLog
 from quota_service.store.cpu_tier import CpuTierBooks
 from quota_service.store.database import connect, unavailable_error
+from quota_service.store.journal import GroupCommit
 from quota_service.store.notifications import Listener
 from quota_service.store.offboarding import RESERVATION_BATCH
 from quota_service.store.usage import UsageBook, UsageRollup

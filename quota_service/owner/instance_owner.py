@@ -4,9 +4,10 @@ arrival order, and its journal written in group commits.
 An operation runs synchronously on the machine the moment it arrives (no `await` inside it, so
 operations never interleave); its answer is held until the batch it joined is committed. While
 one batch is being written, the operations that arrive join the next, which is written as soon
-as the first commits: under load, many operations share one transaction. Nothing is answered
-before it is durable, and nothing is answered from state that is not: a read, or a refusal,
-waits for the batch that holds what it saw.
+as the first commits (a moment later when the replica is busy, together with its other owners'
+batches: `Journal.gathered`): under load, many operations share one transaction. Nothing is
+answered before it is durable, and nothing is answered from state that is not: a read, or a
+refusal, waits for the batch that holds what it saw.
 
 When a commit fails (PostgreSQL unreachable, a newer owner took the instance, or owners on other
 replicas took a tenant's quota meanwhile) the machine may hold operations the record does not:
@@ -57,23 +58,6 @@ CHECKPOINT_MIN_SLOTS = 100_000
 RETRY_AFTER_FAILED_COMMIT_SECONDS = 0.2
 
 
-@dataclass(frozen=True, slots=True)
-class GroupCommit:
-    """When an owner holds a batch open a moment before writing it. Under load (the batch
-    before held at least `busy_operations` operations) more are on their way, and a batch
-    written at once would commit a few and leave the rest to the next: waiting `wait_seconds`
-    lets them share one commit, and much of what a commit costs the server and PostgreSQL is
-    the same for a few operations as for many. An owner with little to do writes at once (one
-    caller alone never waits). A server takes its own from its settings
-    (KVQUOTA_GROUP_COMMIT_*)."""
-
-    wait_seconds: float
-    busy_operations: int
-
-
-WRITE_AT_ONCE = GroupCommit(wait_seconds=0.0, busy_operations=1)
-
-
 @dataclass(slots=True)
 class JournalStats:
     """How the group commit is doing, for metrics and benchmarks."""
@@ -101,7 +85,6 @@ class InstanceOwner:
         clock: Callable[[], float] = time.time,
         checkpoint_min_slots: int = CHECKPOINT_MIN_SLOTS,
         lease_until: float = math.inf,
-        group_commit: GroupCommit = WRITE_AT_ONCE,
     ) -> None:
         self.machine = machine
         self.instance = machine.spec.instance
@@ -111,7 +94,6 @@ class InstanceOwner:
         self.stats = JournalStats()
         self._journal = journal
         self._clock = clock
-        self._group_commit = group_commit
         # Each tenant's totals on this instance as the record has them (recovery starts from
         # the machine it rebuilt, which is what the record says).
         self._written = {name: totals_of(machine, name) for name in machine.tenants}
@@ -185,16 +167,14 @@ class InstanceOwner:
         await waiter
 
     async def _write_batches(self) -> None:
-        wait, busy = self._group_commit.wait_seconds, self._group_commit.busy_operations
-        previous = 0  # operations in the batch written before
         try:
             while self._open is not None:
-                if wait > 0 and previous >= busy:
-                    await asyncio.sleep(wait)
-                    if self._open is None:  # stopped meanwhile: its callers were told
-                        return
+                # A busy replica holds its owners' batches open a moment, to one moment for all
+                # (Journal.gathered): then they share one transaction.
+                await self._journal.gathered()
+                if self._open is None:  # stopped meanwhile: its callers were told
+                    return
                 waiters = self._writing = self._open
-                previous = len(waiters)
                 self._open = None
                 rows = self._take_batch()
                 try:
@@ -302,7 +282,6 @@ async def take_over(
     owner: str,
     address: str = "",
     lease_seconds: float | None = None,
-    group_commit: GroupCommit = WRITE_AT_ONCE,
 ) -> InstanceOwner:
     """Claim an instance under a new epoch and rebuild its machine from the record. Raises
     InstanceHeld while another replica's lease on it runs. Without `lease_seconds` the owner
@@ -321,6 +300,4 @@ async def take_over(
         found.state,
     )
     lease_until = math.inf if lease_seconds is None else claimed_at + lease_seconds
-    return InstanceOwner(
-        machine, journal, recorded.epoch, lease_until=lease_until, group_commit=group_commit
-    )
+    return InstanceOwner(machine, journal, recorded.epoch, lease_until=lease_until)

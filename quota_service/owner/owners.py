@@ -56,15 +56,11 @@ from quota_service.core.model import (
 from quota_service.core.names import reservation_name
 from quota_service.core.queueing import QueuePolicy
 from quota_service.core.reasons import Reason
-from quota_service.owner.instance_owner import (
-    WRITE_AT_ONCE,
-    GroupCommit,
-    InstanceOwner,
-    JournalStats,
-    take_over,
-)
+from quota_service.owner.instance_owner import InstanceOwner, JournalStats, take_over
 from quota_service.store.catalog import Catalog
 from quota_service.store.journal import (
+    WRITE_AT_ONCE,
+    GroupCommit,
     InstanceHeld,
     Journal,
     Statement,
@@ -99,7 +95,7 @@ class Owners:
         group_commit: GroupCommit = WRITE_AT_ONCE,
     ) -> None:
         self._engine = engine
-        self.journal = Journal(engine)
+        self.journal = Journal(engine, group_commit)
         self._catalog = Catalog(engine)
         self._limits = limits
         self._queue_policy = queue_policy
@@ -110,7 +106,6 @@ class Owners:
         self._taking: dict[str, asyncio.Lock] = {}
         self._lookups = KeyLookups(self.journal)
         self._lease_seconds = lease_seconds
-        self._group_commit = group_commit
         # Instances other replicas serve, as last read, until (time.monotonic) their lease ends.
         self._held: dict[str, tuple[InstanceHeld, float]] = {}
         # What tenants hold on the instances not served here, as last read.
@@ -165,7 +160,6 @@ class Owners:
                 self._name,
                 self._address,
                 self._lease_seconds,
-                self._group_commit,
             )
         except InstanceHeld as held:
             self._held[instance] = (held, time.monotonic() + max(held.seconds_left, 0.0))

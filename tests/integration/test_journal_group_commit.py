@@ -19,14 +19,16 @@ from quota_service.core.errors import KvQuotaError
 from quota_service.core.model import EndReason, ReservationState
 from quota_service.core.queueing import QueuePolicy
 from quota_service.core.reasons import Reason
-from quota_service.owner.instance_owner import (
-    WRITE_AT_ONCE,
-    GroupCommit,
-    InstanceOwner,
-    take_over,
-)
+from quota_service.owner.instance_owner import InstanceOwner, take_over
 from quota_service.store.catalog import Catalog
-from quota_service.store.journal import BatchRows, Journal, Statement, _Batch
+from quota_service.store.journal import (
+    WRITE_AT_ONCE,
+    BatchRows,
+    GroupCommit,
+    Journal,
+    Statement,
+    _Batch,
+)
 from tests.integration.ledger_fixtures import UNLIMITED, add_instance, add_tenant, request
 from tests.unit.machine_fixtures import assert_same_machine, recount
 
@@ -38,8 +40,8 @@ class GatedJournal(Journal):
     """A journal that starts committing only when the test lets it, and tells which instances
     each transaction held."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        super().__init__(engine)
+    def __init__(self, engine: AsyncEngine, group_commit: GroupCommit = WRITE_AT_ONCE) -> None:
+        super().__init__(engine, group_commit)
         self.gate = asyncio.Event()
         self.gate.set()
         self.transactions: list[list[str]] = []
@@ -76,15 +78,9 @@ async def journal(engine: AsyncEngine) -> AsyncIterator[GatedJournal]:
 
 
 async def owner_of(
-    engine: AsyncEngine,
-    journal: Journal,
-    instance: str,
-    name: str = "replica-a",
-    group_commit: GroupCommit = WRITE_AT_ONCE,
+    engine: AsyncEngine, journal: Journal, instance: str, name: str = "replica-a"
 ) -> InstanceOwner:
-    return await take_over(
-        journal, Catalog(engine), instance, LIMITS, QueuePolicy(), name, group_commit=group_commit
-    )
+    return await take_over(journal, Catalog(engine), instance, LIMITS, QueuePolicy(), name)
 
 
 async def admit(owner: InstanceOwner, request_id: str) -> ReservationState:
@@ -310,36 +306,83 @@ async def _busy_batch(owner: InstanceOwner, journal: GatedJournal) -> list[async
     return list(during)
 
 
-@pytest.mark.parametrize(
-    ("group_commit", "transactions"), [(GATHER, 2), (WRITE_AT_ONCE, 3)], ids=["gather", "at-once"]
-)
+@pytest.fixture
+async def gathering(engine: AsyncEngine, journal: GatedJournal) -> AsyncIterator[GatedJournal]:
+    """A journal that holds a busy replica's batches open (the instances are `journal`'s)."""
+    gathering = GatedJournal(engine, GATHER)
+    yield gathering
+    await gathering.close()
+
+
+@pytest.mark.parametrize("gathers", [True, False], ids=["gather", "at-once"])
 async def test_an_owner_under_load_holds_its_next_batch_open_for_more_operations(
-    engine: AsyncEngine, journal: GatedJournal, group_commit: GroupCommit, transactions: int
+    engine: AsyncEngine, journal: GatedJournal, gathering: GatedJournal, gathers: bool
 ) -> None:
-    owner = await owner_of(engine, journal, "gpu-0", group_commit=group_commit)
+    writing = gathering if gathers else journal
+    owner = await owner_of(engine, writing, "gpu-0")
     # A lone operation is written at once, whatever the wait (this one would time the test out).
     assert await asyncio.wait_for(admit(owner, "alone"), 30) is ReservationState.ADMITTED
     owner.stats.batches = owner.stats.operations = 0
-    during = await _busy_batch(owner, journal)
+    during = await _busy_batch(owner, writing)
     # One more arrives just after the busy batch committed: while the owner waits, it joins the
     # two that arrived during the commit, and the three share one transaction.
     late = asyncio.create_task(admit(owner, "late"))
     answers = await asyncio.gather(*during, late)
     assert set(answers) == {ReservationState.ADMITTED}
-    assert len(journal.transactions) == transactions
+    transactions = 2 if gathers else 3
+    assert len(writing.transactions) == transactions
     assert owner.stats.batches == transactions and owner.stats.operations == 6
-    fresh = await owner_of(engine, journal, "gpu-0", "replica-b")
+    fresh = await owner_of(engine, writing, "gpu-0", "replica-b")
     recount(fresh.machine)
     assert_same_machine(owner.machine, fresh.machine)
 
 
-async def test_an_owner_stopped_while_it_waits_writes_nothing_more(
-    engine: AsyncEngine, journal: GatedJournal
+async def test_a_busy_replicas_owners_take_their_batches_at_one_moment(
+    engine: AsyncEngine, gathering: GatedJournal
 ) -> None:
-    owner = await owner_of(engine, journal, "gpu-0", group_commit=GATHER)
-    during = await _busy_batch(owner, journal)
+    """Busy is the replica's last transaction, not an owner's last batch: an owner that had
+    nothing to write waits for the same moment as the busy one, and their batches share one
+    transaction (each owner's batches alone were of one or two operations in a fleet, too few
+    to make any owner busy, and its transactions small)."""
+    busy = await owner_of(engine, gathering, "gpu-0")
+    idle = await owner_of(engine, gathering, "gpu-1")
+    during = await _busy_batch(busy, gathering)
+    late = asyncio.create_task(admit(idle, "late"))
+    answers = await asyncio.gather(*during, late)
+    assert set(answers) == {ReservationState.ADMITTED}
+    assert gathering.transactions == [["gpu-0"], ["gpu-0", "gpu-1"]]
+    for owner in (busy, idle):
+        fresh = await owner_of(engine, gathering, owner.instance, "replica-b")
+        recount(fresh.machine)
+        assert_same_machine(owner.machine, fresh.machine)
+
+
+async def test_after_a_pause_the_next_operation_is_written_at_once(
+    engine: AsyncEngine, gathering: GatedJournal
+) -> None:
+    """A busy transaction long ago says nothing of what is on its way now: an operation after
+    a pause longer than the wait is not held open (it would wait for nothing)."""
+    owner = await owner_of(engine, gathering, "gpu-0")
+    admitted = await asyncio.gather(*(admit(owner, f"a{i}") for i in range(3)))
+    assert set(admitted) == {ReservationState.ADMITTED}
+    assert gathering.transactions == [["gpu-0"]]  # one of three operations: the replica is busy
+    gathering._ended -= GATHER.wait_seconds  # as if it had paused since
+    gathering.hold(1)
+    late = asyncio.create_task(admit(owner, "late"))
+    # Written at once: the write is asked for well before the wait would have ended.
+    await asyncio.wait_for(gathering.all_waiting.wait(), GATHER.wait_seconds / 2)
+    gathering.gate.set()
+    assert await late is ReservationState.ADMITTED
+    assert gathering.transactions == [["gpu-0"]]
+
+
+async def test_an_owner_stopped_while_it_waits_writes_nothing_more(
+    engine: AsyncEngine, gathering: GatedJournal
+) -> None:
+    owner = await owner_of(engine, gathering, "gpu-0")
+    during = await _busy_batch(owner, gathering)
     owner.stop("a newer owner took it")
     for outcome in await asyncio.gather(*during, return_exceptions=True):
         assert_moving(outcome)
-    assert len(journal.transactions) == 1
+    assert len(gathering.transactions) == 1
     assert [request_id for _, request_id, _ in await recorded(engine)] == ["a0", "a1", "a2"]
