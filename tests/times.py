@@ -21,7 +21,8 @@ def tricky_times(count: int, seed: int = 0) -> list[float]:
         times += [second + (micro - 0.5) / 1e6, second + micro / 1e6]
         times += [second + 0.9999995, second + 0.99999949, second + 0.9999996, second + 5e-7]
         times += [float(second), math.nextafter(float(second), 0), second + 0.999999]
-        # Exactly an odd number of half microseconds (see below).
+        # Exactly an odd number of half microseconds (1/128 s is 7,812.5 µs, and a float near
+        # 1.7e9 holds its fraction in steps of 2**-22 s).
         times.append(second + rng.randrange(1, 128, 2) / 128)
         times.append(rng.uniform(1_600_000_000, 1_900_000_000))
     return times
