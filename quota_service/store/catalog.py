@@ -6,7 +6,7 @@ import logging
 import secrets
 from datetime import datetime
 
-from sqlalchemy import BigInteger, RowMapping, func, select, update
+from sqlalchemy import BigInteger, RowMapping, column, func, select, table, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -69,7 +69,29 @@ _tenant_cpu_tier = [
     )
 ]
 _TENANT_VIEW = select(TenantRow.__table__, _tenant_live, *_tenant_cpu_tier)
-_INSTANCE_VIEW = select(InstanceRow.__table__, _instance_live)
+# Each pool's counters as its owner last recorded them (migration 0030).
+_POOL_COUNTERS = table(
+    "instance_pool_counters",
+    *(
+        column(name)
+        for name in (
+            "instance",
+            "free_blocks",
+            "cached_blocks",
+            "blocks_in_use",
+            "pinned_blocks",
+            "queued_requests",
+            "queued_prompt_tokens",
+            "mean_hold_seconds",
+            "drift_blocks",
+        )
+    ),
+)
+_INSTANCE_VIEW = select(
+    InstanceRow.__table__,
+    *(c for c in _POOL_COUNTERS.c if c.name != "instance"),
+    _instance_live,
+).join_from(InstanceRow, _POOL_COUNTERS, _POOL_COUNTERS.c.instance == InstanceRow.instance)
 
 
 def tenant_from_row(row: RowMapping) -> Tenant:
@@ -295,7 +317,6 @@ class Catalog:
                     bytes_per_block=spec.bytes_per_block,
                     block_size=spec.block_size,
                     capacity_blocks=spec.capacity_blocks,
-                    free_blocks=spec.capacity_blocks,
                     max_model_len=spec.max_model_len,
                     hash_algo=spec.hash_algo.value,
                     max_queued_requests=spec.queue.max_queued_requests,

@@ -49,7 +49,7 @@ POOL_TALLIES = text("""
     SELECT i.instance, i.capacity_blocks,
            i.free_blocks, i.cached_blocks, i.blocks_in_use, i.pinned_blocks,
            c.free_blocks, c.cached_blocks, c.blocks_in_use, c.pinned_blocks
-    FROM instances i JOIN journal_pool_counts c USING (instance)
+    FROM instance_pool_counters i JOIN journal_pool_counts c USING (instance)
     ORDER BY i.instance
 """)
 
@@ -147,7 +147,7 @@ TENANT_TALLIES = text(f"""
 QUEUE_TALLIES = text("""
     SELECT i.instance, i.queued_requests, i.queued_prompt_tokens,
            coalesce(q.n, 0), coalesce(q.tokens, 0)
-    FROM instances i
+    FROM instance_pool_counters i
     LEFT JOIN (SELECT instance, count(*) AS n, sum(prompt_tokens) AS tokens
                FROM reservations WHERE state = 'QUEUED' GROUP BY instance) q USING (instance)
     ORDER BY i.instance

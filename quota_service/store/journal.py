@@ -146,7 +146,8 @@ class BatchRows:
     # Each tenant the batch touched: what it moved of the tenant's totals here (zeros when
     # nothing), and the tenant's clocks here now.
     totals: list[dict[str, Any]] = field(default_factory=list)
-    pool: dict[str, Any] = field(default_factory=dict)
+    # The pool's counters (slots per state, the queue), which the fence writes.
+    counts: dict[str, int] = field(default_factory=dict)
     usage: list[dict[str, Any]] = field(default_factory=list)
     # The record's own statements that commit with the batch (InstanceOwner.apply).
     statements: list[Statement] = field(default_factory=list)
@@ -207,16 +208,13 @@ def batch_rows(
         if (row := _usage_row(instance, tenant, usage))
     ]
     counts = machine.pool.counts()
-    rows.pool = {
-        "instance": instance,
+    rows.counts = {
         "free": counts["FREE"],
         "cached": counts["CACHED"],
         "in_use": counts["IN_USE"],
         "pinned": counts["PINNED"],
         "queued": machine.queue_length,
         "queued_tokens": machine.queued_prompt_tokens,
-        "mean_hold": machine.mean_hold_seconds,
-        "drift": machine.drift_blocks,
     }
     rows.clocks = {
         "virtual_time": {str(p): t for p, t in machine.virtual_time.items()},
@@ -443,9 +441,14 @@ _JSON_RECORD = ", ".join(f"{c} {t}" for c, t, _ in _RESERVATION_COLUMNS)
 # as one JSON parameter (one statement however many rows), and statements whose order does not
 # matter are one statement of several parts: each statement costs PostgreSQL about as much to
 # parse, plan and start as its rows cost to write. The first statement moves the owner's row on
-# under its epoch or fails the transaction; the ones after take the batch number from that row.
-_NEXT_BATCH = "SELECT journal_next_batch(%(instance)s, %(epoch)s, %(clocks)s::jsonb)"
-# What journal_next_batch (migration 0021) fails with when the epoch is not the owner's.
+# under its epoch or fails the transaction, and writes the pool's counters in that row (migration
+# 0030: in `instances` they cost a second row rewritten per batch, and its CHECK constraints);
+# the ones after take the batch number from that row.
+_NEXT_BATCH = (
+    "SELECT journal_next_batch(%(instance)s, %(epoch)s, %(clocks)s::jsonb, %(free)s, "
+    "%(cached)s, %(in_use)s, %(pinned)s, %(queued)s, %(queued_tokens)s)"
+)
+# What journal_next_batch (migrations 0021, 0030) fails with when the epoch is not the owner's.
 DEPOSED_SQLSTATE = "KQ001"
 # New reservations are inserted unless the request id is recorded already, and then the batch
 # fails with those ids (journal_fresh, migration 0021); the changed ones replace their rows.
@@ -469,16 +472,15 @@ REUSED_SQLSTATE = "KQ002"
 # Tenants' fleet-wide totals move, never past a quota they grow in (journal_within_quota,
 # migration 0027, fails the transaction (KQ003) naming the tenants it took past theirs; shadow-
 # mode tenants are admitted past it on purpose), with each tenant's totals and clocks on each
-# instance, the usage events and the instances' counters as the catalog shows them: one
-# statement for every batch of a transaction, its rows in JSON parameters read once. A tenant
-# moves by the sum of what the batches moved of it, and is past its quota when it ends up there
-# and some batch grew it. Its tenants' rows are locked first (`locked`, which a one-time filter
-# of the update counts before it moves any), in the one order every commit of every replica
-# follows, so that no two transactions wait on each other's (a deadlock PostgreSQL would break
-# only after a second). Only the tenants and instances that moved are updated, named in arrays,
-# which PostgreSQL looks up by key: joined with the JSON rows alone (estimated at 100) it read
-# every tenant of the fleet in each batch (with 3,000 tenants, a one-operation batch cost twice
-# its PostgreSQL CPU).
+# instance and the usage events: one statement for every batch of a transaction, its rows in
+# JSON parameters read once. A tenant moves by the sum of what the batches moved of it, and is
+# past its quota when it ends up there and some batch grew it. Its tenants' rows are locked
+# first (`locked`, which a one-time filter of the update counts before it moves any), in the
+# one order every commit of every replica follows, so that no two transactions wait on each
+# other's (a deadlock PostgreSQL would break only after a second). Only the tenants that moved
+# are updated, named in an array, which PostgreSQL looks up by key: joined with the JSON rows
+# alone (estimated at 100) it read every tenant of the fleet in each batch (with 3,000 tenants,
+# a one-operation batch cost twice its PostgreSQL CPU).
 _MOVE_TOTALS = (
     "WITH locked AS (SELECT 1 FROM tenants WHERE tenant = ANY(%(tenants)s::text[]) "
     "ORDER BY tenant FOR NO KEY UPDATE), "
@@ -514,14 +516,7 @@ _MOVE_TOTALS = (
     "u.tokens_reserved, u.output_tokens, u.admitted, u.queued, u.refused, u.shadow_refused "
     "FROM json_to_recordset(%(usage)s::json) AS u(instance text, tenant text, blocks jsonb, "
     "pinned int, cpu_bytes bigint, compressed_bytes bigint, tokens_reserved bigint, "
-    "output_tokens bigint, admitted int, queued int, refused jsonb, shadow_refused jsonb)), "
-    "counters AS (UPDATE instances i SET free_blocks = p.free, cached_blocks = p.cached, "
-    "blocks_in_use = p.in_use, pinned_blocks = p.pinned, queued_requests = p.queued, "
-    "queued_prompt_tokens = p.queued_tokens, mean_hold_seconds = p.mean_hold, "
-    "drift_blocks = p.drift FROM json_to_recordset(%(pools)s::json) AS p(instance text, "
-    "free bigint, cached bigint, in_use bigint, pinned bigint, queued bigint, "
-    "queued_tokens bigint, mean_hold float8, drift bigint) "
-    "WHERE i.instance = p.instance AND i.instance = ANY(%(instances)s::text[])) "
+    "output_tokens bigint, admitted int, queued int, refused jsonb, shadow_refused jsonb)) "
     "SELECT journal_within_quota(ARRAY(SELECT tenant FROM moved WHERE over_quota ORDER BY tenant))"
 )
 # What journal_within_quota fails with.
@@ -828,7 +823,7 @@ class _Batch:
         rows = self.rows
         fenced = {"instance": self.instance, "epoch": self.epoch}
         clocks = _JSON.encode(rows.clocks).decode()
-        statements: list[Statement] = [(_NEXT_BATCH, {**fenced, "clocks": clocks})]
+        statements: list[Statement] = [(_NEXT_BATCH, {**fenced, "clocks": clocks, **rows.counts})]
         statements += [(_UPSERT_PIN, pin) for pin in rows.pins]
         statements += [(_REMOVE_PIN, pin) for pin in rows.removed_pins]
         if rows.delta is not None:
@@ -861,8 +856,6 @@ def transaction_statements(batches: Sequence[_Batch]) -> list[Statement]:
         "tenants": tenants,
         "totals": _json(totals),
         "usage": _json([row for rows in every for row in rows.usage]),
-        "pools": _json([rows.pool for rows in every]),
-        "instances": [batch.instance for batch in batches],
     }
     statements.append((_MOVE_TOTALS, moved))
     return statements

@@ -238,8 +238,10 @@ _OPEN_JOBS = text(
 # quota, and the scopes that already have a job running.
 _LOADED_INSTANCES = text(
     """
-    SELECT instance, capacity_blocks, blocks_in_use + pinned_blocks AS used, queued_requests
-    FROM instances WHERE queued_requests > 0 AND state = 'ACTIVE' ORDER BY instance
+    SELECT i.instance, i.capacity_blocks, c.blocks_in_use + c.pinned_blocks AS used,
+           c.queued_requests
+    FROM instances i JOIN instance_pool_counters c USING (instance)
+    WHERE c.queued_requests > 0 AND i.state = 'ACTIVE' ORDER BY i.instance
     """
 )
 # A tenant in shadow mode is over its quota by design: its quota is only being tried out.

@@ -128,19 +128,12 @@ class InstanceRow(Base):
     max_model_len: Mapped[int] = mapped_column(Integer)
     hash_algo: Mapped[str] = mapped_column(String(16), server_default="sha256")
     state: Mapped[str] = mapped_column(String(16), server_default="ACTIVE")
-    # Blocks per state (see BlockRow.state); CHECKed to add up to capacity (invariant 1).
-    free_blocks: Mapped[Count]
-    cached_blocks: Mapped[Count]
-    blocks_in_use: Mapped[Count]
-    pinned_blocks: Mapped[Count]
-    mean_hold_seconds: Mapped[float | None]
-    # The wait queue's bounds (vLLM's front-door valves) and what it holds now.
+    # The wait queue's bounds (vLLM's front-door valves); what the pool and its queue hold is
+    # its owner's to record (InstanceOwnerRow, the view instance_pool_counters).
     max_queued_requests: Mapped[int] = mapped_column(BigInteger, server_default="1024")
     # TTFT guard: queued prompt tokens <= target TTFT x prefill throughput (0: no guard).
     target_ttft_seconds: Mapped[float] = mapped_column(server_default="0")
     prefill_tokens_per_second: Mapped[float] = mapped_column(server_default="0")
-    queued_requests: Mapped[Count]
-    queued_prompt_tokens: Mapped[Count]
     # The engine behind it, when kvquota follows one (vLLM's HTTP server and KV-event sockets).
     engine_url: Mapped[str | None] = mapped_column(String(200))
     # engine_url reduced to host:port (core/engine_address.py): an Admit naming the engine by
@@ -159,22 +152,21 @@ class InstanceRow(Base):
     # Compressed size / L1 size of chunks its CPU tier holds in a compressing L2 adapter, as
     # last measured there (NULL: it cannot compress, or nothing was measured yet).
     cpu_compression_ratio: Mapped[float | None]
-    # Reconciliation: the last event batch applied, resynchronisations, and drift (the engine
-    # evicted a block the ledger still counts as referenced).
+    # Reconciliation: the last event batch applied and resynchronisations (the drift, blocks
+    # the engine evicted that the ledger still counts as referenced, is its owner's clock).
     last_event_seq: Mapped[int | None] = mapped_column(BigInteger)
     # vllm:num_requests_running as last read, to compare with the live reservations.
     engine_requests_running: Mapped[int | None] = mapped_column(BigInteger)
     engine_checked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     engine_resyncs: Mapped[Count]
-    drift_blocks: Mapped[Count]
     created_at: Mapped[CreatedAt]
     updated_at: Mapped[CreatedAt]
 
     __table_args__ = (
         CheckConstraint("state IN ('ACTIVE', 'DRAINING')", name="state"),
         CheckConstraint(
-            "queued_requests >= 0 AND queued_prompt_tokens >= 0 AND max_queued_requests >= 0 "
-            "AND target_ttft_seconds >= 0 AND prefill_tokens_per_second >= 0",
+            "max_queued_requests >= 0 AND target_ttft_seconds >= 0 "
+            "AND prefill_tokens_per_second >= 0",
             name="queue",
         ),
         CheckConstraint(
@@ -182,12 +174,6 @@ class InstanceRow(Base):
         ),
         CheckConstraint("hash_algo IN ('sha256', 'sha256_cbor')", name="hash_algo"),
         Index("ix_instances_engine_address", "engine_address"),
-        # Invariant 1 (counts): every slot in exactly one state.
-        CheckConstraint(
-            "free_blocks >= 0 AND cached_blocks >= 0 AND blocks_in_use >= 0 AND pinned_blocks >= 0 "
-            "AND free_blocks + cached_blocks + blocks_in_use + pinned_blocks = capacity_blocks",
-            name="block_states",
-        ),
     )
 
 
@@ -338,6 +324,17 @@ class InstanceOwnerRow(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     batch: Mapped[Count]
     clocks: Mapped[dict[str, object]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    # The pool's counters as of the last batch, written by its fence (NULL before the first):
+    # slots per state (invariant 1: they add up to the capacity, which the invariant checks
+    # compare with the slots themselves), and the wait queue's requests and prompt tokens.
+    # Not CHECKed: the row is rewritten by every batch, and PostgreSQL parses and plans a
+    # table's CHECK constraints again for each statement that writes it.
+    free_blocks: Mapped[int | None] = mapped_column(BigInteger)
+    cached_blocks: Mapped[int | None] = mapped_column(BigInteger)
+    blocks_in_use: Mapped[int | None] = mapped_column(BigInteger)
+    pinned_blocks: Mapped[int | None] = mapped_column(BigInteger)
+    queued_requests: Mapped[int | None] = mapped_column(BigInteger)
+    queued_prompt_tokens: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class InstanceTenantTotalsRow(Base):

@@ -63,7 +63,7 @@ async def counters(engine: AsyncEngine) -> dict[str, dict[str, int]]:
         for row in await conn.execute(
             text(
                 "SELECT instance, free_blocks, cached_blocks, blocks_in_use, pinned_blocks, "
-                "queued_requests, queued_prompt_tokens FROM instances"
+                "queued_requests, queued_prompt_tokens FROM instance_pool_counters"
             )
         ):
             found[f"instance:{row.instance}"] = dict(row._mapping)

@@ -36,7 +36,8 @@ BLOCKS = 32
 PLANTS = {
     "1": (
         1,
-        "UPDATE instances SET blocks_in_use = blocks_in_use - 1, cached_blocks = cached_blocks + 1",
+        "UPDATE instance_owners SET blocks_in_use = blocks_in_use - 1, "
+        "cached_blocks = cached_blocks + 1",
     ),
     "3": (3, "UPDATE tenants SET tokens_in_flight = tokens_in_flight + 1 WHERE tenant = 'acme'"),
     "4-shared-salt": (

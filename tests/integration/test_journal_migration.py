@@ -35,7 +35,7 @@ from quota_service.store import migrate
 from quota_service.store.catalog import Catalog
 from quota_service.store.database import connect
 from quota_service.store.journal import NO_TOTALS, Journal, totals_of
-from tests.integration.ledger_fixtures import add_instance, request
+from tests.integration.ledger_fixtures import request
 from tests.integration.test_pins_and_offboarding import BS, tokens
 from tests.unit.machine_fixtures import assert_same_machine, recount, slot_rows
 
@@ -93,12 +93,17 @@ def per_block_answers() -> dict[str, Any]:
 async def today_on_an_earlier_revision(engine: AsyncEngine) -> AsyncIterator[None]:
     """Today's journal reading and writing a database at an earlier revision: what later
     migrations made that it uses (the function of 0027 it calls, the tenants' clock columns of
-    0029), made for the while, and then undone as those migrations' downgrades undo them (the
-    tenants' clocks go back into their owners' rows)."""
+    0029, the owners' pool counters of 0030 with the fence that writes them), made for the
+    while, and then undone as those migrations' downgrades undo them (the tenants' clocks go
+    back into their owners' rows)."""
     quota, clocks = migrate.revision_module("0027"), migrate.revision_module("0029")
+    counters = migrate.revision_module("0030")
     async with engine.begin() as conn:
         await conn.execute(text(quota.WITHIN_QUOTA))
         await conn.execute(text(clocks.ADD_COLUMNS))
+        await conn.execute(text(counters.ADD_OWNER_COUNTS))
+        await conn.execute(text(counters.POOL_COUNTERS))
+        await conn.execute(text(counters.NEXT_BATCH))
     try:
         yield
     finally:
@@ -106,6 +111,24 @@ async def today_on_an_earlier_revision(engine: AsyncEngine) -> AsyncIterator[Non
             await conn.execute(text("DROP FUNCTION journal_within_quota(text[])"))
             await conn.execute(text(clocks.TO_OWNER_ROWS))
             await conn.execute(text(clocks.DROP_COLUMNS))
+            await conn.execute(
+                text(f"DROP FUNCTION journal_next_batch({counters.NEXT_BATCH_ARGS})")
+            )
+            await conn.execute(text("DROP VIEW instance_pool_counters"))
+            await conn.execute(text(counters.DROP_OWNER_COUNTS))
+
+
+async def add_instance(engine: AsyncEngine, name: str, blocks: int) -> None:
+    """An instance registered before 0030, whose row holds its pool's counters (all free)."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO instances (instance, model, block_size, capacity_blocks, "
+                "free_blocks, max_model_len) VALUES (:name, 'test-model', 16, :blocks, :blocks, "
+                "8192)"
+            ),
+            {"name": name, "blocks": blocks},
+        )
 
 
 async def served_from_memory(engine: AsyncEngine, journal: Journal) -> None:

@@ -43,17 +43,6 @@ async def test_a_batch_moves_its_tenants_totals_by_their_key(
         totals=[
             {"instance": "gpu-0", "tenant": tenant, **moved, **clocks} for tenant in ("t1", "t2")
         ],
-        pool={
-            "instance": "gpu-0",
-            "free": 0,
-            "cached": 0,
-            "in_use": 0,
-            "pinned": 0,
-            "queued": 0,
-            "queued_tokens": 0,
-            "mean_hold": None,
-            "drift": 0,
-        },
     )
     # The journal's own write connection: it runs the plans PostgreSQL makes once per statement
     # (a custom plan per batch would cost a planning per batch).

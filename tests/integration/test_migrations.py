@@ -153,3 +153,66 @@ def test_tenants_clocks_move_beside_their_totals_keyed_by_instance_and_back(
     assert key() == "PRIMARY KEY (tenant, instance)"
     migrate.upgrade(database_url)
     engine.dispose()
+
+
+# An owned instance's counters before 0030, as its last batch wrote them into `instances`, and
+# its owner's clocks (the mean holding time and drift the counters also kept).
+COUNTERS_0029 = {
+    "free_blocks": 3,
+    "cached_blocks": 2,
+    "blocks_in_use": 2,
+    "pinned_blocks": 1,
+    "queued_requests": 2,
+    "queued_prompt_tokens": 96,
+}
+CLOCKS_0029 = {"virtual_time": {"0": 1.5}, "mean_hold_seconds": 0.25, "drift_blocks": 1}
+_COUNTERS = (
+    "SELECT instance, free_blocks, cached_blocks, blocks_in_use, pinned_blocks, queued_requests, "
+    "queued_prompt_tokens, mean_hold_seconds, drift_blocks FROM {} ORDER BY instance"
+)
+
+
+def test_0030_moves_the_pools_counters_into_their_owners_rows(database_url: str) -> None:
+    migrate.downgrade(database_url, "0029")
+    engine = create_engine(sqlalchemy_url(database_url), poolclass=pool.NullPool)
+    columns = ", ".join(COUNTERS_0029)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                f"INSERT INTO instances (instance, block_size, capacity_blocks, max_model_len, "
+                f"mean_hold_seconds, drift_blocks, {columns}) VALUES ('gpu-0', 16, 8, 64, 0.25, 1, "
+                + ", ".join(str(n) for n in COUNTERS_0029.values())
+                + "), ('gpu-1', 16, 4, 64, NULL, 0, 4, 0, 0, 0, 0, 0)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO instance_owners (instance, owner, epoch, batch, clocks) "
+                "VALUES ('gpu-0', 'replica-a', 1, 7, CAST(:clocks AS jsonb))"
+            ),
+            {"clocks": json.dumps(CLOCKS_0029)},
+        )
+        before = conn.execute(text(_COUNTERS.format("instances"))).all()
+    migrate.upgrade(database_url)
+    with engine.connect() as conn:
+        # As recorded, and all free on the instance no owner wrote a batch of.
+        assert conn.execute(text(_COUNTERS.format("instance_pool_counters"))).all() == before
+        owner = conn.execute(
+            text(f"SELECT {columns} FROM instance_owners WHERE instance = 'gpu-0'")
+        ).one()
+        assert owner._asdict() == COUNTERS_0029
+        # The fence writes them with the batch.
+        number = conn.execute(
+            text("SELECT journal_next_batch('gpu-0', 1, CAST('{}' AS jsonb), 4, 2, 1, 1, 1, 48)")
+        ).scalar_one()
+        assert number == 8
+        moved = conn.execute(
+            text(f"SELECT {columns} FROM instance_pool_counters WHERE instance = 'gpu-0'")
+        ).one()
+        assert tuple(moved) == (4, 2, 1, 1, 1, 48)
+        conn.rollback()
+    migrate.downgrade(database_url, "0029")
+    with engine.connect() as conn:
+        assert conn.execute(text(_COUNTERS.format("instances"))).all() == before
+    migrate.upgrade(database_url)
+    engine.dispose()

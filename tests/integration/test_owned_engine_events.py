@@ -58,7 +58,10 @@ async def reservation_rows(engine: AsyncEngine) -> list[Any]:
 async def instance_row(engine: AsyncEngine) -> tuple[int, int, int]:
     async with engine.connect() as conn:
         row = await conn.execute(
-            text("SELECT drift_blocks, last_event_seq, engine_resyncs FROM instances")
+            text(
+                "SELECT c.drift_blocks, i.last_event_seq, i.engine_resyncs FROM instances i "
+                "JOIN instance_pool_counters c USING (instance)"
+            )
         )
         drift, seq, resyncs = row.one()
         return drift, seq, resyncs

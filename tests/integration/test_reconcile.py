@@ -80,7 +80,12 @@ async def test_events_confirm_evict_and_count_drift(engine: AsyncEngine, owned: 
     ]
     async with engine.connect() as conn:
         drift = (
-            await conn.execute(text("SELECT drift_blocks, last_event_seq FROM instances"))
+            await conn.execute(
+                text(
+                    "SELECT c.drift_blocks, i.last_event_seq FROM instances i "
+                    "JOIN instance_pool_counters c USING (instance)"
+                )
+            )
         ).one()
     assert tuple(drift) == (2, 2)
     # Another medium's events are not about this pool.
