@@ -33,7 +33,7 @@ from quota_service.api.admin_service import AdminServicer
 from quota_service.api.admission_service import AdmissionServicer
 from quota_service.api.auth import AccessInterceptor, Authenticator
 from quota_service.api.billing_service import BillingServicer
-from quota_service.api.error_status import ErrorInterceptor
+from quota_service.api.error_status import ErrorInterceptor, Interceptors
 from quota_service.api.forwarding import ForwardingInterceptor
 from quota_service.api.observability import MetricsInterceptor
 from quota_service.api.payload import PayloadInterceptor
@@ -348,11 +348,15 @@ async def start(settings: Settings, database_url: str) -> RunningServer:
     )
     server = grpc.aio.server(
         interceptors=[
-            ErrorInterceptor(),
-            forwarding,
-            MetricsInterceptor(observed),
-            PayloadInterceptor(),
-            AccessInterceptor(authenticator, audit),
+            Interceptors(
+                [
+                    ErrorInterceptor(),
+                    forwarding,
+                    MetricsInterceptor(observed),
+                    PayloadInterceptor(),
+                    AccessInterceptor(authenticator, audit),
+                ]
+            )
         ],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
