@@ -282,9 +282,9 @@ class WrappingInterceptor(ABC):
 class Interceptors(grpc.aio.ServerInterceptor):
     """Wrapping interceptors as one grpc interceptor, the first outermost. grpc asks each of a
     server's interceptors for every call's handler, each in a coroutine of its own and another
-    of its own chaining (two per interceptor per call, a tenth of the bare gRPC floor's
-    instructions for five); asked once, this composes a method's handler once, for as long as
-    the handler beneath is the same."""
+    of its own chaining (for five, 36,000 instructions an Admit+Release, 1% of the server's);
+    asked once, this composes a method's handler once, for as long as the handler beneath is
+    the same."""
 
     def __init__(self, wrapping: Sequence[WrappingInterceptor]) -> None:
         self._wrapping = list(reversed(wrapping))
