@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from alembic import op
 
+from quota_service.store import migrate
+
 revision = "0030"
 down_revision = "0029"
 branch_labels = None
@@ -91,23 +93,6 @@ BEGIN
 END
 $$
 """
-OLD_NEXT_BATCH = """
-CREATE FUNCTION journal_next_batch(p_instance text, p_epoch bigint, p_clocks jsonb)
-RETURNS bigint LANGUAGE plpgsql AS $$
-DECLARE
-    moved bigint;
-BEGIN
-    UPDATE instance_owners SET batch = batch + 1, clocks = clocks || p_clocks
-    WHERE instance = p_instance AND epoch = p_epoch RETURNING batch INTO moved;
-    IF moved IS NULL THEN
-        RAISE EXCEPTION 'instance % has an owner newer than epoch %', p_instance, p_epoch
-            USING ERRCODE = 'KQ001';
-    END IF;
-    RETURN moved;
-END
-$$
-"""
-
 ADD_INSTANCE_COUNTS = "ALTER TABLE instances " + ", ".join(
     [
         *(f"ADD COLUMN {name} bigint NOT NULL DEFAULT 0" for name in COUNTS),
@@ -150,4 +135,5 @@ def downgrade() -> None:
     op.execute("DROP VIEW instance_pool_counters")
     op.execute(DROP_OWNER_COUNTS)
     op.execute(f"DROP FUNCTION journal_next_batch({NEXT_BATCH_ARGS})")
-    op.execute(OLD_NEXT_BATCH)
+    # The fence as 0021 made it.
+    op.execute(migrate.revision_module("0021").NEXT_BATCH)

@@ -33,7 +33,8 @@ def downgrade(url: str, revision: str) -> None:
 
 
 def revision_module(revision: str) -> ModuleType:
-    """A migration's module, as Alembic loads it (for what one migration made, in tests)."""
+    """A migration's module, as Alembic loads it (for what one migration made: in tests, and
+    in a later migration's downgrade)."""
     module: ModuleType = ScriptDirectory.from_config(_config("")).get_revision(revision).module
     return module
 
