@@ -289,6 +289,10 @@ class BlockPool:
         # before a call, which finds the list whole).
         freed = cached = 0
         clock, tail = self._lru_clock, prev[sentinel]
+        # The chunk last marked as holding a free slot: a table's blocks are mostly in a few
+        # chunks, and marking one is a new int as long as the pool has chunks (1,000,000 slots:
+        # 2 kB) each time.
+        marked = -1
         for block in blocks:
             count = refs[block]
             if count > 1 and count != pins[block] and count - 1 != pins[block] - pinned:
@@ -308,7 +312,9 @@ class BlockPool:
                 generations[block] += 1
                 chunk = block >> _CHUNK_SHIFT
                 free_chunks[chunk] |= 1 << (block & _CHUNK_MASK)
-                self._free_nonempty |= 1 << chunk
+                if chunk != marked:
+                    self._free_nonempty |= 1 << chunk
+                    marked = chunk
                 freed += 1
             else:
                 # A hashed block: cached at the LRU tail (`_append_lru`, without a call).
